@@ -1,0 +1,47 @@
+"""asynccoll: async-first collectives for asyncio and uvloop.
+
+``await comm.all_reduce(t)`` never blocks the event loop; every collective returns an
+awaitable :class:`Work`. CPU tensors run on torch's Gloo, CUDA tensors on NCCL
+(through nccl4py). See ``README.md`` and the contract in ``API.md``.
+"""
+
+from ._core.communicator import Communicator as Communicator
+from ._core.errors import AsyncCollError as AsyncCollError
+from ._core.errors import BackendUnavailable as BackendUnavailable
+from ._core.errors import CollectiveMismatch as CollectiveMismatch
+from ._core.errors import CollectiveTimeout as CollectiveTimeout
+from ._core.errors import CommAborted as CommAborted
+from ._core.errors import CommClosed as CommClosed
+from ._core.errors import InvalidArgument as InvalidArgument
+from ._core.errors import PeerFailure as PeerFailure
+from ._core.ops import ReduceOp as ReduceOp
+from ._core.work import Work as Work
+from ._init import init as init
+from ._init import wrap as wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncCollError",
+    "BackendUnavailable",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "CommAborted",
+    "CommClosed",
+    "Communicator",
+    "InvalidArgument",
+    "PeerFailure",
+    "ReduceOp",
+    "Work",
+    "init",
+    "wrap",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if hasattr(_obj, "__module__") and _obj.__module__.startswith("asynccoll."):
+        try:
+            _obj.__module__ = "asynccoll"
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

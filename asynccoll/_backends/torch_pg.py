@@ -1,0 +1,243 @@
+"""Backend over a torch ``ProcessGroup`` object: Gloo, or any group given to ``wrap()``.
+
+Completion reaches asynccoll without a thread per op: one waiter thread per
+backend waits on collectives in issue order (Gloo runs them in that order), a
+second one on point-to-point ops, and each outcome is handed to the Work, which
+wakes its event loop through a batched waker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from .._core.backend import Backend
+from .._core.errors import CollectiveTimeout, CommAborted, InvalidArgument, PeerFailure
+from .._core.ops import OpKind, OpSpec, ReduceOp
+from .._core.work import Work
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+}
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "connection refused",
+    "end of file",
+)
+_TIMED_OUT = ("timed out", "timeout")
+
+
+def translate(exc: BaseException, work: Work) -> BaseException:
+    """Map a torch/Gloo error of ``work`` into the contract's exceptions."""
+    if isinstance(exc, (CommAborted, CollectiveTimeout)):
+        return exc
+    text = str(exc)
+    low = text.lower()
+    new: BaseException
+    if any(s in low for s in _PEER_LOST):
+        new = PeerFailure(f"{work.op} (seq {work.seq}): a peer failed: {text}")
+    elif any(s in low for s in _TIMED_OUT):
+        new = CollectiveTimeout(f"{work.op} (seq {work.seq}) timed out in the backend: {text}", work.seq, work.op)
+    else:
+        new = CommAborted(f"{work.op} (seq {work.seq}) failed in the backend: {text}")
+    new.__cause__ = exc
+    return new
+
+
+class _Waiter:
+    """One thread that waits on torch works in issue order and reports each outcome.
+
+    Measured here, a thread blocked in ``work.wait()`` wakes the event loop faster
+    than a future done-callback (which must take the GIL inside Gloo's worker
+    thread): about 1.0x torch's own ``wait()`` against 1.3-1.5x per small op.
+    """
+
+    _STOP = object()
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def watch(self, torch_work: Any, done: Callable[[BaseException | None], None]) -> None:
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+        self._queue.put((torch_work, done))
+
+    def stop(self) -> None:
+        """Stop after the op being waited on; queued outcomes are dropped."""
+        self._queue.put((self._STOP, None))
+
+    def _run(self) -> None:
+        get = self._queue.get
+        while True:
+            torch_work, done = get()
+            if torch_work is self._STOP:
+                return
+            try:
+                torch_work.wait()
+            except Exception as exc:
+                done(exc)
+            else:
+                done(None)
+
+
+class TorchGroupBackend(Backend):
+    """Runs OpSpecs on a torch ProcessGroup (Gloo built by asynccoll, or a wrapped one)."""
+
+    def __init__(
+        self,
+        pg: Any,
+        *,
+        name: str,
+        device_type: str | None,
+        world_size: int,
+        timeout: float,
+        native_avg: bool = True,
+    ) -> None:
+        self.name = name
+        self.device_type = device_type
+        self._pg = pg
+        self._world_size = world_size
+        self._timeout = timeout
+        self._native_avg = native_avg
+        # Collectives complete in issue order; p2p ops may not, so they get their
+        # own waiter and a slow recv does not hold back collective completions.
+        self._waiter = _Waiter(f"asynccoll-{name}-waiter")
+        self._p2p_waiter = _Waiter(f"asynccoll-{name}-p2p-waiter")
+        self._aborted = False
+        self._opts_cache: dict[tuple[Any, ...], Any] = {}
+
+    # -- helpers ---------------------------------------------------------
+    def _opts(self, cls: Any, spec: OpSpec, **fields: Any) -> Any:
+        """An options object; cached, since ops with the same fields reuse one."""
+        key = (cls, spec.timeout if spec.timeout > self._timeout else None, *fields.items())
+        opts = self._opts_cache.get(key)
+        if opts is None:
+            opts = cls()
+            for k, v in fields.items():
+                setattr(opts, k, v)
+            if spec.timeout > self._timeout:
+                opts.timeout = timedelta(seconds=spec.timeout + 5.0)
+            if len(self._opts_cache) < 256:
+                self._opts_cache[key] = opts
+        return opts
+
+    def _reduce(self, spec: OpSpec, tensor: torch.Tensor) -> tuple[Any, Callable[[], None] | None]:
+        """The torch reduce op for ``spec``, and a fix-up to run on success (AVG emulation)."""
+        op = spec.reduce_op
+        if op is not ReduceOp.AVG or (self._native_avg and tensor.is_floating_point()):
+            return _TORCH_OPS[op], None
+        ws = self._world_size
+        if tensor.is_floating_point() or tensor.is_complex():
+            return dist.ReduceOp.SUM, lambda: tensor.div_(ws)
+        return dist.ReduceOp.SUM, lambda: tensor.copy_(torch.div(tensor, ws, rounding_mode="floor"))
+
+    def _complete(self, work: Work, torch_work: Any, fixup: Callable[[], None] | None, p2p: bool) -> None:
+        waiter = self._p2p_waiter if p2p else self._waiter
+        waiter.watch(torch_work, lambda exc: self._finish(work, exc, fixup))
+
+    def _finish(self, work: Work, exc: BaseException | None, fixup: Callable[[], None] | None) -> None:
+        if self._aborted:
+            # Gloo may report force-completed works as successes after an abort.
+            return
+        if exc is not None:
+            work._set_exception(translate(exc, work))
+            return
+        if fixup is not None:
+            try:
+                fixup()
+            except Exception as err:
+                work._set_exception(translate(err, work))
+                return
+        work._set_result()
+
+    # -- Backend -----------------------------------------------------------
+    def submit(self, spec: OpSpec, work: Work) -> None:
+        pg, kind, t = self._pg, spec.kind, spec.tensor
+        fixup = None
+        try:
+            if kind is OpKind.ALL_REDUCE:
+                op, fixup = self._reduce(spec, t)
+                tw = pg.allreduce([t], self._opts(c10d.AllreduceOptions, spec, reduceOp=op))
+            elif kind is OpKind.BROADCAST:
+                tw = pg.broadcast([t], self._opts(c10d.BroadcastOptions, spec, rootRank=spec.peer))
+            elif kind is OpKind.REDUCE:
+                op, fixup = self._reduce(spec, t)
+                if spec.peer != pg.rank():
+                    fixup = None
+                tw = pg.reduce([t], self._opts(c10d.ReduceOptions, spec, reduceOp=op, rootRank=spec.peer))
+            elif kind is OpKind.ALL_GATHER:
+                tw = pg._allgather_base(spec.output, t, self._opts(c10d.AllgatherOptions, spec))
+            elif kind is OpKind.REDUCE_SCATTER:
+                op, fix = self._reduce(spec, t)
+                out = spec.output
+                fixup = None if fix is None else self._avg_fixup(out, spec)
+                tw = pg._reduce_scatter_base(out, t, self._opts(c10d.ReduceScatterOptions, spec, reduceOp=op))
+            elif kind is OpKind.ALL_TO_ALL:
+                tw = pg.alltoall_base(spec.output, t, [], [], self._opts(c10d.AllToAllOptions, spec))
+            elif kind is OpKind.GATHER:
+                outs = [list(spec.output.chunk(self._world_size))] if spec.output is not None else []
+                tw = pg.gather(outs, [t], self._opts(c10d.GatherOptions, spec, rootRank=spec.peer))
+            elif kind is OpKind.SCATTER:
+                ins = [list(t.chunk(self._world_size))] if t is not None else []
+                tw = pg.scatter([spec.output], ins, self._opts(c10d.ScatterOptions, spec, rootRank=spec.peer))
+            elif kind is OpKind.SEND:
+                tw = pg.send([t], spec.peer, 0)
+            elif kind is OpKind.RECV:
+                tw = pg.recv([t], spec.peer, 0)
+            elif kind is OpKind.BARRIER:
+                tw = pg.barrier(self._opts(c10d.BarrierOptions, spec))
+            else:  # pragma: no cover - OpKind is closed
+                raise InvalidArgument(f"unsupported op {kind}")
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{kind.value}: {self.name} rejected the arguments: {exc}") from exc
+        self._complete(work, tw, fixup, kind is OpKind.SEND or kind is OpKind.RECV)
+
+    def _avg_fixup(self, out: torch.Tensor, spec: OpSpec) -> Callable[[], None]:
+        ws = self._world_size
+        if out.is_floating_point() or out.is_complex():
+            return lambda: out.div_(ws)
+        return lambda: out.copy_(torch.div(out, ws, rounding_mode="floor"))
+
+    def abort(self) -> None:
+        self._aborted = True
+        self._waiter.stop()
+        self._p2p_waiter.stop()
+        try:
+            self._pg.abort()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self._waiter.stop()
+        self._p2p_waiter.stop()
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        if self._aborted:
+            # An aborted Gloo group may still run an op that never completes; its
+            # destructor joins its worker threads, so drop it on a thread of its own.
+            threading.Thread(target=lambda: None, args=(pg,), daemon=True, name="asynccoll-reaper").start()
+            return
+        try:
+            pg.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,83 @@
+"""Object collectives through the rendezvous store, pickled.
+
+Objects travel on a channel of their own: one worker thread per communicator runs
+them strictly in call order, so they keep the contract's ordering among
+themselves without stalling tensor collectives (and work for every backend,
+NCCL included). Keys are named by the operation's sequence number, and the last
+rank to read an operation's keys deletes them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable
+
+from .errors import InvalidArgument
+
+
+def dumps(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise InvalidArgument(f"object cannot be pickled: {exc}") from exc
+
+
+class ObjectChannel:
+    """Runs object collectives over ``store`` (a per-communicator prefix store)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+        self._store = store
+        self._rank = rank
+        self._world_size = world_size
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> None:
+        """Run ``fn`` on the channel's thread, after every earlier call; report to ``done``."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="asynccoll-objects")
+            pool = self._pool
+
+        def job() -> None:
+            try:
+                value = fn()
+            except BaseException as exc:
+                done(None, exc)
+            else:
+                done(value, None)
+
+        pool.submit(job)
+
+    def all_gather(self, seq: int, payload: bytes, timeout: float) -> list[Any]:
+        keys = [f"obj/{seq}/{r}" for r in range(self._world_size)]
+        self._store.set(keys[self._rank], payload)
+        self._store.wait(keys, timedelta(seconds=timeout))
+        values = self._store.multi_get(keys)
+        self._release(seq, keys)
+        return [pickle.loads(v) for v in values]
+
+    def broadcast(self, seq: int, payload: bytes | None, src: int, timeout: float) -> Any:
+        key = f"obj/{seq}/{src}"
+        if self._rank == src:
+            assert payload is not None
+            self._store.set(key, payload)
+        self._store.wait([key], timedelta(seconds=timeout))
+        value = self._store.get(key)
+        self._release(seq, [key])
+        return pickle.loads(value)
+
+    def _release(self, seq: int, keys: list[str]) -> None:
+        if self._store.add(f"obj/{seq}/read", 1) == self._world_size:
+            for key in keys + [f"obj/{seq}/read"]:
+                self._store.delete_key(key)
+
+    def shutdown(self) -> None:
+        """Drop queued jobs; a job blocked in the store ends at its own timeout."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
