@@ -165,11 +165,10 @@ class Communicator:
         spec.timeout = validate.timeout(timeout, self.timeout)
         with self._lock:
             work = self._new_work(spec.kind.value, value, keep)
-            self._deadlines.add(work.seq, time.monotonic() + spec.timeout)
             batch = self._batch_var.get()
-            if batch is not None:
-                batch.add(backend, spec, work)
-                return work
+            if batch is not None and batch.add(backend, spec, work):
+                return work  # issued, with its deadline, when the batch exits
+            self._deadlines.add(work.seq, time.monotonic() + spec.timeout)
             try:
                 backend.submit(spec, work)
             except BaseException:
@@ -398,7 +397,16 @@ class Communicator:
 
     # ----------------------------------------------------------- coalescing
     def coalescing(self, wait: bool = True) -> CoalescingGroup:
-        """Batch the ops this task issues inside ``async with`` into one group (API.md §4)."""
+        """Batch the ops this task issues inside ``async with`` into one group (API.md §4).
+
+        ``async with comm.coalescing() as group:`` records this task's ops; on exit
+        they are issued together (NCCL: one group; Gloo: flattened into one
+        collective per kind, dtype and reduce op) and, with ``wait=True``, awaited.
+        With ``wait=False`` use ``await group`` later; ``group.works`` lists the
+        member Works. If the body raises, nothing is issued and the members fail
+        with its exception. Nesting in one task, entering a group twice, or
+        awaiting it before the body exited raise ``InvalidArgument``.
+        """
         from .coalescing import CoalescingGroup
 
         return CoalescingGroup(self, wait)

@@ -1,0 +1,266 @@
+"""Task-scoped batches: ``async with comm.coalescing() as group`` (API.md §4).
+
+While the body runs, the ops that *this task* issues on the communicator are
+recorded instead of submitted: each gets its seq and its pending Work at the call
+(so the caller can keep it), and the batch appends ``(backend, spec, work)`` to
+three lists. On a normal exit the batch is handed to each backend's
+``submit_batch`` (NCCL: one group; Gloo: flattened, see ``_backends/flatten.py``)
+while the communicator's lock is held, so no other op can slip in between its
+members; with ``wait=True`` the exit then awaits every member.
+
+Rules, all enforced with :class:`InvalidArgument` at the point of misuse:
+
+* a group is entered once (``async with`` the same group twice is an error);
+* coalescing does not nest within one task (a child task started inside the body
+  may open its own group: it runs in a task of its own);
+* ``await group`` is valid only after its body exited.
+
+Scope: the batch lives in the communicator's ContextVar and also remembers the task
+that opened it. Ops issued by any other task (including tasks created inside the
+body, which inherit the ContextVar) and ops issued after the body exited are not
+captured: they are issued at once, as usual. Object collectives
+(``all_gather_object``, ``broadcast_object``) go through the store and are never
+batched.
+
+Deadlines: a recorded op has no deadline while the body runs (bound the body
+itself with ``asyncio.timeout``). The issued batch has one deadline, the shortest
+of its members' timeouts counted from the issue; on expiry a pending member raises
+``CollectiveTimeout`` and the communicator aborts (the others raise
+``CommAborted``), as for any op.
+
+Body failures: if the body raises (including cancellation, e.g. by an
+``asyncio.timeout`` around it), nothing of the batch is issued. Every member Work
+fails with the body's exception, is removed from the communicator's pending ops
+without aborting it, and the exception propagates out of ``async with``. The
+members' seqs were taken from this rank's counter at record time; they are given
+back when no other op took a seq after them (the common case), otherwise they
+remain as a gap. Either way the next op's seq is the same on every rank that
+runs the same program.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Generator
+
+from .errors import InvalidArgument
+from .ops import OpSpec
+from .work import Work
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .communicator import Communicator
+
+_current_task = asyncio.current_task
+
+_NEW, _OPEN, _EXITED = 0, 1, 2
+
+
+class Batch:
+    """The ops one task recorded inside one ``coalescing()`` body, in call order."""
+
+    __slots__ = ("task", "open", "backends", "specs", "works")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.open = True
+        self.backends: list[Backend] = []
+        self.specs: list[OpSpec] = []
+        self.works: list[Work] = []
+
+    def add(self, backend: Backend, spec: OpSpec, work: Work) -> bool:
+        """Record an op; False if it is not this batch's to take (issue it normally).
+
+        Called by the communicator with its lock held, for every op issued while the
+        ContextVar holds this batch.
+        """
+        try:
+            if not self.open or _current_task() is not self.task:
+                return False
+        except RuntimeError:  # no running loop: a thread that inherited the context
+            return False
+        self.backends.append(backend)
+        self.specs.append(spec)
+        self.works.append(work)
+        return True
+
+
+class _BatchDeadline:
+    """One deadline for a whole issued batch, carried by one pending member at a time.
+
+    The communicator's timer keys deadlines by seq and drops a key when its Work
+    settles, so the deadline sits on the first member (in call order) not yet
+    settled; when that one settles, it moves on to the next. Members of one flat
+    collective settle last-to-first, so the deadline moves about once per
+    collective, not once per member. On expiry the carrying member raises
+    ``CollectiveTimeout`` and the communicator aborts, failing the others.
+    """
+
+    __slots__ = ("_comm", "_works", "_deadline", "_next")
+
+    def __init__(self, comm: Communicator, works: list[Work], deadline: float) -> None:
+        self._comm = comm
+        self._works = works
+        self._deadline = deadline
+        self._next = 0
+
+    def arm(self, _settled: Work | None = None) -> None:
+        works = self._works
+        i = self._next
+        while i < len(works) and works[i].done():
+            i += 1
+        self._next = i
+        if i < len(works):
+            work = works[i]
+            self._comm._deadlines.add(work.seq, self._deadline)
+            work.add_done_callback(self.arm)  # already done by now: runs soon, moves on
+
+
+class CoalescingGroup:
+    """``async with comm.coalescing(wait=...) as group``: batch this task's ops.
+
+    On a normal exit the recorded ops are issued as one group and, with
+    ``wait=True`` (default), awaited: the first failing member's exception is
+    raised from ``async with``. With ``wait=False`` the exit returns once the batch
+    is issued; ``await group`` later returns the members' results (a list, in
+    call order) or raises the first failure. ``group.works`` lists the member
+    Works in call order.
+
+    See the module docstring for scope, nesting, deadline and failure rules.
+    """
+
+    __slots__ = ("_comm", "_wait", "_state", "_batch", "_token")
+
+    def __init__(self, comm: Communicator, wait: bool = True) -> None:
+        if not isinstance(wait, bool):
+            raise InvalidArgument(f"coalescing(wait=...) must be a bool, got {wait!r}")
+        self._comm = comm
+        self._wait = wait
+        self._state = _NEW
+        self._batch: Batch | None = None
+        self._token: Any = None
+
+    @property
+    def works(self) -> list[Work]:
+        """The member Works, in call order (grows while the body runs)."""
+        batch = self._batch
+        return list(batch.works) if batch is not None else []
+
+    def __repr__(self) -> str:
+        state = ("new", "open", "exited")[self._state]
+        return f"<CoalescingGroup {state} ops={len(self._batch.works) if self._batch else 0}>"
+
+    # ------------------------------------------------------------------ enter
+    async def __aenter__(self) -> CoalescingGroup:
+        if self._state != _NEW:
+            raise InvalidArgument(
+                "this coalescing group was already entered; use a new comm.coalescing() per batch"
+            )
+        comm = self._comm
+        task = _current_task()
+        if task is None:
+            raise InvalidArgument("comm.coalescing() must be entered from an asyncio task")
+        outer = comm._batch_var.get()
+        if outer is not None and outer.open and outer.task is task:
+            raise InvalidArgument("comm.coalescing() does not nest within one task")
+        if comm._state != "ok" or comm._closing:
+            raise comm._unusable()
+        self._batch = batch = Batch(task)
+        self._token = comm._batch_var.set(batch)
+        self._state = _OPEN
+        return self
+
+    # ------------------------------------------------------------------- exit
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._state != _OPEN:
+            return None
+        batch = self._batch
+        assert batch is not None
+        batch.open = False
+        self._state = _EXITED
+        try:
+            self._comm._batch_var.reset(self._token)
+        except ValueError:  # exited in another context than entered; the batch is closed anyway
+            pass
+        self._token = None
+        if exc is not None:
+            self._discard(exc)
+            return None  # the body's exception propagates
+        if not batch.works:
+            return None
+        self._submit()
+        if self._wait:
+            for work in batch.works:
+                await work
+        return None
+
+    def _discard(self, exc: BaseException) -> None:
+        """The body raised: issue nothing, fail every member with ``exc``, keep the comm usable."""
+        comm = self._comm
+        works = self._batch.works if self._batch is not None else []
+        if not works:
+            return
+        with comm._lock:
+            for work in works:
+                work._on_settle = None  # a discarded op must not abort the communicator
+                comm._pending.pop(work.seq, None)
+                comm._deadlines.remove(work.seq)
+            first, last = works[0].seq, works[-1].seq
+            if comm._seq == last and last - first + 1 == len(works):
+                comm._seq = first - 1  # nothing else took a seq meanwhile: give them back
+        for work in works:
+            work._set_exception(exc)
+
+    def _submit(self) -> None:
+        """Hand the batch to its backend(s), atomically with respect to other ops."""
+        comm = self._comm
+        batch = self._batch
+        assert batch is not None
+        specs, works, backends = batch.specs, batch.works, batch.backends
+        error: BaseException | None = None
+        unusable: BaseException | None = None
+        with comm._lock:
+            if comm._state != "ok":
+                unusable = comm._unusable()
+                for work in works:
+                    work._on_settle = None
+                    comm._pending.pop(work.seq, None)
+            else:
+                _BatchDeadline(comm, works, time.monotonic() + min(s.timeout for s in specs)).arm()
+                try:
+                    order = dict.fromkeys(backends)
+                    if len(order) == 1:
+                        backends[0].submit_batch(specs, works)
+                    else:
+                        for backend in order:
+                            idx = [i for i, b in enumerate(backends) if b is backend]
+                            backend.submit_batch([specs[i] for i in idx], [works[i] for i in idx])
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    error = exc
+        if unusable is not None:
+            # Aborted or closed meanwhile: abort() already failed members that were
+            # pending then; fail any left, without touching the communicator.
+            for work in works:
+                work._set_exception(unusable)
+            raise unusable
+        if error is not None:
+            # Part of the batch may have started on this rank, and the peers will not
+            # agree on what follows: the unsettled members fail, which aborts the
+            # communicator (as any failed op does).
+            for work in works:
+                if not work.done():
+                    work._set_exception(error)
+            raise error
+
+    # ------------------------------------------------------------------ await
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        if self._state != _EXITED:
+            raise InvalidArgument("await group: the coalescing body has not exited yet")
+        return self._results().__await__()
+
+    async def _results(self) -> list[Any]:
+        batch = self._batch
+        assert batch is not None
+        return [await work for work in batch.works]
+

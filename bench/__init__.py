@@ -1,0 +1,1 @@
+"""Benchmarks: asynccoll against torch.distributed on the same machine, in the same run."""

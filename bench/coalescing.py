@@ -1,0 +1,210 @@
+"""Benchmark ``comm.coalescing()`` on Gloo against separate ops, one flat op, and torch.
+
+Two processes (spawned here, TCPStore rendezvous) run, in the same processes and
+interleaved round by round so drift hits every mode alike:
+
+  separate      64 x ``await comm.all_reduce(t)``, one after the other
+  pipelined     64 x ``comm.all_reduce(t)`` issued, then all awaited
+  coalesced     ``async with comm.coalescing(): 64 x comm.all_reduce(t)``
+  flattened     one ``await comm.all_reduce(flat)`` of the same bytes (64*N floats)
+  torch_cm      torch.distributed (``init_process_group("gloo")``):
+                ``with dist._coalescing_manager(): 64 x dist.all_reduce(t)``
+  torch_sep     torch.distributed: 64 x ``dist.all_reduce(t)`` (blocking)
+
+Each sample times ``--inner`` iterations of one mode on rank 0; the table shows
+per-iteration wall-time medians (and p10/p90) over ``--repeats`` samples, and the
+median CPU time of rank 0's process (all its threads) per iteration, which is
+less sensitive to other load on the machine. Goals: coalesced <= 1.5x
+flattened, and <= 0.5x torch's coalescing manager.
+
+    python bench/coalescing.py [--ops 64] [--numel 256] [--repeats 40] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+MODES = ("separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    import torch
+    import torch.distributed as dist
+
+    import asynccoll as ac
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, ws, rank == 0, timeout=timedelta(seconds=60))
+    comm = await ac.init("gloo", rank=rank, world_size=ws, store=dist.PrefixStore("ac/", store), timeout=60)
+    dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=ws)
+
+    n, numel = args.ops, args.numel
+    tensors = [torch.zeros(numel) for _ in range(n)]
+    flat = torch.zeros(n * numel)
+
+    # correctness once: coalesced result equals the sum
+    check = [torch.full((numel,), float(rank + 1 + i)) for i in range(n)]
+    async with comm.coalescing():
+        for t in check:
+            comm.all_reduce(t)
+    expect = [sum(r + 1 + i for r in range(ws)) for i in range(n)]
+    assert all(bool((t == e).all()) for t, e in zip(check, expect)), "coalesced all_reduce gave wrong sums"
+
+    async def separate() -> None:
+        for t in tensors:
+            await comm.all_reduce(t)
+
+    async def pipelined() -> None:
+        works = [comm.all_reduce(t) for t in tensors]
+        for w in works:
+            await w
+
+    async def coalesced() -> None:
+        async with comm.coalescing():
+            for t in tensors:
+                comm.all_reduce(t)
+
+    async def flattened() -> None:
+        await comm.all_reduce(flat)
+
+    async def torch_cm() -> None:
+        with dist._coalescing_manager():
+            for t in tensors:
+                dist.all_reduce(t)
+
+    async def torch_sep() -> None:
+        for t in tensors:
+            dist.all_reduce(t)
+
+    fns = {m: f for m, f in zip(MODES, (separate, pipelined, coalesced, flattened, torch_cm, torch_sep))}
+    samples: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    for rnd in range(args.warmup + args.repeats):
+        for mode in MODES:
+            fn = fns[mode]
+            await comm.barrier()  # start each sample together
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(args.inner):
+                await fn()
+            dt = (time.perf_counter() - t0) / args.inner
+            dc = (time.process_time() - c0) / args.inner
+            if rnd >= args.warmup:
+                samples[mode].append(dt)
+                cpu[mode].append(dc)
+    await comm.close()
+    dist.destroy_process_group()
+    return {"wall": samples, "cpu": cpu}
+
+
+def _child(rank: int, ws: int, port: int, args: argparse.Namespace, q: Any) -> None:
+    try:
+        if args.loop == "uvloop":
+            import uvloop
+
+            res = uvloop.run(_rank_main(rank, ws, port, args))
+        else:
+            res = asyncio.run(_rank_main(rank, ws, port, args))
+        q.put((rank, res, None))
+    except BaseException as exc:  # report to the parent, whatever it is
+        import traceback
+
+        q.put((rank, None, traceback.format_exc()))
+        raise SystemExit(1) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", type=int, default=64)
+    p.add_argument("--numel", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--inner", type=int, default=5, help="iterations per timed sample")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+
+    ws = 2
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(r, ws, port, args, q), daemon=True) for r in range(ws)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(ws):
+            rank, res, err = q.get(timeout=600)
+            if err is not None:
+                print(f"rank {rank} failed:\n{err}", file=sys.stderr)
+                return 1
+            results[rank] = res
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+    samples, cpu = results[0]["wall"], results[0]["cpu"]
+    table = {}
+    for mode in MODES:
+        s = sorted(samples[mode])
+        table[mode] = {
+            "median_ms": statistics.median(s) * 1e3,
+            "p10_ms": s[len(s) // 10] * 1e3,
+            "p90_ms": s[(len(s) * 9) // 10] * 1e3,
+            "cpu_median_ms": statistics.median(cpu[mode]) * 1e3,
+            "samples": len(s),
+        }
+    med = {m: table[m]["median_ms"] for m in MODES}
+    ratios = {
+        "coalesced/flattened": med["coalesced"] / med["flattened"],
+        "coalesced/torch_cm": med["coalesced"] / med["torch_cm"],
+        "separate/coalesced": med["separate"] / med["coalesced"],
+    }
+    goals = {
+        "coalesced <= 1.5x flattened": ratios["coalesced/flattened"] <= 1.5,
+        "coalesced <= 0.5x torch_cm": ratios["coalesced/torch_cm"] <= 0.5,
+    }
+    print(f"Gloo, world size {ws}, {args.ops} x all_reduce of {args.numel} float32, loop={args.loop}, "
+          f"{args.repeats} samples x {args.inner} iterations (rank 0, per iteration)")
+    print(f"{'mode':<12}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}{'cpu ms':>10}")
+    for mode in MODES:
+        row = table[mode]
+        print(f"{mode:<12}{row['median_ms']:>12.3f}{row['p10_ms']:>10.3f}{row['p90_ms']:>10.3f}"
+              f"{row['cpu_median_ms']:>10.3f}")
+    for k, v in ratios.items():
+        print(f"{k:<24}{v:>8.2f}x")
+    for k, ok in goals.items():
+        print(f"goal {k}: {'met' if ok else 'NOT met'}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(
+                {
+                    "config": {"world_size": ws, "ops": args.ops, "numel": args.numel, "dtype": "float32",
+                               "repeats": args.repeats, "inner": args.inner, "loop": args.loop,
+                               "cpus": os.cpu_count()},
+                    "results": table, "ratios": ratios, "goals": goals,
+                },
+                f, indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

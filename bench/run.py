@@ -1,0 +1,226 @@
+"""Core benchmark: asynccoll on Gloo against torch.distributed Gloo, same machine, same run.
+
+    python -m bench [--quick] [--json bench/results/core.json] [--loop asyncio|uvloop]
+
+Two ranks are spawned on this machine. Each rank builds an asynccoll communicator
+and a torch.distributed Gloo group (``init_process_group``, the classic way) on one
+TCPStore, then alternates the two in rounds (A B A B ...) so drift and noise hit
+both alike. Reported:
+
+* per-op latency of ``await comm.all_reduce(t)`` vs ``dist.all_reduce(t,
+  async_op=True).wait()``, sizes 8 B to 64 MB: the median over rounds of each
+  round's mean, and the ratio asynccoll / torch;
+* event-loop lag while 1000 small all_reduces are in flight: a heartbeat task
+  asks to wake every 1 ms and records how late it wakes (p50/p99/max), with
+  asynccoll's awaitable Works vs the blocking ``work.wait()`` pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+SIZES = [8, 64, 512, 4096, 32768, 262144, 2 << 20, 16 << 20, 64 << 20]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _iters(nbytes: int, quick: bool) -> int:
+    base = 400 if nbytes <= 32768 else max(4, int(4e8 // max(nbytes, 1) // 40))
+    return max(3, base // (4 if quick else 1))
+
+
+async def _latency(comm: Any, dist: Any, quick: bool) -> list[dict[str, Any]]:
+    import torch
+
+    rows = []
+    rounds = 3 if quick else 7
+    for nbytes in SIZES:
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        n = _iters(nbytes, quick)
+        for _ in range(max(2, n // 10)):  # warm-up both paths
+            await comm.all_reduce(t)
+            dist.all_reduce(t, async_op=True).wait()
+        ours, theirs = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(t, async_op=True).wait()
+            theirs.append((time.perf_counter() - t0) / n)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                await comm.all_reduce(t)
+            ours.append((time.perf_counter() - t0) / n)
+        a, b = statistics.median(ours), statistics.median(theirs)
+        rows.append(
+            {"bytes": nbytes, "iters": n, "asynccoll_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b}
+        )
+    return rows
+
+
+async def _heartbeat(stop: asyncio.Event, lags: list[float], period: float = 1e-3) -> None:
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        t0 = loop.time()
+        await asyncio.sleep(period)
+        lags.append(max(0.0, loop.time() - t0 - period))
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def _loop_lag(comm: Any, dist: Any, n_ops: int = 1000) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {}
+    for name in ("asynccoll", "torch_wait"):
+        await comm.barrier()
+        stop, lags = asyncio.Event(), []
+        hb = asyncio.create_task(_heartbeat(stop, lags))
+        await asyncio.sleep(0.01)
+        tensors = [torch.ones(2) for _ in range(n_ops)]
+        t0 = time.perf_counter()
+        if name == "asynccoll":
+            works = []
+            for i, t in enumerate(tensors):
+                works.append(comm.all_reduce(t))
+                if i % 16 == 15:
+                    await asyncio.sleep(0)  # let the heartbeat run while issuing
+            await asyncio.gather(*works)
+        else:
+            works = []
+            for i, t in enumerate(tensors):
+                works.append(dist.all_reduce(t, async_op=True))
+                if i % 16 == 15:
+                    await asyncio.sleep(0)
+            for w in works:
+                w.wait()  # the blocking pattern: the loop is stuck here
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(0.005)
+        stop.set()
+        await hb
+        assert all(float(t[0]) == comm.world_size for t in tensors)
+        out[name] = {
+            "wall_ms": wall * 1e3,
+            "ticks": len(lags),
+            "lag_p50_ms": _pct(lags, 0.5) * 1e3,
+            "lag_p99_ms": _pct(lags, 0.99) * 1e3,
+            "lag_max_ms": max(lags, default=0.0) * 1e3,
+        }
+    return out
+
+
+async def _rank_main(rank: int, world_size: int, port: int, quick: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import asynccoll as ac
+
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
+    comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
+    try:
+        latency = await _latency(comm, dist, quick)
+        lag = await _loop_lag(comm, dist, 300 if quick else 1000)
+    finally:
+        await comm.close()
+        dist.destroy_process_group()
+    return {"latency": latency, "loop_lag": lag}
+
+
+def _rank(rank: int, world_size: int, port: int, quick: bool, loop: str, conn: Any) -> None:
+    try:
+        if loop == "uvloop":
+            import uvloop
+
+            result = uvloop.run(_rank_main(rank, world_size, port, quick))
+        else:
+            result = asyncio.run(_rank_main(rank, world_size, port, quick))
+        conn.send(("ok", result))
+    except BaseException as exc:  # report, then exit non-zero
+        import traceback
+
+        conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from exc
+
+
+def run(quick: bool = False, loop: str = "asyncio", world_size: int = 2) -> dict[str, Any]:
+    """Spawn the ranks, run the benchmark, return rank 0's results."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    pipes, procs = [], []
+    for r in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank, args=(r, world_size, port, quick, loop, child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    results = []
+    try:
+        for conn in pipes:
+            if not conn.poll(1800):
+                raise TimeoutError("benchmark rank did not finish in 30 minutes")
+            status, payload = conn.recv()
+            if status != "ok":
+                raise RuntimeError(f"benchmark rank failed:\n{payload}")
+            results.append(payload)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return {"loop": loop, "world_size": world_size, **results[0]}
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = [f"all_reduce latency, world size {res['world_size']}, loop {res['loop']} (median of rounds)"]
+    lines.append(f"{'bytes':>10} {'asynccoll us':>13} {'torch us':>10} {'ratio':>7}")
+    for row in res["latency"]:
+        lines.append(
+            f"{row['bytes']:>10} {row['asynccoll_us']:>13.1f} {row['torch_us']:>10.1f} {row['ratio']:>7.3f}"
+        )
+    lines.append("")
+    lines.append("event-loop lag while small all_reduces are in flight (heartbeat every 1 ms)")
+    lines.append(f"{'pattern':>12} {'wall ms':>9} {'ticks':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for name, row in res["loop_lag"].items():
+        lines.append(
+            f"{name:>12} {row['wall_ms']:>9.1f} {row['ticks']:>6} {row['lag_p50_ms']:>8.3f} "
+            f"{row['lag_p99_ms']:>8.3f} {row['lag_max_ms']:>8.3f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    ap.add_argument("--json", default="bench/results/core.json", help="where to write the results")
+    args = ap.parse_args(argv)
+    res = run(quick=args.quick, loop=args.loop)
+    print(_table(res))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
