@@ -239,11 +239,15 @@ def init(
 def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Communicator:
     """A Communicator over an existing ``torch.distributed.ProcessGroup`` (any backend).
 
+    A backend object such as ``ProcessGroupGloo`` built directly is accepted too.
+
     Ops are dispatched to the group as they are; ``await`` follows the group's own
     futures (for NCCL groups that means stream-ordered completion, as in torch).
     Object collectives need ``store`` (any torch Store shared by the group's ranks).
     """
-    if not isinstance(process_group, dist.ProcessGroup):
+    from torch._C._distributed_c10d import Backend as _TorchBackend
+
+    if not isinstance(process_group, (dist.ProcessGroup, _TorchBackend)):
         raise InvalidArgument(f"wrap() needs a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
     ws = process_group.size()
     name = process_group.name() if hasattr(process_group, "name") else "torch"
