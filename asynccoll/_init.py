@@ -147,6 +147,7 @@ async def _build(
     timeout: float,
     check: str | None,
     trace_dir: Any,
+    heartbeat: float | None = None,
 ) -> Communicator:
     if backend not in _BACKENDS:
         raise InvalidArgument(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -156,6 +157,8 @@ async def _build(
         raise InvalidArgument(f"check={check!r} is not supported by this version (only None)")
     if trace_dir is not None:
         raise InvalidArgument("trace_dir is not supported by this version")
+    if heartbeat is not None and (isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or heartbeat < 0):
+        raise InvalidArgument(f"heartbeat must be None or a number of seconds >= 0, got {heartbeat!r}")
     timeout = float(timeout)
     use_nccl = backend == "nccl"
     if backend in ("nccl", "auto"):
@@ -175,6 +178,18 @@ async def _build(
     if use_nccl:
         backends["cuda"] = await _nccl(rdv, prefix, device, timeout)
     dev = getattr(backends.get("cuda"), "device", None) or torch.device("cpu")
+    # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
+    # for; otherwise a slower census-only beat that names ranks Gloo lost.
+    detect = heartbeat is not None or use_nccl
+    interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.5)
+
+    async def rebuild(new_rank: int, new_size: int, suffix: str) -> Communicator:
+        return await _build(
+            backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
+            store=rdv.prefixed(prefix + suffix), device=device, timeout=timeout, check=check,
+            trace_dir=trace_dir, heartbeat=heartbeat,
+        )
+
     return Communicator(
         rank=rdv.rank,
         world_size=rdv.world_size,
@@ -184,6 +199,9 @@ async def _build(
         store=rdv.prefixed(prefix),
         timeout=timeout,
         waker_factory=_waker_factory(),
+        heartbeat=interval or None,
+        detect_failures=detect,
+        rebuild=rebuild,
     )
 
 
@@ -218,6 +236,7 @@ def init(
     timeout: float = 60.0,
     check: str | None = None,
     trace_dir: Any = None,
+    heartbeat: float | None = None,
 ) -> _Init:
     """Create a communicator: ``comm = await init(...)`` or ``async with init(...) as comm``.
 
@@ -226,12 +245,18 @@ def init(
     ``backend``: ``"gloo"`` (CPU), ``"nccl"`` (CUDA via nccl4py) or ``"auto"`` (both,
     dispatching each op by its tensors' device). Peers that do not arrive within
     ``timeout`` seconds raise ``CollectiveTimeout``; nothing blocks the event loop.
+
+    ``heartbeat`` (an asynccoll extension): seconds between liveness beats through
+    the store. ``None`` (default): NCCL detects dead peers with 1 s beats; Gloo,
+    which reports a dead peer's closed connection by itself, beats every 0.5 s only
+    to name the failed rank. A number turns detection on for every backend (a peer
+    silent for 3 beats raises ``PeerFailure``); ``0`` turns heartbeats off.
     """
     return _Init(
         dict(
             backend=backend, rank=rank, world_size=world_size, master_addr=master_addr,
             master_port=master_port, store=store, device=device, timeout=timeout,
-            check=check, trace_dir=trace_dir,
+            check=check, trace_dir=trace_dir, heartbeat=heartbeat,
         )
     )
 

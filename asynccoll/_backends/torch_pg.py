@@ -130,6 +130,8 @@ class TorchGroupBackend(Backend):
         self._waiter = _Waiter(f"asynccoll-{name}-waiter")
         self._p2p_waiter = _Waiter(f"asynccoll-{name}-p2p-waiter")
         self._aborted = False
+        #: Set by the communicator: names the ranks that failed (heartbeat census).
+        self.census: Callable[[], tuple[int, ...]] | None = None
         self._opts_cache: dict[tuple[Any, ...], Any] = {}
 
     # -- helpers ---------------------------------------------------------
@@ -166,7 +168,13 @@ class TorchGroupBackend(Backend):
             # Gloo may report force-completed works as successes after an abort.
             return
         if exc is not None:
-            work._set_exception(translate(exc, work))
+            err = translate(exc, work)
+            census = self.census
+            if isinstance(err, PeerFailure) and not err.ranks and census is not None:
+                err.ranks = census()  # Gloo does not say which peer it lost
+                if err.ranks:
+                    err.args = (f"{err.args[0]} [failed rank(s): {list(err.ranks)}]",)
+            work._set_exception(err)
             return
         if fixup is not None:
             try:

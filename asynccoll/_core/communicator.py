@@ -7,7 +7,7 @@ import contextvars
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 import torch
 
@@ -22,6 +22,7 @@ from .errors import (
     InvalidArgument,
     PeerFailure,
 )
+from .faults import Liveness
 from .objects import ObjectChannel, dumps
 from .ops import OpKind, OpSpec, ReduceOp
 from .work import _FAILED, Work, Waker
@@ -66,7 +67,9 @@ class Communicator:
         store: Any = None,
         timeout: float = 60.0,
         waker_factory: Callable[[asyncio.AbstractEventLoop], Waker] | None = None,
-        shrink_fn: Callable[..., Any] | None = None,
+        heartbeat: float | None = None,
+        detect_failures: bool = False,
+        rebuild: Callable[[int, int, str], Awaitable[Communicator]] | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -78,7 +81,8 @@ class Communicator:
         self._objects = ObjectChannel(store, rank, world_size) if store is not None else None
         self._waker_factory = waker_factory
         self._wakers: dict[asyncio.AbstractEventLoop, Waker] = {}
-        self._shrink_fn = shrink_fn
+        self._rebuild = rebuild
+        self._shrunk = False
         # _lock orders issue against abort/close: an op is either in _pending
         # before abort takes its snapshot, or sees the new state and raises.
         self._lock = threading.Lock()
@@ -92,6 +96,17 @@ class Communicator:
             lambda seq: (fn := expired()) is not None and fn(seq),
             name=f"asynccoll-deadlines-r{rank}",
         )
+        self._liveness: Liveness | None = None
+        if heartbeat and store is not None and world_size > 1:
+            failed = weakref.WeakMethod(self._abort)
+            self._liveness = Liveness(
+                store, rank, world_size, interval=heartbeat, detect=detect_failures,
+                on_failure=lambda exc: (fn := failed()) is not None and fn(exc),
+            )
+            for backend in self._backends.values():
+                if hasattr(backend, "census"):
+                    backend.census = self._liveness.census
+            self._liveness.start()
         self._batch_var: contextvars.ContextVar[Batch | None] = contextvars.ContextVar(
             "asynccoll_batch", default=None
         )
@@ -106,6 +121,14 @@ class Communicator:
     def error(self) -> BaseException | None:
         """The exception that aborted the communicator, or None."""
         return self._error
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        """Ranks known to have failed (from errors and heartbeats); ``shrink()``'s default."""
+        ranks = set(self._liveness.dead) if self._liveness is not None else set()
+        if isinstance(self._error, PeerFailure):
+            ranks.update(self._error.ranks)
+        return tuple(sorted(ranks))
 
     @property
     def pending(self) -> int:
@@ -358,6 +381,9 @@ class Communicator:
         for work in pending:
             work._set_exception(_fresh_abort_error(error))
         self._deadlines.stop(join_timeout=0)
+        if self._liveness is not None:
+            # Tell the peers (a no-op when the news came from a peer: that thread is done).
+            self._liveness.publish_abort(error)
         if self._objects is not None:
             self._objects.shutdown()
         for backend in self._backends.values():
@@ -383,6 +409,8 @@ class Communicator:
         with self._lock:
             self._state = _CLOSED
         self._deadlines.stop()
+        if self._liveness is not None:
+            self._liveness.stop()
         if self._objects is not None:
             self._objects.shutdown()
         loop = asyncio.get_running_loop()
@@ -413,10 +441,17 @@ class Communicator:
 
     # ----------------------------------------------------------- recovery
     async def shrink(self, exclude: Any = None) -> Communicator:
-        """Build a new communicator of the survivors (API.md §5)."""
-        if self._shrink_fn is None:
-            raise InvalidArgument(f"shrink is not supported for backend {self.backend!r}")
-        return await self._shrink_fn(self, exclude)
+        """A new communicator of the survivors; this one stays aborted (API.md §5).
+
+        ``exclude``: ranks to leave out (default: ``failed_ranks``). Every survivor
+        must call it; they agree through the store on the excluded set (the union of
+        what each proposes, plus ranks that never answer), then build a fresh
+        communicator under a new prefix with ranks renumbered in order. A healthy
+        communicator is aborted first. Each communicator can be shrunk once.
+        """
+        from .shrink import shrink
+
+        return await shrink(self, exclude)
 
     async def __aenter__(self) -> Communicator:
         return self

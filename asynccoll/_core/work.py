@@ -97,6 +97,12 @@ class Work:
             callbacks, self._callbacks = self._callbacks, None
             event = self._event
         self._keep = None
+        # The communicator forgets the Work before anyone wakes, so a task resumed
+        # by it sees consistent bookkeeping (``comm.pending``).
+        on_settle = self._on_settle
+        if on_settle is not None:
+            self._on_settle = None
+            on_settle(self)
         if event is not None:
             event.set()
         if waiters:
@@ -108,10 +114,6 @@ class Work:
                     self._run_callback(fn)
                 else:
                     self._deliver(loop, self._run_callback, fn)
-        on_settle = self._on_settle
-        if on_settle is not None:
-            self._on_settle = None
-            on_settle(self)
         return True
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], arg: Any) -> None:

@@ -1,0 +1,106 @@
+"""``comm.shrink()``: the survivors agree through the store, then build a new communicator.
+
+Agreement: every survivor proposes the ranks it wants excluded; the union of all
+proposals (plus any rank that never proposes within the grace period) is the
+excluded set; each survivor then publishes its final set, and all finals must be
+equal. Ranks are renumbered in order. The new communicator lives under a new
+store prefix; the old one stays aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+from .errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
+
+
+def _encode(ranks: Iterable[int]) -> str:
+    return ",".join(str(r) for r in sorted(set(ranks)))
+
+
+def _decode(raw: bytes) -> set[int]:
+    text = raw.decode()
+    return {int(x) for x in text.split(",")} if text else set()
+
+
+def _poll(store: Any, keys: list[str], deadline: float) -> bool:
+    """Wait until every key exists, polling (no blocking store wait), until ``deadline``."""
+    delay = 0.002
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return True
+
+
+def agree(store: Any, rank: int, world_size: int, exclude: set[int], timeout: float, grace: float) -> set[int]:
+    """The excluded set every survivor agrees on (blocking; run off the loop)."""
+    deadline = time.monotonic() + timeout
+    store.set(f"shrink/propose/{rank}", _encode(exclude))
+    union = set(exclude)
+    grace_end = time.monotonic() + grace
+    while True:
+        expected = [r for r in range(world_size) if r not in union]
+        keys = [f"shrink/propose/{r}" for r in expected]
+        if not _poll(store, keys, min(grace_end, deadline)):
+            missing = [r for r in expected if not store.check([f"shrink/propose/{r}"])]
+            union.update(missing)  # silent ranks are treated as failed
+            continue
+        proposed = set().union(*(_decode(v) for v in store.multi_get(keys)))
+        if proposed <= union:
+            break
+        union |= proposed
+    survivors = [r for r in range(world_size) if r not in union]
+    if rank not in survivors:
+        raise InvalidArgument(f"rank {rank} was excluded by the other survivors")
+    store.set(f"shrink/final/{rank}", _encode(union))
+    keys = [f"shrink/final/{r}" for r in survivors]
+    if not _poll(store, keys, deadline):
+        raise CollectiveTimeout(f"shrink: survivors {survivors} did not all confirm within {timeout} s")
+    finals = {r: _decode(v) for r, v in zip(survivors, store.multi_get(keys))}
+    if any(f != union for f in finals.values()):
+        raise CollectiveMismatch(
+            "shrink: survivors disagree on the excluded ranks", details={r: sorted(f) for r, f in finals.items()}
+        )
+    return union
+
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+
+async def shrink(comm: Communicator, exclude: Iterable[int] | None) -> Communicator:
+    """See ``Communicator.shrink``."""
+    if comm.state == "closed":
+        raise CommClosed("cannot shrink a closed communicator")
+    rebuild = comm._rebuild
+    if rebuild is None or comm._store is None:
+        raise InvalidArgument(f"shrink needs a communicator made by asynccoll.init(), not {comm.backend!r}")
+    if exclude is None:
+        excluded = set(comm.failed_ranks)
+    else:
+        try:
+            excluded = {int(r) for r in exclude}
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"exclude must be an iterable of ranks, got {exclude!r}") from None
+    bad = [r for r in excluded if not 0 <= r < comm.world_size]
+    if bad:
+        raise InvalidArgument(f"exclude: ranks {bad} out of range for world_size {comm.world_size}")
+    if comm.rank in excluded:
+        raise InvalidArgument(f"rank {comm.rank} cannot shrink a communicator that excludes itself")
+    if comm._shrunk:
+        raise InvalidArgument("this communicator was already shrunk; shrink the new one")
+    comm._shrunk = True
+    if comm.state == "ok":
+        comm.abort("shrinking the communicator")
+    loop = asyncio.get_running_loop()
+    grace = min(10.0, comm.timeout / 2)
+    agreed = await loop.run_in_executor(
+        None, agree, comm._store, comm.rank, comm.world_size, excluded, comm.timeout, grace
+    )
+    survivors = [r for r in range(comm.world_size) if r not in agreed]
+    suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
+    return await rebuild(survivors.index(comm.rank), len(survivors), suffix)

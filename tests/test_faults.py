@@ -1,0 +1,261 @@
+"""Fault tolerance on real processes: dead, frozen and skipping peers, abort, shrink.
+
+Each test has a hard deadline (run_ranks' timeout and the suite's per-test
+timeout) and leaves no process behind: lost ranks are killed by the kit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import random
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+import asynccoll as ac
+from asynccoll.testing import RankContext, crash_later, freeze, run_ranks, skip_collective
+
+
+async def _churn(comm: ac.Communicator, seconds: float) -> None:
+    """All-reduce a 1 MB tensor until a failure surfaces or ``seconds`` pass."""
+    t = torch.ones(1 << 18)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        await comm.all_reduce(t)
+
+
+async def killed_mid_collective(comm: ac.Communicator, how: str) -> dict:
+    if comm.rank == comm.world_size - 1:
+        crash_later(0.3, how=how)
+        await _churn(comm, 30)
+        return {}
+    t0 = time.monotonic()
+    with pytest.raises(ac.PeerFailure) as info:
+        await _churn(comm, 30)
+    detected = time.monotonic() - t0
+    assert comm.state == "aborted" and isinstance(comm.error, ac.PeerFailure)
+    with pytest.raises(ac.CommAborted):
+        comm.all_reduce(torch.ones(1))
+    return {"ranks": list(info.value.ranks), "seconds": detected, "failed": list(comm.failed_ranks)}
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill", "sigterm"])
+def test_peer_killed_mid_collective_raises_peer_failure(how: str) -> None:
+    results = run_ranks(killed_mid_collective, world_size=3, backend="gloo", timeout=60, args=(how,), lost=(2,))
+    for res in results[:2]:
+        assert res["ranks"] == [2], res  # the dead rank is named
+        assert res["failed"] == [2]
+        assert res["seconds"] < 10, res  # well before the 60 s op deadline
+
+
+async def frozen_peer(comm: ac.Communicator, timeout: float) -> float:
+    if comm.rank == 1:
+        freeze()
+    t0 = time.monotonic()
+    work = comm.all_reduce(torch.ones(4), timeout=timeout)
+    with pytest.raises(ac.CollectiveTimeout) as info:
+        await work
+    assert info.value.seq == work.seq and info.value.op == "all_reduce"
+    assert comm.state == "aborted"
+    return time.monotonic() - t0
+
+
+def test_frozen_peer_times_out_between_t_and_1_5t() -> None:
+    timeout = 2.0
+    results = run_ranks(frozen_peer, world_size=2, backend="gloo", timeout=60, args=(timeout,), lost=(1,))
+    assert timeout <= results[0] <= 1.5 * timeout, results
+
+
+async def skipping_peer(comm: ac.Communicator) -> dict:
+    if comm.rank == 1:
+        skip_collective(comm)
+        await comm.all_reduce(torch.ones(2))  # settled locally, never sent
+        # The peer's timeout reaches this rank as abort news through the store.
+        for _ in range(100):
+            if comm.state == "aborted":
+                break
+            await asyncio.sleep(0.05)
+        return {"state": comm.state, "error": type(comm.error).__name__}
+    first = comm.all_reduce(torch.ones(2), timeout=1.5)
+    second = comm.all_reduce(torch.ones(2), timeout=30)
+    res = await asyncio.gather(first, second, return_exceptions=True)
+    assert isinstance(res[0], ac.CollectiveTimeout), res
+    assert isinstance(res[1], ac.CommAborted) and not isinstance(res[1], ac.PeerFailure), res
+    assert res[1].__cause__ is res[0] or isinstance(res[1].__cause__, ac.CollectiveTimeout)
+    return {"state": comm.state, "error": type(comm.error).__name__}
+
+
+def test_peer_that_skips_an_op_times_out_and_aborts_the_others() -> None:
+    results = run_ranks(skipping_peer, world_size=2, backend="gloo", timeout=60)
+    assert results[0] == {"state": "aborted", "error": "CommAborted"}
+    assert results[1] == {"state": "aborted", "error": "CommAborted"}
+
+
+async def abort_from_everywhere(comm: ac.Communicator) -> list[str]:
+    """Abort from another task, a signal handler's callback, and two threads at once."""
+    if comm.rank == 1:
+        await asyncio.sleep(3)  # never joins; its comm is aborted by the news
+        return [comm.state]
+    loop = asyncio.get_running_loop()
+    works = [comm.all_reduce(torch.ones(2)) for _ in range(10)]
+    loop.add_signal_handler(signal.SIGUSR2, comm.abort, "signal")
+    barrier = threading.Barrier(2)
+
+    def racer() -> None:
+        barrier.wait()
+        comm.abort("thread")
+
+    threads = [threading.Thread(target=racer) for _ in range(2)]
+
+    async def other_task() -> None:
+        await asyncio.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.sleep(0.05)  # the handler's callback runs on the loop
+        for t in threads:
+            t.start()
+
+    t0 = time.monotonic()
+    await other_task()
+    res = await asyncio.wait_for(asyncio.gather(*works, return_exceptions=True), 5)
+    elapsed = time.monotonic() - t0
+    for t in threads:
+        t.join(5)
+    loop.remove_signal_handler(signal.SIGUSR2)
+    assert all(isinstance(r, ac.CommAborted) for r in res), res
+    assert "signal" in str(comm.error)  # the first abort wins
+    assert elapsed < 1.0
+    return [comm.state]
+
+
+def test_abort_from_signal_handler_task_and_racing_threads() -> None:
+    results = run_ranks(abort_from_everywhere, world_size=2, backend="gloo", timeout=60, lost=(1,))
+    assert results[0] == ["aborted"]
+
+
+async def abort_reaches_peers(comm: ac.Communicator) -> float:
+    if comm.rank == 0:
+        await asyncio.sleep(0.3)
+        comm.abort("rank 0 gives up")
+        return 0.0
+    t0 = time.monotonic()
+    with pytest.raises(ac.CommAborted, match="aborted by rank 0: rank 0 gives up"):
+        await comm.all_reduce(torch.ones(2))  # rank 0 never joins
+    return time.monotonic() - t0
+
+
+def test_abort_news_reaches_the_other_ranks() -> None:
+    results = run_ranks(abort_reaches_peers, world_size=2, backend="gloo", timeout=60)
+    assert results[1] < 3.0, results  # within a few 0.5 s heartbeats, not the 60 s deadline
+
+
+async def heartbeat_detects_frozen_peer(ctx: RankContext) -> dict:
+    comm = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=60, heartbeat=0.2)
+    if ctx.rank == 1:
+        await comm.barrier()
+        freeze()
+    await comm.barrier()
+    t0 = time.monotonic()
+    with pytest.raises(ac.PeerFailure) as info:
+        await comm.all_reduce(torch.ones(2))
+    return {"ranks": list(info.value.ranks), "seconds": time.monotonic() - t0}
+
+
+def test_heartbeat_mode_detects_a_silent_peer() -> None:
+    results = run_ranks(heartbeat_detects_frozen_peer, world_size=2, backend=None, timeout=60, lost=(1,))
+    assert results[0]["ranks"] == [1]
+    assert results[0]["seconds"] < 3.0, results  # ~3 beats of 0.2 s, not the 60 s deadline
+
+
+async def shrink_twice(comm: ac.Communicator) -> list:
+    """4 -> 3 -> 2: the last rank dies each time; survivors shrink and carry on."""
+    sums = []
+    original = comm.rank
+    for round_ in range(2):
+        t = torch.full((8,), float(original + 1))
+        await comm.all_reduce(t)
+        sums.append(float(t[0]))
+        await comm.barrier()
+        if comm.rank == comm.world_size - 1:
+            crash_later(0.2)
+            await asyncio.sleep(30)
+        with pytest.raises(ac.PeerFailure):
+            await _churn(comm, 30)
+        assert comm.failed_ranks == (comm.world_size - 1,)
+        new = await comm.shrink()
+        assert comm.state == "aborted"
+        assert new.world_size == comm.world_size - 1 and new.rank == comm.rank
+        comm = new
+    t = torch.full((8,), float(original + 1))
+    await comm.all_reduce(t)
+    sums.append(float(t[0]))
+    with pytest.raises(ac.InvalidArgument):
+        await comm.shrink(exclude=[comm.rank])
+    return sums
+
+
+def test_shrink_4_to_3_to_2() -> None:
+    results = run_ranks(shrink_twice, world_size=4, backend="gloo", timeout=120, lost=(2, 3))
+    # ranks 1..4 contribute 1..4: sum 10, then 1+2+3 = 6, then 1+2 = 3
+    assert results[0] == results[1] == [10.0, 6.0, 3.0]
+
+
+async def shrink_explicit(comm: ac.Communicator) -> list:
+    """A healthy communicator excludes rank 1 on purpose; rank 1 leaves."""
+    if comm.rank == 1:
+        return []
+    new = await comm.shrink(exclude=[1])
+    t = torch.ones(3)
+    await new.all_reduce(t)
+    await new.close()
+    return [new.rank, new.world_size, float(t[0])]
+
+
+def test_shrink_with_explicit_exclude() -> None:
+    results = run_ranks(shrink_explicit, world_size=3, backend="gloo", timeout=60)
+    assert results == [[0, 2, 2.0], [], [1, 2, 2.0]]
+
+
+async def cancellation_storm(comm: ac.Communicator) -> dict:
+    """1,000 ops whose awaiting tasks are cancelled at random: nothing leaks."""
+    rng = random.Random(comm.rank)
+    proc = psutil.Process()
+
+    async def await_it(w: ac.Work) -> None:
+        await w
+
+    async def round_(n: int) -> None:
+        tensors = [torch.full((64,), 1.0) for _ in range(n)]
+        works = [comm.all_reduce(t) for t in tensors]
+        tasks = [asyncio.ensure_future(await_it(w)) for w in works]
+        await asyncio.sleep(0)
+        for task in tasks:
+            if rng.random() < 0.5:
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*works)  # every op still completes, with the right value
+        assert all(float(t[0]) == comm.world_size for t in tensors)
+
+    await round_(200)  # warm-up: threads and buffers reach steady state
+    gc.collect()
+    threads, fds, rss = threading.active_count(), proc.num_fds(), proc.memory_info().rss
+    for _ in range(5):
+        await round_(200)
+    gc.collect()
+    assert comm.pending == 0
+    return {
+        "threads": threading.active_count() - threads,
+        "fds": proc.num_fds() - fds,
+        "rss_mb": (proc.memory_info().rss - rss) / 2**20,
+    }
+
+
+def test_cancellation_storm_leaks_nothing() -> None:
+    for res in run_ranks(cancellation_storm, world_size=2, backend="gloo", timeout=120):
+        assert res["threads"] <= 0 and res["fds"] <= 0, res
+        assert res["rss_mb"] < 20, res
