@@ -86,37 +86,6 @@ class Batch:
         return True
 
 
-class _BatchDeadline:
-    """One deadline for a whole issued batch, carried by one pending member at a time.
-
-    The communicator's timer keys deadlines by seq and drops a key when its Work
-    settles, so the deadline sits on the first member (in call order) not yet
-    settled; when that one settles, it moves on to the next. Members of one flat
-    collective settle last-to-first, so the deadline moves about once per
-    collective, not once per member. On expiry the carrying member raises
-    ``CollectiveTimeout`` and the communicator aborts, failing the others.
-    """
-
-    __slots__ = ("_comm", "_works", "_deadline", "_next")
-
-    def __init__(self, comm: Communicator, works: list[Work], deadline: float) -> None:
-        self._comm = comm
-        self._works = works
-        self._deadline = deadline
-        self._next = 0
-
-    def arm(self, _settled: Work | None = None) -> None:
-        works = self._works
-        i = self._next
-        while i < len(works) and works[i].done():
-            i += 1
-        self._next = i
-        if i < len(works):
-            work = works[i]
-            self._comm._deadlines.add(work.seq, self._deadline)
-            work.add_done_callback(self.arm)  # already done by now: runs soon, moves on
-
-
 class CoalescingGroup:
     """``async with comm.coalescing(wait=...) as group``: batch this task's ops.
 
@@ -205,7 +174,6 @@ class CoalescingGroup:
             for work in works:
                 work._on_settle = None  # a discarded op must not abort the communicator
                 comm._pending.pop(work.seq, None)
-                comm._deadlines.remove(work.seq)
             first, last = works[0].seq, works[-1].seq
             if comm._seq == last and last - first + 1 == len(works):
                 comm._seq = first - 1  # nothing else took a seq meanwhile: give them back
@@ -227,7 +195,12 @@ class CoalescingGroup:
                     work._on_settle = None
                     comm._pending.pop(work.seq, None)
             else:
-                _BatchDeadline(comm, works, time.monotonic() + min(s.timeout for s in specs)).arm()
+                # One deadline for the batch: every member carries the same instant
+                # (heap pushes are cheap); the first to expire aborts the rest.
+                timeout = min(s.timeout for s in specs)
+                deadline = time.monotonic() + timeout
+                for work in works:
+                    comm._deadlines.add(work.seq, timeout, deadline)
                 try:
                     order = dict.fromkeys(backends)
                     if len(order) == 1:

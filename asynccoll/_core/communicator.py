@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
     from .coalescing import Batch, CoalescingGroup
 
 _OK, _ABORTED, _CLOSED = "ok", "aborted", "closed"
+_OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
 
 
 def _fresh_abort_error(error: BaseException) -> CommAborted:
@@ -77,6 +77,8 @@ class Communicator:
         self.device = device
         self.timeout = timeout
         self._backends = dict(backends)
+        self._cpu_backend = self._backends.get("cpu") or self._backends.get(None)
+        self._cuda_backend = self._backends.get("cuda") or self._backends.get(None)
         self._store = store
         self._objects = ObjectChannel(store, rank, world_size) if store is not None else None
         self._waker_factory = waker_factory
@@ -92,8 +94,11 @@ class Communicator:
         self._seq = 0
         self._pending: dict[int, Work] = {}
         expired = weakref.WeakMethod(self._expired)  # the timer must not keep us alive
+        pending = self._pending
         self._deadlines = DeadlineTimer(
             lambda seq: (fn := expired()) is not None and fn(seq),
+            is_live=pending.__contains__,
+            count_live=pending.__len__,
             name=f"asynccoll-deadlines-r{rank}",
         )
         self._liveness: Liveness | None = None
@@ -150,12 +155,16 @@ class Communicator:
 
     # ------------------------------------------------------------------ issue
     def _backend_for(self, tensor: torch.Tensor) -> Backend:
-        backends = self._backends
-        backend = backends.get(tensor.device.type) or backends.get(None)
+        if tensor.is_cpu:
+            backend = self._cpu_backend
+        elif tensor.is_cuda:
+            backend = self._cuda_backend
+        else:
+            backend = self._backends.get(tensor.device.type) or self._backends.get(None)
         if backend is None:
             raise InvalidArgument(
                 f"tensor on {tensor.device} cannot be used with backend {self.backend!r} "
-                f"(it serves: {', '.join(str(k) for k in backends)})"
+                f"(it serves: {', '.join(str(k) for k in self._backends)})"
             )
         return backend
 
@@ -185,31 +194,31 @@ class Communicator:
     def _issue(
         self, backend: Backend, spec: OpSpec, value: Any, keep: Any, timeout: float | None
     ) -> Work:
-        spec.timeout = validate.timeout(timeout, self.timeout)
+        spec.timeout = self.timeout if timeout is None else validate.timeout(timeout, self.timeout)
         with self._lock:
-            work = self._new_work(spec.kind.value, value, keep)
+            work = self._new_work(_OP_NAMES[spec.kind], value, keep)
             batch = self._batch_var.get()
             if batch is not None and batch.add(backend, spec, work):
                 return work  # issued, with its deadline, when the batch exits
-            self._deadlines.add(work.seq, time.monotonic() + spec.timeout)
             try:
                 backend.submit(spec, work)
             except BaseException:
                 self._unissue(work)
                 raise
+            # After submit: a refused op gives its seq back, and a stale entry must
+            # not apply to the next op that takes it.
+            self._deadlines.add(work.seq, spec.timeout)
         return work
 
     def _unissue(self, work: Work) -> None:
         """Undo ``_new_work`` for an op the backend refused synchronously."""
         work._on_settle = None
         self._pending.pop(work.seq, None)
-        self._deadlines.remove(work.seq)
         if self._seq == work.seq:
             self._seq -= 1
 
     def _settled(self, work: Work) -> None:
-        self._pending.pop(work.seq, None)
-        self._deadlines.remove(work.seq)
+        self._pending.pop(work.seq, None)  # its deadline entry goes stale (lazy deletion)
         if work._state == _FAILED and self._state == _OK:  # failed: the transport is suspect
             self._abort(work._value)
 
@@ -342,7 +351,7 @@ class Communicator:
         limit = validate.timeout(timeout, self.timeout)
         with self._lock:
             work = self._new_work(op, None, None)
-            self._deadlines.add(work.seq, time.monotonic() + limit)
+            self._deadlines.add(work.seq, limit)
         seq = work.seq
 
         def done(value: Any, exc: BaseException | None) -> None:

@@ -1,94 +1,114 @@
 """One timer thread per communicator that enforces every operation's deadline.
 
-Deadlines live in a heap with lazy deletion: settling a Work only drops its entry
-from a dict (O(1)); the heap is compacted when stale entries dominate, so a high
-rate of short operations does not grow memory. The thread sleeps on a condition
-until the earliest deadline, and is woken only when a new earliest one arrives.
+Deadlines live in a heap with lazy deletion: nothing is removed when a Work
+settles; the thread asks ``is_live(key)`` when an entry comes due, and the heap
+is compacted when stale entries dominate, so a high rate of short operations
+does not grow memory. ``add`` takes no lock in the common case (``heappush`` is
+atomic under the GIL), and the sleeping thread is woken only when a new deadline
+is earlier than the one it sleeps towards. With nothing due, the thread sleeps
+for the shortest timeout seen so far: any later ``add`` with a timeout at least
+that long then falls after its wake-up, so a stream of short operations with the
+usual timeout never wakes it (one context switch per op would cost more than the
+op's whole Python overhead on a small machine).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import time
 from typing import Callable
 
 
 class DeadlineTimer:
-    """Calls ``on_expire(key)`` from its own thread when a registered deadline passes."""
+    """Calls ``on_expire(key)`` from its own thread when a live key's deadline passes."""
 
-    def __init__(self, on_expire: Callable[[int], None], name: str = "asynccoll-deadlines") -> None:
+    def __init__(
+        self,
+        on_expire: Callable[[int], None],
+        is_live: Callable[[int], bool],
+        count_live: Callable[[], int],
+        name: str = "asynccoll-deadlines",
+    ) -> None:
         self._on_expire = on_expire
+        self._is_live = is_live
+        self._count_live = count_live
         self._name = name
         self._cond = threading.Condition(threading.Lock())
         self._heap: list[tuple[float, int]] = []
-        self._live: dict[int, float] = {}
+        # When the thread will next look at the heap (inf: sleeping until notified).
+        self._wake_at = math.inf
+        self._horizon = math.inf  # the shortest timeout ever added
         self._thread: threading.Thread | None = None
         self._stopped = False
 
-    def add(self, key: int, deadline: float) -> None:
-        """Register ``key`` to expire at ``deadline`` (``time.monotonic()`` seconds)."""
+    def add(self, key: int, timeout: float, deadline: float | None = None) -> None:
+        """Register ``key`` to expire ``timeout`` seconds from now (or at ``deadline``,
+        a ``time.monotonic()`` instant, when given)."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout
+        heapq.heappush(self._heap, (deadline, key))
+        if timeout < self._horizon:
+            self._horizon = timeout
+            self._kick()
+        elif deadline < self._wake_at:
+            self._kick()
+
+    def _kick(self) -> None:
         with self._cond:
             if self._stopped:
                 return
-            self._live[key] = deadline
-            heap = self._heap
-            earliest = not heap or deadline < heap[0][0]
-            heapq.heappush(heap, (deadline, key))
-            if len(heap) > 2 * len(self._live) + 64:
-                self._compact()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            elif earliest:
-                self._cond.notify()
-
-    def remove(self, key: int) -> None:
-        """Forget ``key`` (its Work settled). Never blocks on the timer thread."""
-        self._live.pop(key, None)
+            self._cond.notify()
 
     def stop(self, join_timeout: float = 1.0) -> None:
         """Stop the thread; pending deadlines are dropped. Idempotent and bounded."""
         with self._cond:
             self._stopped = True
-            self._live.clear()
-            self._heap.clear()
+            self._heap = []
             self._cond.notify()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and join_timeout and thread is not threading.current_thread():
             thread.join(join_timeout)
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self._heap)
 
-    def _compact(self) -> None:
-        self._heap = [(d, k) for k, d in self._live.items()]
-        heapq.heapify(self._heap)
+    def _due(self) -> list[int]:
+        """Pop the entries that are due; return the live ones. Sets ``_wake_at``."""
+        heap, is_live = self._heap, self._is_live
+        if len(heap) > 2 * self._count_live() + 64:
+            live = [entry for entry in heap if is_live(entry[1])]
+            heapq.heapify(live)
+            self._heap = heap = live
+        now = time.monotonic()
+        expired = []
+        while heap:
+            deadline, key = heap[0]
+            if not is_live(key):
+                heapq.heappop(heap)
+            elif deadline <= now:
+                heapq.heappop(heap)
+                expired.append(key)
+            else:
+                break
+        self._wake_at = heap[0][0] if heap else now + self._horizon
+        return expired
 
     def _run(self) -> None:
         cond = self._cond
         while True:
-            expired: list[int] = []
             with cond:
-                while not self._stopped:
-                    heap = self._heap
-                    while heap and self._live.get(heap[0][1]) != heap[0][0]:
-                        heapq.heappop(heap)  # settled, or re-registered later
-                    if not heap:
-                        cond.wait()
-                        continue
-                    delay = heap[0][0] - time.monotonic()
-                    if delay > 0:
-                        cond.wait(delay)
-                        continue
-                    now = time.monotonic()
-                    while heap and heap[0][0] <= now:
-                        _, key = heapq.heappop(heap)
-                        if self._live.pop(key, None) is not None:
-                            expired.append(key)
-                    break
                 if self._stopped:
                     return
+                expired = self._due()
+                if not expired:
+                    delay = self._wake_at - time.monotonic()
+                    cond.wait(None if delay == math.inf else max(delay, 0.0))
+                    continue
             for key in expired:
                 try:
                     self._on_expire(key)

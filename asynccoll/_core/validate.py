@@ -14,6 +14,8 @@ _NO_AVG = (torch.bool,)
 
 def tensor(obj: Any, name: str) -> torch.Tensor:
     """``obj`` as a dense contiguous torch tensor (CuPy and DLPack objects are wrapped)."""
+    if type(obj) is torch.Tensor and obj.is_contiguous() and obj.layout is torch.strided:
+        return obj  # the common case, checked cheaply
     if not isinstance(obj, torch.Tensor):
         if hasattr(obj, "__dlpack__"):
             try:
@@ -32,6 +34,8 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
 
 
 def reduce_op(op: Any, dtype: torch.dtype) -> ReduceOp:
+    if op is ReduceOp.SUM:  # the common case, first
+        return op
     if not isinstance(op, ReduceOp):
         try:
             op = ReduceOp[str(op).rsplit(".", 1)[-1].upper()]

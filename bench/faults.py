@@ -1,0 +1,334 @@
+"""Fault-handling benchmark: abort latency, failure detection, recovery by shrink.
+
+    python bench/faults.py [--quick] [--json bench/results/faults.json]
+
+Ranks are started here on this machine (forkserver: torch is imported once); this
+process hosts the TCPStore, so the store outlives any rank that dies. Each scenario
+runs in fresh processes and is repeated; medians are reported. Times across
+processes are wall-clock (``time.time()``) on one machine.
+
+* **abort**: a rank issues 100 all_reduces its peer never joins, 100 tasks await
+  them, then ``comm.abort()`` is called (on the loop, or from another thread):
+  time until the last task has caught ``CommAborted`` (goal: <= 50 ms).
+* **peer death**, 3 ranks all-reducing in a loop; rank 2 records ``time.time()`` in
+  the store and then dies:
+  - asynccoll, Gloo default (``heartbeat=None``): killed with ``os._exit``; Gloo
+    reports the closed connection, the 0.5 s heartbeat census names the rank;
+  - asynccoll, ``heartbeat=0.2``: frozen with SIGSTOP (its sockets stay open, so
+    Gloo sees nothing); detected after 3 silent beats;
+  for both: death -> ``PeerFailure`` -> ``shrink()`` done (3 -> 2) -> first
+  all_reduce on the new communicator done (goal: <= 2 s);
+  - torch.distributed Gloo (``init_process_group`` over the same kind of store),
+    killed and frozen: death -> ``all_reduce(async_op=True).wait()`` raises. torch
+    does not name the rank and has no shrink for Gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+VICTIM = 2                 # the rank that dies in the 3-rank scenarios
+HEARTBEAT = 0.2            # the heartbeat interval of the detection scenario
+TORCH_FROZEN_TIMEOUT = 5.0 # torch's op timeout in its frozen-peer scenario
+WARMUP = 20
+
+
+def _client(port: int, prefix: str) -> Any:
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60))
+    return dist.PrefixStore(prefix, store)
+
+
+async def _poll(store: Any, key: str, seconds: float = 60.0) -> None:
+    """Wait for ``key`` without a blocking store wait (that would stall the comm's heartbeats)."""
+    end = time.monotonic() + seconds
+    while not store.check([key]):
+        if time.monotonic() > end:
+            raise TimeoutError(f"store key {key!r} did not appear")
+        await asyncio.sleep(0.005)
+
+
+# ------------------------------------------------------------------- abort
+async def _abort(rank: int, store: Any, reps: int, waiters: int) -> list[dict[str, float]]:
+    import torch
+
+    import asynccoll as ac
+
+    rows = []
+    for rep in range(reps):
+        for from_thread in (False, True):
+            key = f"abort/{rep}/{from_thread}"
+            comm = await ac.init("gloo", rank=rank, world_size=2, store=store, timeout=60)
+            if rank == 1:  # joins nothing; the abort reaches it as news through the store
+                await _poll(store, key)
+                await comm.close()
+                continue
+            ends: list[float] = []
+
+            async def waiter(work: ac.Work) -> None:
+                try:
+                    await work
+                except ac.CommAborted:
+                    ends.append(time.perf_counter())
+
+            works = [comm.all_reduce(torch.ones(4)) for _ in range(waiters)]
+            tasks = [asyncio.create_task(waiter(w)) for w in works]
+            await asyncio.sleep(0.05)  # every task is parked on its Work
+            if from_thread:
+                thread = threading.Thread(target=comm.abort, args=("bench",))
+                t0 = time.perf_counter()
+                thread.start()
+                call = 0.0
+            else:
+                t0 = time.perf_counter()
+                comm.abort("bench")
+                call = time.perf_counter() - t0
+            await asyncio.gather(*tasks)
+            if from_thread:
+                thread.join()
+            assert len(ends) == waiters, (len(ends), waiters)
+            rows.append({"from_thread": from_thread, "abort_call_ms": call * 1e3, "last_waiter_ms": (max(ends) - t0) * 1e3})
+            store.set(key, "1")
+            await comm.close()
+    return rows
+
+
+# --------------------------------------------------------------- peer death
+def _doom(store: Any, how: str, delay: float = 0.3) -> None:
+    """In ``delay`` seconds, from a thread: record the time, then die (``exit``) or freeze (``stop``)."""
+
+    def later() -> None:
+        time.sleep(delay)
+        store.set("died_at", repr(time.time()))
+        sys.stdout.flush()
+        if how == "exit":
+            os._exit(1)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    threading.Thread(target=later, daemon=True).start()
+
+
+async def _asynccoll_death(rank: int, store: Any, how: str, heartbeat: float | None) -> dict[str, Any]:
+    import torch
+
+    import asynccoll as ac
+
+    comm = await ac.init("gloo", rank=rank, world_size=3, store=store, timeout=30, heartbeat=heartbeat)
+    t = torch.ones(256)
+    for _ in range(WARMUP):
+        await comm.all_reduce(t)
+    await comm.barrier()
+    if rank == VICTIM:
+        _doom(store, how)
+    try:
+        while True:
+            await comm.all_reduce(t)
+    except ac.PeerFailure as failure:
+        detected, ranks = time.time(), list(failure.ranks)
+    new = await comm.shrink()
+    shrunk = time.time()
+    one = torch.ones(4)
+    await new.all_reduce(one)
+    resumed = time.time()
+    assert new.world_size == 2 and one.tolist() == [2.0] * 4, one
+    died = float(store.get("died_at"))
+    await new.close()
+    await comm.close()
+    return {
+        "ranks": ranks,
+        "detect_ms": (detected - died) * 1e3,
+        "shrink_ms": (shrunk - died) * 1e3,
+        "resume_ms": (resumed - died) * 1e3,
+    }
+
+
+def _torch_death(rank: int, store: Any, how: str, timeout: float) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=3,
+        timeout=timedelta(seconds=timeout),
+    )
+    t = torch.ones(256)
+    for _ in range(WARMUP):
+        dist.all_reduce(t)
+    dist.barrier()
+    if rank == VICTIM:
+        _doom(store, how)
+    try:
+        while True:
+            dist.all_reduce(t, async_op=True).wait()
+    except Exception as exc:
+        detected, error = time.time(), f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    died = float(store.get("died_at"))
+    return {"detect_ms": (detected - died) * 1e3, "error": error}
+
+
+# ------------------------------------------------------------------ ranks
+def _rank(scenario: str, rank: int, port: int, prefix: str, params: dict[str, Any], conn: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    store = _client(port, prefix)
+    try:
+        if scenario == "abort":
+            result: Any = asyncio.run(_abort(rank, store, params["reps"], params["waiters"]))
+        elif scenario == "asynccoll":
+            result = asyncio.run(_asynccoll_death(rank, store, params["how"], params["heartbeat"]))
+        else:
+            result = _torch_death(rank, store, params["how"], params["timeout"])
+        conn.send(("ok", result))
+    except BaseException:
+        import traceback
+
+        conn.send(("error", traceback.format_exc()))
+        os._exit(1)
+    conn.close()
+    if scenario == "torch":
+        os._exit(0)  # a torch group broken by a dead peer may hang in its teardown
+
+
+class Launcher:
+    """Hosts the store and starts each scenario's ranks in fresh processes."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "torch.distributed", "asynccoll"])
+        self.store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        self.runs = 0
+
+    def run(
+        self, scenario: str, world_size: int, params: dict[str, Any], lost: tuple[int, ...] = (), limit: float = 120
+    ) -> list[Any]:
+        """Each surviving rank's result (``None`` for the ranks in ``lost``)."""
+        self.runs += 1
+        pipes, procs = [], []
+        for r in range(world_size):
+            parent, child = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(
+                target=_rank, args=(scenario, r, self.store.port, f"run{self.runs}/", params, child), daemon=True
+            )
+            p.start()
+            child.close()
+            pipes.append(parent)
+            procs.append(p)
+        results: list[Any] = [None] * world_size
+        try:
+            deadline = time.monotonic() + limit
+            for r, conn in enumerate(pipes):
+                if r in lost:
+                    continue
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"{scenario}: rank {r} did not answer within {limit} s")
+                status, payload = conn.recv()
+                if status != "ok":
+                    raise RuntimeError(f"{scenario}: rank {r} failed:\n{payload}")
+                results[r] = payload
+        finally:
+            for r in lost:
+                procs[r].kill()  # SIGKILL ends a stopped process too
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return results
+
+
+# --------------------------------------------------------------- driver
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(row[key] for row in rows)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    reps = 2 if quick else 5
+    launcher = Launcher()
+    res: dict[str, Any] = {"reps": reps, "heartbeat_s": HEARTBEAT, "waiters": 100}
+
+    rows = launcher.run("abort", 2, {"reps": reps, "waiters": 100})[0]
+    res["abort"] = {
+        where: {
+            "abort_call_ms": _median([r for r in rows if r["from_thread"] == thread], "abort_call_ms"),
+            "last_waiter_ms": _median([r for r in rows if r["from_thread"] == thread], "last_waiter_ms"),
+            "runs": [r for r in rows if r["from_thread"] == thread],
+        }
+        for where, thread in (("loop", False), ("thread", True))
+    }
+
+    scenarios = {
+        "asynccoll_gloo_killed": ("asynccoll", {"how": "exit", "heartbeat": None}, reps),
+        "asynccoll_heartbeat_frozen": ("asynccoll", {"how": "stop", "heartbeat": HEARTBEAT}, reps),
+        "torch_gloo_killed": ("torch", {"how": "exit", "timeout": 60.0}, reps),
+        "torch_gloo_frozen": ("torch", {"how": "stop", "timeout": TORCH_FROZEN_TIMEOUT}, 1 if quick else 2),
+    }
+    res["death"] = {}
+    for name, (kind, params, n) in scenarios.items():
+        runs = []
+        for _ in range(n):
+            survivors = [r for r in launcher.run(kind, 3, params, lost=(VICTIM,)) if r is not None]
+            # Per repetition: the survivor that got there last (every survivor has recovered).
+            last = {k: max(s[k] for s in survivors) for k in survivors[0] if k.endswith("_ms")}
+            last["ranks"] = sorted({r for s in survivors for r in s.get("ranks", [])})
+            last["error"] = survivors[0].get("error")
+            runs.append(last)
+        row: dict[str, Any] = {k: _median(runs, k) for k in runs[0] if k.endswith("_ms")}
+        row.update(params=params, ranks=runs[0]["ranks"], error=runs[0]["error"], runs=runs)
+        res["death"][name] = row
+    return res
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:9.1f}" if value is not None else f"{'n/a':>9}"
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = [f"abort -> the last of {res['waiters']} awaiting tasks has CommAborted (2 ranks, median of {res['reps']})"]
+    lines.append(f"{'abort() called':>16} {'call ms':>9} {'last ms':>9}   goal <= 50 ms")
+    for where, row in res["abort"].items():
+        lines.append(f"{'on the ' + where if where == 'loop' else 'from a thread':>16} {row['abort_call_ms']:9.3f} {row['last_waiter_ms']:9.3f}")
+    lines.append("")
+    lines.append(f"peer death -> detected -> shrink 3->2 done -> first all_reduce done (ms after death, median of reps,")
+    lines.append("slowest survivor); asynccoll heartbeat interval: 0.5 s census (default), "
+                 f"{res['heartbeat_s']} s detection; torch frozen: op timeout {TORCH_FROZEN_TIMEOUT:g} s")
+    lines.append(f"{'scenario':<28} {'detected':>9} {'shrunk':>9} {'resumed':>9}  named / error")
+    for name, row in res["death"].items():
+        named = str(row["ranks"]) if name.startswith("asynccoll") else (row["error"] or "")[:60]
+        lines.append(
+            f"{name:<28} {_ms(row.get('detect_ms'))} {_ms(row.get('shrink_ms'))} {_ms(row.get('resume_ms'))}  {named}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    ap.add_argument("--json", default="bench/results/faults.json", help="where to write the results")
+    args = ap.parse_args(argv)
+    res = run(quick=args.quick)
+    print(_table(res))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
