@@ -30,6 +30,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import statistics
 import sys
@@ -88,18 +89,23 @@ async def _abort(rank: int, store: Any, reps: int, waiters: int) -> list[dict[st
             works = [comm.all_reduce(torch.ones(4)) for _ in range(waiters)]
             tasks = [asyncio.create_task(waiter(w)) for w in works]
             await asyncio.sleep(0.05)  # every task is parked on its Work
-            if from_thread:
-                thread = threading.Thread(target=comm.abort, args=("bench",))
-                t0 = time.perf_counter()
-                thread.start()
-                call = 0.0
-            else:
-                t0 = time.perf_counter()
+            calls: list[float] = []
+
+            def abort() -> None:
+                start = time.perf_counter()
                 comm.abort("bench")
-                call = time.perf_counter() - t0
+                calls.append(time.perf_counter() - start)
+
+            t0 = time.perf_counter()
+            if from_thread:
+                thread = threading.Thread(target=abort)
+                thread.start()
+            else:
+                abort()
             await asyncio.gather(*tasks)
             if from_thread:
                 thread.join()
+            call = calls[0]
             assert len(ends) == waiters, (len(ends), waiters)
             rows.append({"from_thread": from_thread, "abort_call_ms": call * 1e3, "last_waiter_ms": (max(ends) - t0) * 1e3})
             store.set(key, "1")
@@ -174,7 +180,9 @@ def _torch_death(rank: int, store: Any, how: str, timeout: float) -> dict[str, A
         while True:
             dist.all_reduce(t, async_op=True).wait()
     except Exception as exc:
-        detected, error = time.time(), f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        # Gloo's message starts with its source location: keep what follows.
+        text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0])
+        detected, error = time.time(), f"{type(exc).__name__}: {text[:80]}"
     died = float(store.get("died_at"))
     return {"detect_ms": (detected - died) * 1e3, "error": error}
 
@@ -230,6 +238,7 @@ class Launcher:
             pipes.append(parent)
             procs.append(p)
         results: list[Any] = [None] * world_size
+        started = time.monotonic()
         try:
             deadline = time.monotonic() + limit
             for r, conn in enumerate(pipes):
@@ -249,6 +258,7 @@ class Launcher:
                 if p.is_alive():
                     p.kill()
                     p.join()
+            print(f"  {scenario} {params}: {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
         return results
 
 
