@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]" pytest-timeout psutil
+	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
 venv: $(BIN)/.installed

@@ -57,7 +57,7 @@ class StreamSet:
         if self._priority is None:
             require_cuda("StreamSet.priority")
             # priority_range() is (least, greatest); numerically lower is higher priority.
-            self._priority = min(torch.cuda.Stream.priority_range())
+            self._priority = min(torch.cuda.Stream.priority_range())  # type: ignore[call-arg]
         return self._priority
 
     def __len__(self) -> int:

@@ -26,6 +26,8 @@ touches CUDA through :class:`CudaRuntime`; tests substitute fakes for both.
 
 from __future__ import annotations
 
+import functools
+
 import asyncio
 import collections
 import contextlib
@@ -314,7 +316,7 @@ class NcclBackend(Backend):
         # A stream wait already enqueued is not affected by re-recording the event.
         rt.events.release(job.ready)
         job.ready = None
-        post: list[Callable[[], None]] = []
+        post: list[Callable[[], object]] = []
         handle = rt.handle(rt.comm_stream)
         try:
             with self._nccl_lock:
@@ -359,11 +361,11 @@ class NcclBackend(Backend):
             self._inflight.append(job)
         self._mark(job, _LAUNCHED)
         try:
-            self._watcher.watch(job.done, self._completed, job, on_fail=lambda exc, job=job: self._watch_failed(job, exc))
+            self._watcher.watch(job.done, self._completed, job, on_fail=functools.partial(self._watch_failed, job))
         except Exception as exc:  # watcher closed by abort/close
             self._watch_failed(job, exc)
 
-    def _enqueue(self, spec: OpSpec, stream: int, post: list[Callable[[], None]]) -> None:
+    def _enqueue(self, spec: OpSpec, stream: int, post: list[Callable[[], object]]) -> None:
         """Issue the NCCL call(s) of one op (the caller holds ``_nccl_lock``)."""
         comm, kind, ws = self._comm, spec.kind, self.world_size
         t, out = spec.tensor, spec.output
@@ -404,7 +406,7 @@ class NcclBackend(Backend):
                             comm.recv(_raw(outs[p]), p, stream=stream)
                 finally:
                     self._lib.group_end()
-                post.append(lambda o=outs[root], i=t: o.copy_(i))
+                post.append(functools.partial(outs[root].copy_, t))
         elif kind is OpKind.SCATTER:
             root = spec.peer
             if self.rank != root:
@@ -418,7 +420,7 @@ class NcclBackend(Backend):
                             comm.send(_raw(ins[p]), p, stream=stream)
                 finally:
                     self._lib.group_end()
-                post.append(lambda o=out, i=ins[root]: o.copy_(i))
+                post.append(functools.partial(out.copy_, ins[root]))
         elif kind is OpKind.SEND:
             comm.send(_raw(t), spec.peer, stream=stream)
         elif kind is OpKind.RECV:
@@ -431,7 +433,7 @@ class NcclBackend(Backend):
         else:  # pragma: no cover - OpKind is closed
             raise InvalidArgument(f"unsupported op {kind}")
 
-    def _reducible(self, t: torch.Tensor, op: ReduceOp, post: list[Callable[[], None]]) -> tuple[torch.Tensor, Any]:
+    def _reducible(self, t: torch.Tensor, op: ReduceOp, post: list[Callable[[], object]]) -> tuple[torch.Tensor, Any]:
         """The tensor view and NCCL op to reduce ``t`` with ``op``; queues fix-ups on ``post``."""
         if t.dtype is torch.bool:  # as uint8: SUM/MAX = logical or, PROD/MIN = logical and
             op = ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN

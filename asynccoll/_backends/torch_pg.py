@@ -149,7 +149,7 @@ class TorchGroupBackend(Backend):
                 self._opts_cache[key] = opts
         return opts
 
-    def _reduce(self, spec: OpSpec, tensor: torch.Tensor) -> tuple[Any, Callable[[], None] | None]:
+    def _reduce(self, spec: OpSpec, tensor: torch.Tensor) -> tuple[Any, Callable[[], object] | None]:
         """The torch reduce op for ``spec``, and a fix-up to run on success (AVG emulation)."""
         op = spec.reduce_op
         if op is not ReduceOp.AVG or (self._native_avg and tensor.is_floating_point()):
@@ -159,11 +159,11 @@ class TorchGroupBackend(Backend):
             return dist.ReduceOp.SUM, lambda: tensor.div_(ws)
         return dist.ReduceOp.SUM, lambda: tensor.copy_(torch.div(tensor, ws, rounding_mode="floor"))
 
-    def _complete(self, work: Work, torch_work: Any, fixup: Callable[[], None] | None, p2p: bool) -> None:
+    def _complete(self, work: Work, torch_work: Any, fixup: Callable[[], object] | None, p2p: bool) -> None:
         waiter = self._p2p_waiter if p2p else self._waiter
         waiter.watch(torch_work, lambda exc: self._finish(work, exc, fixup))
 
-    def _finish(self, work: Work, exc: BaseException | None, fixup: Callable[[], None] | None) -> None:
+    def _finish(self, work: Work, exc: BaseException | None, fixup: Callable[[], object] | None) -> None:
         if self._aborted:
             # Gloo may report force-completed works as successes after an abort.
             return
@@ -232,7 +232,7 @@ class TorchGroupBackend(Backend):
 
         flatten.submit_batch(self, specs, works, self._pg.rank(), self._world_size)
 
-    def _avg_fixup(self, out: torch.Tensor, spec: OpSpec) -> Callable[[], None]:
+    def _avg_fixup(self, out: torch.Tensor, spec: OpSpec) -> Callable[[], object]:
         ws = self._world_size
         if out.is_floating_point() or out.is_complex():
             return lambda: out.div_(ws)

@@ -48,6 +48,18 @@ def _fresh_abort_error(error: BaseException) -> CommAborted:
     return exc
 
 
+def _weak(method: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``method`` called through a weak reference to its object (for background threads)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(arg: Any) -> None:
+        fn = ref()
+        if fn is not None:
+            fn(arg)
+
+    return call
+
+
 class Communicator:
     """A group of ranks running collectives; every collective returns an awaitable Work.
 
@@ -93,20 +105,18 @@ class Communicator:
         self._error: BaseException | None = None
         self._seq = 0
         self._pending: dict[int, Work] = {}
-        expired = weakref.WeakMethod(self._expired)  # the timer must not keep us alive
         pending = self._pending
         self._deadlines = DeadlineTimer(
-            lambda seq: (fn := expired()) is not None and fn(seq),
+            _weak(self._expired),  # the timer thread must not keep us alive
             is_live=pending.__contains__,
             count_live=pending.__len__,
             name=f"asynccoll-deadlines-r{rank}",
         )
         self._liveness: Liveness | None = None
         if heartbeat and store is not None and world_size > 1:
-            failed = weakref.WeakMethod(self._abort)
             self._liveness = Liveness(
                 store, rank, world_size, interval=heartbeat, detect=detect_failures,
-                on_failure=lambda exc: (fn := failed()) is not None and fn(exc),
+                on_failure=_weak(self._abort),
             )
             for backend in self._backends.values():
                 if hasattr(backend, "census"):

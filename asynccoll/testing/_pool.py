@@ -212,10 +212,10 @@ class RankPool:
 
         self.world_size = world_size
         self._ctx = _mp_context(start_method)
-        self._server = dist.TCPStore(
+        self._server: dist.TCPStore | None = dist.TCPStore(
             _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
-        self._port = self._server.port
+        self._port = self._server.port  # type: ignore[union-attr]
         self._lock = threading.RLock()
         self._runs = 0
         self._closed = False
@@ -438,12 +438,12 @@ class RankPool:
             for conn in multiprocessing.connection.wait(list(conns), timeout=end - time.monotonic()):
                 r = conns[conn]  # type: ignore[index]
                 try:
-                    msg = conn.recv()  # type: ignore[union-attr]
+                    msg = conn.recv()  # type: ignore[union-attr,call-arg]
                 except (EOFError, OSError):
                     tasks[r] = "(no answer: the process is gone)\n"
                     continue
                 if msg[0] == "stacks":
-                    tasks[r] = msg[1]
+                    tasks[r] = str(msg[1])
         time.sleep(0.2)  # faulthandler writes from the signal handler, at once
         out = {}
         for r in ranks:
