@@ -181,7 +181,7 @@ async def _build(
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
     # for; otherwise a slower census-only beat that names ranks Gloo lost.
     detect = heartbeat is not None or use_nccl
-    interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.5)
+    interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
 
     async def rebuild(new_rank: int, new_size: int, suffix: str) -> Communicator:
         return await _build(
@@ -248,8 +248,8 @@ def init(
 
     ``heartbeat`` (an asynccoll extension): seconds between liveness beats through
     the store. ``None`` (default): NCCL detects dead peers with 1 s beats; Gloo,
-    which reports a dead peer's closed connection by itself, beats every 0.5 s only
-    to name the failed rank. A number turns detection on for every backend (a peer
+    which reports a dead peer's closed connection by itself, beats every 0.25 s
+    only to name the failed rank (a census of up to 3 beats after the failure). A number turns detection on for every backend (a peer
     silent for 3 beats raises ``PeerFailure``); ``0`` turns heartbeats off.
     """
     return _Init(

@@ -64,9 +64,43 @@ async def _poll(store: Any, key: str, seconds: float = 60.0) -> None:
 
 
 # ------------------------------------------------------------------- abort
-async def _abort(rank: int, store: Any, reps: int, waiters: int) -> list[dict[str, float]]:
+async def _abort_once(comm: Any, waiters: int, from_thread: bool) -> tuple[float, float]:
+    """Abort with ``waiters`` tasks parked on pending Works: (to the last ``CommAborted``, the call)."""
     import torch
 
+    import asynccoll as ac
+
+    ends: list[float] = []
+    calls: list[float] = []
+
+    async def waiter(work: ac.Work) -> None:
+        try:
+            await work
+        except ac.CommAborted:
+            ends.append(time.perf_counter())
+
+    def abort() -> None:
+        start = time.perf_counter()
+        comm.abort("bench")
+        calls.append(time.perf_counter() - start)
+
+    works = [comm.all_reduce(torch.ones(4)) for _ in range(waiters)]  # the peer never joins
+    tasks = [asyncio.create_task(waiter(w)) for w in works]
+    await asyncio.sleep(0.05)  # every task is parked on its Work
+    t0 = time.perf_counter()
+    if from_thread:
+        thread = threading.Thread(target=abort)
+        thread.start()
+    else:
+        abort()
+    await asyncio.gather(*tasks)
+    if from_thread:
+        thread.join()
+    assert len(ends) == waiters, (len(ends), waiters)
+    return max(ends) - t0, calls[0]
+
+
+async def _abort(rank: int, store: Any, reps: int, waiters: int) -> list[dict[str, Any]]:
     import asynccoll as ac
 
     rows = []
@@ -78,36 +112,8 @@ async def _abort(rank: int, store: Any, reps: int, waiters: int) -> list[dict[st
                 await _poll(store, key)
                 await comm.close()
                 continue
-            ends: list[float] = []
-
-            async def waiter(work: ac.Work) -> None:
-                try:
-                    await work
-                except ac.CommAborted:
-                    ends.append(time.perf_counter())
-
-            works = [comm.all_reduce(torch.ones(4)) for _ in range(waiters)]
-            tasks = [asyncio.create_task(waiter(w)) for w in works]
-            await asyncio.sleep(0.05)  # every task is parked on its Work
-            calls: list[float] = []
-
-            def abort() -> None:
-                start = time.perf_counter()
-                comm.abort("bench")
-                calls.append(time.perf_counter() - start)
-
-            t0 = time.perf_counter()
-            if from_thread:
-                thread = threading.Thread(target=abort)
-                thread.start()
-            else:
-                abort()
-            await asyncio.gather(*tasks)
-            if from_thread:
-                thread.join()
-            call = calls[0]
-            assert len(ends) == waiters, (len(ends), waiters)
-            rows.append({"from_thread": from_thread, "abort_call_ms": call * 1e3, "last_waiter_ms": (max(ends) - t0) * 1e3})
+            last, call = await _abort_once(comm, waiters, from_thread)
+            rows.append({"from_thread": from_thread, "abort_call_ms": call * 1e3, "last_waiter_ms": last * 1e3})
             store.set(key, "1")
             await comm.close()
     return rows
@@ -180,7 +186,7 @@ def _torch_death(rank: int, store: Any, how: str, timeout: float) -> dict[str, A
     try:
         while True:
             dist.all_reduce(t, async_op=True).wait()
-    except Exception as exc:
+    except RuntimeError as exc:  # torch's DistBackendError is one
         # Gloo's message starts with its source location: keep what follows.
         text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0])
         detected, error = time.time(), f"{type(exc).__name__}: {text[:80]}"
@@ -202,11 +208,11 @@ def _rank(scenario: str, rank: int, port: int, prefix: str, params: dict[str, An
         else:
             result = _torch_death(rank, store, params["how"], params["timeout"])
         conn.send(("ok", result))
-    except BaseException:
+    except BaseException as exc:  # report, then exit non-zero
         import traceback
 
         conn.send(("error", traceback.format_exc()))
-        os._exit(1)
+        raise SystemExit(1) from exc
     conn.close()
     if scenario != "abort":
         os._exit(0)  # a Gloo group broken by a lost peer may wait for its timeout in teardown
@@ -283,7 +289,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         for where, thread in (("loop", False), ("thread", True))
     }
 
-    scenarios = {
+    scenarios: dict[str, tuple[str, dict[str, Any], int]] = {
         "asynccoll_gloo_killed": ("asynccoll", {"how": "exit", "heartbeat": None}, reps),
         "asynccoll_heartbeat_frozen": ("asynccoll", {"how": "stop", "heartbeat": HEARTBEAT}, reps),
         "torch_gloo_killed": ("torch", {"how": "exit", "timeout": 60.0}, reps),
@@ -315,7 +321,7 @@ def _table(res: dict[str, Any]) -> str:
     for where, row in res["abort"].items():
         lines.append(f"{'on the ' + where if where == 'loop' else 'from a thread':>16} {row['abort_call_ms']:9.3f} {row['last_waiter_ms']:9.3f}")
     lines.append("")
-    lines.append(f"peer death -> detected -> shrink 3->2 done -> first all_reduce done (ms after death, median of reps,")
+    lines.append("peer death -> detected -> shrink 3->2 done -> first all_reduce done (ms after death, median of reps,")
     lines.append("slowest survivor); asynccoll heartbeat interval: 0.5 s census (default), "
                  f"{res['heartbeat_s']} s detection; torch frozen: op timeout {TORCH_FROZEN_TIMEOUT:g} s")
     lines.append(f"{'scenario':<28} {'detected':>9} {'shrunk':>9} {'resumed':>9}  named / error")

@@ -10,7 +10,7 @@ its shard of a synthetic data set and the ranks average it with one
 writes the time to the store and kills itself. The survivors' all_reduce raises
 ``ac.PeerFailure`` naming the dead rank; they call ``comm.shrink()`` to get a
 communicator of the survivors (ranks renumbered), re-shard the data over it, redo the
-interrupted step and finish. Rank 0 prints the timeline.
+interrupted step and finish. Rank 0 (of the survivors) prints the timeline.
 
 The rendezvous store must outlive any rank, so no rank hosts it: started here, the
 launcher process hosts it (as torchrun's agent does) and every rank is a client.
@@ -66,12 +66,12 @@ async def train(args: argparse.Namespace) -> None:
 
     x, y = dataset()
     model = torch.nn.Linear(FEATURES, 1)
-    torch.manual_seed(1)
     torch.nn.init.zeros_(model.weight)             # same start on every rank
     torch.nn.init.zeros_(model.bias)
     params = list(model.parameters())
 
-    step, first_loss, resumed = 0, None, True
+    step, resumed = 0, True
+    first_loss = mean_loss = float("nan")
     while step < args.steps:
         if me == args.kill_rank and step == args.kill_step:
             store.set("killed_at", repr(time.time()))
@@ -90,8 +90,8 @@ async def train(args: argparse.Namespace) -> None:
         except ac.PeerFailure as failure:
             timeline.append((time.time(), "detected", f"PeerFailure, ranks {list(failure.ranks)}"))
             old, comm = comm, await comm.shrink()          # the survivors, renumbered 0..n-1
-            await old.close()                              # releases what the aborted one holds
             timeline.append((time.time(), "shrunk", f"{old.world_size} -> {comm.world_size} ranks"))
+            await old.close()                              # releases what the aborted one holds
             killed_at = float(await asyncio.to_thread(store.get, "killed_at"))
             timeline.insert(0, (killed_at, "failure", f"rank {args.kill_rank} killed at step {step}"))
             resumed = False
@@ -103,10 +103,11 @@ async def train(args: argparse.Namespace) -> None:
         with torch.no_grad():
             offset = 0
             for p in params:
-                p -= args.lr * flat[offset : offset + p.numel()].view_as(p)
+                p.sub_(args.lr * flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         mean_loss = float(flat[-1])
-        first_loss = mean_loss if first_loss is None else first_loss
+        if step == 0:
+            first_loss = mean_loss
         if comm.rank == 0 and step % 10 == 0:
             print(f"step {step:3d}  loss {mean_loss:8.4f}  ({comm.world_size} ranks)", flush=True)
         step += 1
@@ -124,7 +125,7 @@ async def train(args: argparse.Namespace) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="train on 3 ranks, kill one, shrink, finish")
-    ap.add_argument("--kill-rank", type=int, default=2, help="the rank that dies (not 0: it prints)")
+    ap.add_argument("--kill-rank", type=int, default=2, help="the rank that dies")
     ap.add_argument("--kill-step", type=int, default=20, help="the step at which it dies")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--lr", type=float, default=0.05)
@@ -142,8 +143,8 @@ def _local_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
 def launch(argv: list[str], world_size: int = 3) -> int:
     """Host the store here, start the ranks, wait; 0 when every survivor finished."""
     args = parse(argv)
-    if not 0 < args.kill_rank < world_size:
-        raise SystemExit(f"--kill-rank must be 1..{world_size - 1} (rank 0 prints the report)")
+    if not 0 <= args.kill_rank < world_size:
+        raise SystemExit(f"--kill-rank must be 0..{world_size - 1}")
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_local_rank, args=(r, world_size, store.port, argv)) for r in range(world_size)]

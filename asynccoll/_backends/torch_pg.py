@@ -248,15 +248,23 @@ class TorchGroupBackend(Backend):
             pass
 
     def close(self) -> None:
-        self._waiter.stop(join_timeout=2.0)
-        self._p2p_waiter.stop(join_timeout=2.0)
+        # After an abort the waiters may sit in an op Gloo never finishes: no join.
+        join = 0.0 if self._aborted else 2.0
+        self._waiter.stop(join_timeout=join)
+        self._p2p_waiter.stop(join_timeout=join)
         pg, self._pg = self._pg, None
         if pg is None:
             return
         if self._aborted:
-            # An aborted Gloo group may still run an op that never completes; its
-            # destructor joins its worker threads, so drop it on a thread of its own.
-            threading.Thread(target=lambda _pg: None, args=(pg,), daemon=True, name="asynccoll-reaper").start()
+            # Gloo's destructor joins its worker threads, which may be stuck in an
+            # op until Gloo's own timeout: let the last reference go on a thread of
+            # its own, never here.
+            threading.Thread(target=_release, args=([pg],), daemon=True, name="asynccoll-reaper").start()
+            del pg
         # Otherwise the last reference goes here, on the executor thread. No
         # pg.shutdown(): measured here, it makes ~1 in 3 processes abort at exit
         # ("terminate called without an active exception").
+
+
+def _release(box: list[Any]) -> None:
+    box.clear()  # drops the only reference, on this thread

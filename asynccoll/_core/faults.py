@@ -54,6 +54,8 @@ class Liveness:
         self._lock = threading.Lock()
         self._last: dict[int, tuple[int, float]] = {}
         self._dead: set[int] = set()
+        self._census_lock = threading.Lock()
+        self._census: tuple[int, ...] | None = None
         self._thread = threading.Thread(target=self._run, name=f"asynccoll-liveness-r{rank}", daemon=True)
 
     def start(self) -> None:
@@ -91,26 +93,41 @@ class Liveness:
 
     # ---------------------------------------------------------------- census
     def census(self) -> tuple[int, ...]:
-        """Ranks whose heartbeat stops moving (waits up to ``misses`` intervals).
+        """Ranks that show no sign of life within ``misses`` intervals.
 
-        Returns early once every other rank has shown a beat. Store errors make it
-        return what is known so far.
+        A rank counts as alive once its heartbeat counter moves or it answers the
+        census itself (a survivor that saw the same failure answers at once). Only
+        the first call waits; later ones (another thread, the same failure) reuse
+        the answer. Store errors make it return what is known so far.
         """
+        with self._census_lock:
+            if self._census is None:
+                self._census = self._take_census()
+            return self._census
+
+    def _take_census(self) -> tuple[int, ...]:
         known = self.dead
         if known:
             return known
+        store = self._store
         try:
+            store.set(f"census/{self._rank}", "1")
             before = {r: self._read(r) for r in self._others()}
-            moved: set[int] = set()
+            alive: set[int] = set()
             deadline = time.monotonic() + self._misses * self.interval
-            while len(moved) < len(before) and time.monotonic() < deadline:
-                time.sleep(self.interval / 4)
+            while True:
                 for r in before:
-                    if r not in moved and self._read(r) != before[r]:
-                        moved.add(r)
+                    if r not in alive and (store.check([f"census/{r}"]) or self._read(r) != before[r]):
+                        alive.add(r)
+                if len(alive) == len(before) or time.monotonic() >= deadline:
+                    break
+                time.sleep(min(0.02, self.interval / 4))
         except Exception:
             return known
-        return tuple(sorted(set(before) - moved))
+        dead = set(before) - alive
+        with self._lock:
+            self._dead.update(dead)
+        return tuple(sorted(dead))
 
     # ---------------------------------------------------------------- thread
     def _run(self) -> None:

@@ -1,0 +1,63 @@
+"""The examples run as a user would run them: ``python examples/<name>.py`` from the repository root."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 120
+
+
+def run_example(name: str, *args: str) -> str:
+    """Run an example in its own process group; on timeout kill the whole group (its ranks too)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{name} did not finish within {TIMEOUT_S} s:\n{out}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the example may outlive it
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{out}"
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_quickstart() -> None:
+    out = run_example("quickstart.py")
+    assert "all_reduce -> [1.0, 1.0, 1.0, 1.0]" in out, out
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_fault_tolerant_survivors_shrink_and_finish() -> None:
+    out = run_example("fault_tolerant.py")
+    timeline = {
+        what: float(at)
+        for at, what in re.findall(r"^\s+([+-]\d+\.\d+)\s+(failure|detected|shrunk|resumed)\b", out, re.MULTILINE)
+    }
+    assert list(timeline) == ["failure", "detected", "shrunk", "resumed"], out
+    assert timeline["failure"] <= timeline["detected"] <= timeline["shrunk"] <= timeline["resumed"], out
+    assert timeline["resumed"] - timeline["failure"] < 10, out  # recovered in seconds, not at the op deadline
+    assert re.search(r"rank 2 killed at step 20", out), out
+    assert re.search(r"detected\s+PeerFailure, ranks \[2\]", out), out
+    assert re.search(r"shrunk\s+3 -> 2 ranks", out), out
+    assert "survivors: [0, 1]" in out, out
+    losses = re.search(r"final loss (\S+) after \d+ steps \(first (\S+)\)", out)
+    assert losses is not None, out
+    final, first = float(losses[1]), float(losses[2])
+    assert final < first / 10, out
+    assert re.search(r"step\s+\d+\s+loss\s+\S+\s+\(2 ranks\)", out), out  # training went on with 2
