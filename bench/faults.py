@@ -13,7 +13,7 @@ processes are wall-clock (``time.time()``) on one machine.
 * **peer death**, 3 ranks all-reducing in a loop; rank 2 records ``time.time()`` in
   the store and then dies:
   - asynccoll, Gloo default (``heartbeat=None``): killed with ``os._exit``; Gloo
-    reports the closed connection, the 0.5 s heartbeat census names the rank;
+    reports the closed connection, the heartbeat census (0.25 s beats) names the rank;
   - asynccoll, ``heartbeat=0.2``: frozen with SIGSTOP (its sockets stay open, so
     Gloo sees nothing); detected after 3 silent beats;
   for both: death -> ``PeerFailure`` -> ``shrink()`` done (3 -> 2) -> first
@@ -322,7 +322,7 @@ def _table(res: dict[str, Any]) -> str:
         lines.append(f"{'on the ' + where if where == 'loop' else 'from a thread':>16} {row['abort_call_ms']:9.3f} {row['last_waiter_ms']:9.3f}")
     lines.append("")
     lines.append("peer death -> detected -> shrink 3->2 done -> first all_reduce done (ms after death, median of reps,")
-    lines.append("slowest survivor); asynccoll heartbeat interval: 0.5 s census (default), "
+    lines.append("slowest survivor); asynccoll heartbeat interval: 0.25 s census (default), "
                  f"{res['heartbeat_s']} s detection; torch frozen: op timeout {TORCH_FROZEN_TIMEOUT:g} s")
     lines.append(f"{'scenario':<28} {'detected':>9} {'shrunk':>9} {'resumed':>9}  named / error")
     for name, row in res["death"].items():
