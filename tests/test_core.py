@@ -25,7 +25,10 @@ async def work_api(comm: ac.Communicator) -> dict:
     called = []
     w.add_done_callback(lambda work: called.append((work is w, threading.get_ident())))
     res = await w
-    await asyncio.sleep(0)  # the callback runs on the loop, soon after
+    for _ in range(200):  # the callback runs on the loop, soon after
+        if called:
+            break
+        await asyncio.sleep(0.005)
     assert res is t and w.done() and w.exception() is None and w.result() is t
     assert called == [(True, threading.get_ident())]
     # A callback added after completion still runs (on the loop).

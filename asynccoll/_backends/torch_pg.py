@@ -67,43 +67,45 @@ class _Waiter:
 
     _STOP = object()
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, finish: Callable[[Work, BaseException | None, Any], None]) -> None:
         self._name = name
+        self._finish = finish
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def watch(self, torch_work: Any, done: Callable[[BaseException | None], None]) -> None:
+    def watch(self, torch_work: Any, work: Work, fixup: Any) -> None:
+        """Wait for ``torch_work`` after those before it, then ``finish(work, exc, fixup)``."""
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                     self._thread.start()
-        self._queue.put((torch_work, done))
+        self._queue.put((torch_work, work, fixup))
 
     def stop(self, join_timeout: float = 0.0) -> None:
         """Stop after the op being waited on; queued outcomes are dropped."""
-        self._queue.put((self._STOP, None))
+        self._queue.put((self._STOP, None, None))
         thread = self._thread
         if join_timeout and thread is not None and thread is not threading.current_thread():
             thread.join(join_timeout)
 
     def _run(self) -> None:
-        get = self._queue.get
+        get, finish = self._queue.get, self._finish
         while True:
-            torch_work, done = get()
+            torch_work, work, fixup = get()
             if torch_work is self._STOP:
                 return
             try:
                 torch_work.wait()
             except Exception as exc:
-                done(exc)
+                finish(work, exc, fixup)
             else:
-                done(None)
+                finish(work, None, fixup)
             # Drop the torch Work now, not at the next get(): its destructor
             # releases and retakes the GIL, which aborts the process if it
             # happens on a daemon thread during interpreter shutdown.
-            del torch_work, done
+            del torch_work, work, fixup
 
 
 class TorchGroupBackend(Backend):
@@ -127,12 +129,14 @@ class TorchGroupBackend(Backend):
         self._native_avg = native_avg
         # Collectives complete in issue order; p2p ops may not, so they get their
         # own waiter and a slow recv does not hold back collective completions.
-        self._waiter = _Waiter(f"asynccoll-{name}-waiter")
-        self._p2p_waiter = _Waiter(f"asynccoll-{name}-p2p-waiter")
+        self._waiter = _Waiter(f"asynccoll-{name}-waiter", self._finish)
+        self._p2p_waiter = _Waiter(f"asynccoll-{name}-p2p-waiter", self._finish)
         self._aborted = False
         #: Set by the communicator: names the ranks that failed (heartbeat census).
         self.census: Callable[[], tuple[int, ...]] | None = None
         self._opts_cache: dict[tuple[Any, ...], Any] = {}
+        self._sum_opts = c10d.AllreduceOptions()  # the hot path: all_reduce SUM
+        self._sum_opts.reduceOp = dist.ReduceOp.SUM
 
     # -- helpers ---------------------------------------------------------
     def _opts(self, cls: Any, spec: OpSpec, **fields: Any) -> Any:
@@ -161,7 +165,7 @@ class TorchGroupBackend(Backend):
 
     def _complete(self, work: Work, torch_work: Any, fixup: Callable[[], object] | None, p2p: bool) -> None:
         waiter = self._p2p_waiter if p2p else self._waiter
-        waiter.watch(torch_work, lambda exc: self._finish(work, exc, fixup))
+        waiter.watch(torch_work, work, fixup)
 
     def _finish(self, work: Work, exc: BaseException | None, fixup: Callable[[], object] | None) -> None:
         if self._aborted:
@@ -187,6 +191,13 @@ class TorchGroupBackend(Backend):
     # -- Backend -----------------------------------------------------------
     def submit(self, spec: OpSpec, work: Work) -> None:
         pg, kind, t = self._pg, spec.kind, spec.tensor
+        if kind is OpKind.ALL_REDUCE and spec.reduce_op is ReduceOp.SUM and spec.timeout <= self._timeout:
+            try:  # the most common op, without the general dispatch below
+                tw = pg.allreduce([t], self._sum_opts)
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise InvalidArgument(f"all_reduce: {self.name} rejected the arguments: {exc}") from exc
+            self._waiter.watch(tw, work, None)
+            return
         fixup = None
         try:
             if kind is OpKind.ALL_REDUCE:

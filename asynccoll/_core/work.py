@@ -52,7 +52,6 @@ class Work:
         self,
         op: str,
         seq: int,
-        *,
         value: Any = None,
         keep: Any = None,
         loop: asyncio.AbstractEventLoop | None = None,

@@ -24,6 +24,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from .._core.errors import CommAborted
 from . import _worker
 from ._errors import RanksTimedOut, RemoteTraceback
 
@@ -393,6 +394,9 @@ class RankPool:
         ]
         stacks = self._dump_stacks(stuck) if stuck else {}
         if failures:
+            # The root cause first: a rank whose error is only the news of another
+            # rank's abort (CommAborted) yields to the rank that failed on its own.
+            failures.sort(key=lambda f: (isinstance(f[1].error, CommAborted), f[0]))
             r, first = failures[0]
             others = [o.summary for rr, o in failures[1:]]
             others += [f"rank {s}: still running, killed after the failure" for s in stuck]
