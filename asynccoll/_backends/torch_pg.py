@@ -96,16 +96,18 @@ class _Waiter:
             torch_work, work, fixup = get()
             if torch_work is self._STOP:
                 return
+            error: BaseException | None = None
             try:
                 torch_work.wait()
             except Exception as exc:
-                finish(work, exc, fixup)
-            else:
-                finish(work, None, fixup)
-            # Drop the torch Work now, not at the next get(): its destructor
-            # releases and retakes the GIL, which aborts the process if it
-            # happens on a daemon thread during interpreter shutdown.
-            del torch_work, work, fixup
+                error = exc
+            # Drop the torch Work before waking anyone: its destructor releases and
+            # retakes the GIL, which (a) aborts the process if it happens on a
+            # daemon thread during interpreter shutdown, and (b) after the wake-up
+            # would compete with the woken event loop for the GIL.
+            del torch_work
+            finish(work, error, fixup)
+            del work, fixup, error
 
 
 class TorchGroupBackend(Backend):
