@@ -109,7 +109,6 @@ class Communicator:
         self._deadlines = DeadlineTimer(
             _weak(self._expired),  # the timer thread must not keep us alive
             is_live=pending.__contains__,
-            count_live=pending.__len__,
             name=f"asynccoll-deadlines-r{rank}",
         )
         self._liveness: Liveness | None = None

@@ -1,9 +1,9 @@
 """One timer thread per communicator that enforces every operation's deadline.
 
 Deadlines live in a heap with lazy deletion: nothing is removed when a Work
-settles; the thread asks ``is_live(key)`` when an entry comes due, and the heap
-is compacted when stale entries dominate, so a high rate of short operations
-does not grow memory. ``add`` takes no lock in the common case (``heappush`` is
+settles; the thread asks ``is_live(key)`` when an entry comes due, and ``add``
+compacts the heap whenever it has doubled over the live entries, so a high rate
+of short operations does not grow memory. ``add`` takes no lock in the common case (``heappush`` is
 atomic under the GIL), and the sleeping thread is woken only when a new deadline
 is earlier than the one it sleeps towards. With nothing due, the thread sleeps
 for the shortest timeout seen so far: any later ``add`` with a timeout at least
@@ -28,18 +28,17 @@ class DeadlineTimer:
         self,
         on_expire: Callable[[int], None],
         is_live: Callable[[int], bool],
-        count_live: Callable[[], int],
         name: str = "asynccoll-deadlines",
     ) -> None:
         self._on_expire = on_expire
         self._is_live = is_live
-        self._count_live = count_live
         self._name = name
         self._cond = threading.Condition(threading.Lock())
         self._heap: list[tuple[float, int]] = []
         # When the thread will next look at the heap (inf: sleeping until notified).
         self._wake_at = math.inf
         self._horizon = math.inf  # the shortest timeout ever added
+        self._compact_at = 1024  # heap size that triggers dropping settled entries
         self._thread: threading.Thread | None = None
         self._stopped = False
 
@@ -48,7 +47,10 @@ class DeadlineTimer:
         a ``time.monotonic()`` instant, when given)."""
         if deadline is None:
             deadline = time.monotonic() + timeout
-        heapq.heappush(self._heap, (deadline, key))
+        heap = self._heap
+        heapq.heappush(heap, (deadline, key))
+        if len(heap) > self._compact_at:
+            self._compact()
         if timeout < self._horizon:
             self._horizon = timeout
             self._kick()
@@ -77,13 +79,19 @@ class DeadlineTimer:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def _compact(self) -> None:
+        """Drop settled entries (amortised O(1) per ``add``: it runs when the heap
+        has doubled over the live count since the last compaction)."""
+        with self._cond:
+            is_live = self._is_live
+            live = [entry for entry in self._heap if is_live(entry[1])]
+            heapq.heapify(live)
+            self._heap = live
+            self._compact_at = 2 * len(live) + 1024
+
     def _due(self) -> list[int]:
         """Pop the entries that are due; return the live ones. Sets ``_wake_at``."""
         heap, is_live = self._heap, self._is_live
-        if len(heap) > 2 * self._count_live() + 64:
-            live = [entry for entry in heap if is_live(entry[1])]
-            heapq.heapify(live)
-            self._heap = heap = live
         now = time.monotonic()
         expired = []
         while heap:
