@@ -311,3 +311,29 @@ async def wrap_existing_group(ctx: RankContext) -> list[float]:
 def test_wrap_existing_process_group() -> None:
     results = run_ranks(wrap_existing_group, world_size=2, backend=None, timeout=60)
     assert results == [[2.0, 2.0, 2.0, 0.0, 0.0, 1.0, 1.0]] * 2
+
+
+async def issued_from_a_thread(comm: ac.Communicator) -> list[float]:
+    """Synchronous code on another thread (no event loop there) issues and waits."""
+
+    def sync_part() -> list[float]:
+        t = torch.full((3,), float(comm.rank + 1))
+        w = comm.all_reduce(t)
+        called = []
+        w.add_done_callback(called.append)  # no loop here: runs on the settling thread
+        assert w.wait(timeout=30) is t
+        deadline = time.monotonic() + 5  # the callback runs right after the wake-up
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert called == [w]
+        return t.tolist()
+
+    result = await asyncio.to_thread(sync_part)
+    t = torch.ones(1)
+    await comm.all_reduce(t)  # and the loop side still works afterwards
+    return result + t.tolist()
+
+
+def test_ops_issued_from_a_thread_without_a_loop() -> None:
+    results = run_ranks(issued_from_a_thread, world_size=2, backend="gloo", timeout=60)
+    assert results == [[3.0, 3.0, 3.0, 2.0]] * 2

@@ -8,6 +8,7 @@ wakes its event loop through a batched waker.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from datetime import timedelta
@@ -62,13 +63,20 @@ class _Waiter:
 
     Measured here, a thread blocked in ``work.wait()`` wakes the event loop faster
     than a future done-callback (which must take the GIL inside Gloo's worker
-    thread): about 1.0x torch's own ``wait()`` against 1.3-1.5x per small op.
+    thread). Successes of Works issued from an event loop are not settled here:
+    they are handed to that loop in batches (``_BATCH`` at most), and handed over
+    before this thread blocks. Settling them here would keep the GIL on this
+    thread through a burst of completions while the loop waits for it: the
+    interpreter's 5 ms switch interval then shows up as event-loop lag.
     """
 
     _STOP = object()
+    _BATCH = 64
 
-    def __init__(self, name: str, finish: Callable[[Work, BaseException | None, Any], None]) -> None:
+    def __init__(self, name: str, finish: Callable[[Work, BaseException | None, Any], Any]) -> None:
         self._name = name
+        # finish(work, error, fixup) -> the Work's loop waker when its success is
+        # to be settled on that loop, else None (settled or failed already).
         self._finish = finish
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -91,23 +99,58 @@ class _Waiter:
             thread.join(join_timeout)
 
     def _run(self) -> None:
-        get, finish = self._queue.get, self._finish
+        get, get_nowait, finish = self._queue.get, self._queue.get_nowait, self._finish
+        backlog: collections.deque[Any] = collections.deque()
+        ready: dict[Any, list[Work]] = {}
+        count = 0
         while True:
-            torch_work, work, fixup = get()
+            if backlog:
+                torch_work, work, fixup = backlog.popleft()
+            else:
+                if ready:
+                    _hand_over(ready)
+                    count = 0
+                torch_work, work, fixup = get()
             if torch_work is self._STOP:
                 return
+            if ready and not torch_work.is_completed():
+                _hand_over(ready)  # about to block: deliver what is done first
+                count = 0
             error: BaseException | None = None
             try:
                 torch_work.wait()
             except Exception as exc:
                 error = exc
-            # Drop the torch Work before waking anyone: its destructor releases and
-            # retakes the GIL, which (a) aborts the process if it happens on a
-            # daemon thread during interpreter shutdown, and (b) after the wake-up
-            # would compete with the woken event loop for the GIL.
+            # Drop the torch Work now: its destructor releases and retakes the GIL,
+            # which aborts the process if it happens on a daemon thread during
+            # interpreter shutdown (so never leave it to the next get()).
             del torch_work
-            finish(work, error, fixup)
+            waker = finish(work, error, fixup)
+            if waker is not None:
+                ready.setdefault(waker, []).append(work)
+                count += 1
+                if count >= self._BATCH:
+                    _hand_over(ready)
+                    count = 0
             del work, fixup, error
+            while True:  # take what was queued meanwhile, without blocking
+                try:
+                    backlog.append(get_nowait())
+                except queue.Empty:
+                    break
+
+
+def _hand_over(ready: dict[Any, list[Work]]) -> None:
+    """Post each loop's finished Works to it in one call (settled there), then clear."""
+    for waker, works in ready.items():
+        if not waker.post(_settle_all, works):
+            _settle_all(works)  # the loop is closed: settle here
+    ready.clear()
+
+
+def _settle_all(works: list[Work]) -> None:
+    for work in works:
+        work._set_result()
 
 
 class TorchGroupBackend(Backend):
@@ -138,7 +181,7 @@ class TorchGroupBackend(Backend):
         self.census: Callable[[], tuple[int, ...]] | None = None
         self._opts_cache: dict[tuple[Any, ...], Any] = {}
         self._sum_opts = c10d.AllreduceOptions()  # the hot path: all_reduce SUM
-        self._sum_opts.reduceOp = dist.ReduceOp.SUM
+        self._sum_opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
 
     # -- helpers ---------------------------------------------------------
     def _opts(self, cls: Any, spec: OpSpec, **fields: Any) -> Any:
@@ -169,10 +212,12 @@ class TorchGroupBackend(Backend):
         waiter = self._p2p_waiter if p2p else self._waiter
         waiter.watch(torch_work, work, fixup)
 
-    def _finish(self, work: Work, exc: BaseException | None, fixup: Callable[[], object] | None) -> None:
+    def _finish(self, work: Work, exc: BaseException | None, fixup: Callable[[], object] | None) -> Any:
+        """Outcome of ``work`` (waiter thread). Returns its loop's waker when the
+        success is to be settled there, else None."""
         if self._aborted:
             # Gloo may report force-completed works as successes after an abort.
-            return
+            return None
         if exc is not None:
             err = translate(exc, work)
             census = self.census
@@ -181,14 +226,19 @@ class TorchGroupBackend(Backend):
                 if err.ranks:
                     err.args = (f"{err.args[0]} [failed rank(s): {list(err.ranks)}]",)
             work._set_exception(err)
-            return
+            return None
         if fixup is not None:
             try:
                 fixup()
             except Exception as err:
                 work._set_exception(translate(err, work))
-                return
-        work._set_result()
+                return None
+        # A success is settled on the Work's own event loop, in batches (see
+        # _Waiter). Failures settle here: naming a dead peer may block.
+        waker = work._waker
+        if waker is None:
+            work._set_result()
+        return waker
 
     # -- Backend -----------------------------------------------------------
     def submit(self, spec: OpSpec, work: Work) -> None:
