@@ -170,33 +170,39 @@ def test_many_concurrent_works(backend: str, world_size: int, loop: str) -> None
 
 
 async def heartbeat_while_busy(comm: ac.Communicator) -> dict[str, float]:
-    """A 1 ms heartbeat keeps ticking while large all_reduces run."""
+    """A 1 ms heartbeat keeps ticking while large all_reduces run.
+
+    A blocking ``work.wait()`` would give it no tick at all while the ops run; the
+    check is behavioural (ticks happen during the ops), not a timing bound.
+    """
     loop = asyncio.get_running_loop()
-    lags: list[float] = []
+    ticks_during = 0
+    busy = False
     stop = asyncio.Event()
 
     async def heartbeat() -> None:
+        nonlocal ticks_during
         while not stop.is_set():
-            t0 = loop.time()
             await asyncio.sleep(0.001)
-            lags.append(loop.time() - t0 - 0.001)
+            ticks_during += busy
 
     hb = asyncio.create_task(heartbeat())
     await asyncio.sleep(0.01)
     big = torch.ones(4 << 20, device=comm.device)  # 16 MB
     t0 = loop.time()
-    for _ in range(3):
+    busy = True
+    for _ in range(4):
         await comm.all_reduce(big)
-    op_time = (loop.time() - t0) / 3
+    busy = False
+    op_time = (loop.time() - t0) / 4
     stop.set()
     await hb
-    lags.sort()
-    return {"op_time": op_time, "p99": lags[int(0.99 * (len(lags) - 1))], "ticks": len(lags)}
+    assert float(big[0]) == comm.world_size**4
+    return {"op_time": op_time, "ticks_during": ticks_during}
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_loop_keeps_ticking(loop: str) -> None:
     results = run_ranks(heartbeat_while_busy, world_size=2, backend="gloo", timeout=60, loop=loop)
     for res in results:
-        assert res["ticks"] >= 5, res
-        assert res["p99"] < res["op_time"] / 2, res
+        assert res["ticks_during"] >= 8, res
