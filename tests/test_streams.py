@@ -565,10 +565,13 @@ async def test_wait_event_already_complete_skips_the_watcher() -> None:
 async def test_wait_event_default_watcher_per_device() -> None:
     shared, dev = FakeEvent("shared"), FakeEvent("dev")
     dev.device = torch.device("cuda", 7)  # what a recorded torch.cuda.Event reports
-    complete_later(0.02, shared, dev)
-    await asyncio.wait_for(
-        asyncio.gather(streams.wait_event(shared), streams.wait_event(dev)), DEADLINE
-    )
+    waiters = [asyncio.ensure_future(streams.wait_event(ev)) for ev in (shared, dev)]
+    for _ in range(int(DEADLINE / 0.005)):  # both are queued on their watchers (no timing race)
+        if streams.default_watcher().pending and streams.default_watcher(7).pending:
+            break
+        await asyncio.sleep(0.005)
+    complete_later(0.0, shared, dev)
+    await asyncio.wait_for(asyncio.gather(*waiters), DEADLINE)
     assert shared.query() and dev.query()
     assert streams.default_watcher() is streams.default_watcher(None)
     assert streams.default_watcher(7) is not streams.default_watcher()
