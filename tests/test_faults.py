@@ -259,3 +259,24 @@ def test_cancellation_storm_leaks_nothing() -> None:
     for res in run_ranks(cancellation_storm, world_size=2, backend="gloo", timeout=120):
         assert res["threads"] <= 0 and res["fds"] <= 0, res
         assert res["rss_mb"] < 20, res
+
+
+async def slow_object_peer(ctx: RankContext) -> list:
+    """A long wait in an object collective must not silence this rank's heartbeats.
+
+    (A blocking store wait would hold the shared store client, peers would read
+    the missing beats as death and raise PeerFailure.)
+    """
+    comm = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=60, heartbeat=0.2)
+    if ctx.rank == 1:
+        await asyncio.sleep(1.5)  # > 3 beats of 0.2 s
+    objs = await comm.all_gather_object(ctx.rank * 10)
+    await asyncio.sleep(0.5)  # a false failure verdict would land here
+    state = comm.state
+    await comm.close()
+    return [objs, state]
+
+
+def test_object_wait_does_not_block_heartbeats() -> None:
+    results = run_ranks(slow_object_peer, world_size=2, backend=None, timeout=60)
+    assert results == [[[0, 10], "ok"]] * 2

@@ -24,7 +24,7 @@ from .errors import (
 from .faults import Liveness
 from .objects import ObjectChannel, dumps
 from .ops import OpKind, OpSpec, ReduceOp
-from .work import _FAILED, Work, Waker
+from .work import _FAILED, Waker, Work
 
 if TYPE_CHECKING:
     from .coalescing import Batch, CoalescingGroup

@@ -11,11 +11,27 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any, Callable
 
 from .errors import InvalidArgument
+
+
+def poll_keys(store: Any, keys: list[str], deadline: float) -> bool:
+    """Wait until every key exists, until ``deadline`` (``time.monotonic()``).
+
+    Polls ``check`` instead of a blocking ``wait``: a torch store client serialises
+    its requests, so one long wait would stall every other thread sharing the
+    client (the heartbeats among them, which peers would then read as death).
+    """
+    delay = 0.0005
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+    return True
 
 
 def dumps(obj: Any) -> bytes:
@@ -55,7 +71,7 @@ class ObjectChannel:
     def all_gather(self, seq: int, payload: bytes, timeout: float) -> list[Any]:
         keys = [f"obj/{seq}/{r}" for r in range(self._world_size)]
         self._store.set(keys[self._rank], payload)
-        self._store.wait(keys, timedelta(seconds=timeout))
+        self._wait(keys, timeout)
         values = self._store.multi_get(keys)
         self._release(seq, keys)
         return [pickle.loads(v) for v in values]
@@ -65,10 +81,15 @@ class ObjectChannel:
         if self._rank == src:
             assert payload is not None
             self._store.set(key, payload)
-        self._store.wait([key], timedelta(seconds=timeout))
+        self._wait([key], timeout)
         value = self._store.get(key)
         self._release(seq, [key])
         return pickle.loads(value)
+
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        if not poll_keys(self._store, keys, time.monotonic() + timeout):
+            missing = [k for k in keys if not self._store.check([k])]
+            raise TimeoutError(f"object collective: {missing} not published within {timeout} s")
 
     def _release(self, seq: int, keys: list[str]) -> None:
         if self._store.add(f"obj/{seq}/read", 1) == self._world_size:

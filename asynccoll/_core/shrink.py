@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
+from .objects import poll_keys
 
 
 def _encode(ranks: Iterable[int]) -> str:
@@ -25,17 +26,6 @@ def _decode(raw: bytes) -> set[int]:
     return {int(x) for x in text.split(",")} if text else set()
 
 
-def _poll(store: Any, keys: list[str], deadline: float) -> bool:
-    """Wait until every key exists, polling (no blocking store wait), until ``deadline``."""
-    delay = 0.002
-    while not store.check(keys):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    return True
-
-
 def agree(store: Any, rank: int, world_size: int, exclude: set[int], timeout: float, grace: float) -> set[int]:
     """The excluded set every survivor agrees on (blocking; run off the loop)."""
     deadline = time.monotonic() + timeout
@@ -45,7 +35,7 @@ def agree(store: Any, rank: int, world_size: int, exclude: set[int], timeout: fl
     while True:
         expected = [r for r in range(world_size) if r not in union]
         keys = [f"shrink/propose/{r}" for r in expected]
-        if not _poll(store, keys, min(grace_end, deadline)):
+        if not poll_keys(store, keys, min(grace_end, deadline)):
             missing = [r for r in expected if not store.check([f"shrink/propose/{r}"])]
             union.update(missing)  # silent ranks are treated as failed
             continue
@@ -58,7 +48,7 @@ def agree(store: Any, rank: int, world_size: int, exclude: set[int], timeout: fl
         raise InvalidArgument(f"rank {rank} was excluded by the other survivors")
     store.set(f"shrink/final/{rank}", _encode(union))
     keys = [f"shrink/final/{r}" for r in survivors]
-    if not _poll(store, keys, deadline):
+    if not poll_keys(store, keys, deadline):
         raise CollectiveTimeout(f"shrink: survivors {survivors} did not all confirm within {timeout} s")
     finals = {r: _decode(v) for r, v in zip(survivors, store.multi_get(keys))}
     if any(f != union for f in finals.values()):
