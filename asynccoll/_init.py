@@ -15,10 +15,10 @@ from typing import Any, Callable, Generator
 import torch
 import torch.distributed as dist
 
+from ._backends.torch_pg import TorchGroupBackend
 from ._core.backend import Backend
 from ._core.communicator import Communicator
 from ._core.errors import BackendUnavailable, CollectiveTimeout, InvalidArgument
-from ._backends.torch_pg import TorchGroupBackend
 
 _BACKENDS = ("auto", "gloo", "nccl")
 
@@ -44,11 +44,10 @@ def _env_int(value: int | None, var: str, what: str) -> int:
 class Rendezvous:
     """Where a communicator's ranks meet: a store, and a prefix unique to this communicator."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, master_addr: str | None) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
-        self.master_addr = master_addr
 
     def prefixed(self, prefix: str) -> Any:
         return dist.PrefixStore(prefix, self.store)
@@ -102,7 +101,7 @@ async def rendezvous(
             )
 
         store = await _off_loop(connect, timeout, f"store at {master_addr}:{port}")
-    return Rendezvous(store, rank, world_size, master_addr)
+    return Rendezvous(store, rank, world_size)
 
 
 async def _comm_prefix(rdv: Rendezvous, timeout: float) -> str:

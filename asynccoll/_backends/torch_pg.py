@@ -164,14 +164,12 @@ class TorchGroupBackend(Backend):
         device_type: str | None,
         world_size: int,
         timeout: float,
-        native_avg: bool = True,
     ) -> None:
         self.name = name
         self.device_type = device_type
         self._pg = pg
         self._world_size = world_size
         self._timeout = timeout
-        self._native_avg = native_avg
         # Collectives complete in issue order; p2p ops may not, so they get their
         # own waiter and a slow recv does not hold back collective completions.
         self._waiter = _Waiter(f"asynccoll-{name}-waiter", self._finish)
@@ -198,15 +196,19 @@ class TorchGroupBackend(Backend):
                 self._opts_cache[key] = opts
         return opts
 
-    def _reduce(self, spec: OpSpec, tensor: torch.Tensor) -> tuple[Any, Callable[[], object] | None]:
-        """The torch reduce op for ``spec``, and a fix-up to run on success (AVG emulation)."""
+    def _reduce(
+        self, spec: OpSpec, tensor: torch.Tensor, result: torch.Tensor | None = None
+    ) -> tuple[Any, Callable[[], object] | None]:
+        """The torch reduce op for ``spec``, and a fix-up to run on ``result`` (default:
+        ``tensor``) on success: AVG of non-float dtypes is a SUM, then a division."""
         op = spec.reduce_op
-        if op is not ReduceOp.AVG or (self._native_avg and tensor.is_floating_point()):
+        if op is not ReduceOp.AVG or tensor.is_floating_point():
             return _TORCH_OPS[op], None
+        out = tensor if result is None else result
         ws = self._world_size
-        if tensor.is_floating_point() or tensor.is_complex():
-            return dist.ReduceOp.SUM, lambda: tensor.div_(ws)
-        return dist.ReduceOp.SUM, lambda: tensor.copy_(torch.div(tensor, ws, rounding_mode="floor"))
+        if out.is_complex():
+            return dist.ReduceOp.SUM, lambda: out.div_(ws)
+        return dist.ReduceOp.SUM, lambda: out.copy_(torch.div(out, ws, rounding_mode="floor"))
 
     def _complete(self, work: Work, torch_work: Any, fixup: Callable[[], object] | None, p2p: bool) -> None:
         waiter = self._p2p_waiter if p2p else self._waiter
@@ -265,10 +267,8 @@ class TorchGroupBackend(Backend):
             elif kind is OpKind.ALL_GATHER:
                 tw = pg._allgather_base(spec.output, t, self._opts(c10d.AllgatherOptions, spec))
             elif kind is OpKind.REDUCE_SCATTER:
-                op, fix = self._reduce(spec, t)
-                out = spec.output
-                fixup = None if fix is None else self._avg_fixup(out, spec)
-                tw = pg._reduce_scatter_base(out, t, self._opts(c10d.ReduceScatterOptions, spec, reduceOp=op))
+                op, fixup = self._reduce(spec, t, spec.output)
+                tw = pg._reduce_scatter_base(spec.output, t, self._opts(c10d.ReduceScatterOptions, spec, reduceOp=op))
             elif kind is OpKind.ALL_TO_ALL:
                 tw = pg.alltoall_base(spec.output, t, [], [], self._opts(c10d.AllToAllOptions, spec))
             elif kind is OpKind.GATHER:
@@ -294,12 +294,6 @@ class TorchGroupBackend(Backend):
         from . import flatten
 
         flatten.submit_batch(self, specs, works, self._pg.rank(), self._world_size)
-
-    def _avg_fixup(self, out: torch.Tensor, spec: OpSpec) -> Callable[[], object]:
-        ws = self._world_size
-        if out.is_floating_point() or out.is_complex():
-            return lambda: out.div_(ws)
-        return lambda: out.copy_(torch.div(out, ws, rounding_mode="floor"))
 
     def abort(self) -> None:
         self._aborted = True

@@ -193,10 +193,7 @@ class Communicator:
             raise self._unusable()
         loop = asyncio._get_running_loop()
         seq = self._seq = self._seq + 1
-        waker = self._wakers.get(loop) if loop is not None else None
-        if waker is None and loop is not None:
-            waker = self._waker(loop)
-        work = Work(op, seq, value, keep, loop, waker, self._settled)
+        work = Work(op, seq, value, keep, loop, self._waker(loop), self._settled)
         self._pending[seq] = work
         return work
 
