@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ._backends.torch_pg import TorchGroupBackend
 from ._core.backend import Backend
-from ._core.communicator import Communicator
+from ._core.communicator import Communicator, exit_scope
 from ._core.errors import BackendUnavailable, CollectiveTimeout, InvalidArgument
 
 _BACKENDS = ("auto", "gloo", "nccl")
@@ -218,9 +218,9 @@ class _Init:
         self._comm = await _build(**self._kwargs)
         return self._comm
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if self._comm is not None:
-            await self._comm.close()
+            await exit_scope(self._comm, exc)
 
 
 def init(

@@ -212,7 +212,7 @@ class _BodyError(Exception):
 
 async def _body_raises(comm: Any) -> dict[str, Any]:
     r = comm.rank
-    before_seq = comm._seq
+    before_seq = comm.ledger.last_seq
     ts = [torch.full((3,), float(r + 1)) for _ in range(4)]
     with _SubmitSpy(comm) as spy:
         try:
@@ -240,7 +240,7 @@ async def _body_raises(comm: Any) -> dict[str, Any]:
     for t in ts:
         _check("untouched", t, torch.full((3,), float(r + 1)))
     assert comm.state == "ok" and comm.pending == 0
-    assert comm._seq == before_seq, (comm._seq, before_seq)
+    assert comm.ledger.last_seq == before_seq, (comm.ledger.last_seq, before_seq)
     try:
         await group
     except _BodyError:
@@ -248,12 +248,12 @@ async def _body_raises(comm: Any) -> dict[str, Any]:
     else:
         raise AssertionError("await group of a failed batch succeeded")
     await _sum_check(comm)  # nothing of the batch was issued on any rank
-    return {"seq_after": comm._seq - before_seq}
+    return {"seq_after": comm.ledger.last_seq - before_seq}
 
 
 async def _body_raises_after_interleaved_op(comm: Any) -> int:
     """Another op took a seq meanwhile: the failed members' seqs stay a gap (same on every rank)."""
-    before = comm._seq
+    before = comm.ledger.last_seq
     try:
         async with comm.coalescing():
             comm.all_reduce(torch.ones(2))

@@ -136,10 +136,10 @@ async def bad_inputs(comm: ac.Communicator) -> int:
         lambda: comm.all_gather_object(threading.Lock()),  # not picklable
     ]
     for i, case in enumerate(cases):
-        seq_before = comm._seq
+        seq_before = comm.ledger.last_seq
         with pytest.raises(ac.InvalidArgument):
             case()
-        assert comm._seq == seq_before, f"case {i} consumed a sequence number"
+        assert comm.ledger.last_seq == seq_before, f"case {i} consumed a sequence number"
         assert comm.state == "ok" and comm.pending == 0
     # Still usable, and still in step with the other ranks.
     t = torch.ones(2)

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 import asynccoll as ac
+from asynccoll._core.deadlines import service as deadline_service
+from asynccoll._core.ledger import Ledger
 import streams
 from asynccoll._backends import nccl
 from asynccoll._core.communicator import Communicator
@@ -270,6 +272,7 @@ def make(
         comm, rank=rank, world_size=ws, device=torch.device("cpu"), lib=FakeLib(log, comm),
         runtime=rt, **kw,
     )
+    be.bind(Ledger(rank, deadlines=deadline_service(), waker_for=lambda loop: None, on_abort=lambda exc: None))
     _backends.append(be)
     return be, comm, rt, log
 
@@ -739,6 +742,7 @@ def test_close_falls_back_to_abort_when_finalize_fails() -> None:
 def test_shrink_renumbers_and_uses_nccl_shrink() -> None:
     be, comm, rt, log = make(ws=4, rank=2)
     new = be.shrink([1])
+    new.bind(be.sink)  # the new communicator's ledger, in a real shrink
     _backends.append(new)
     assert (new.rank, new.world_size) == (1, 3)
     assert log.kinds("shrink") == [("shrink", (1,), "DEFAULT")]

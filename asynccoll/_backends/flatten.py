@@ -36,9 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from .._core.errors import CommAborted
 from .._core.ops import OpKind, OpSpec
-from .._core.work import _FAILED, Work
+from .._core.work import Bundle, Work
 
 if TYPE_CHECKING:
     from .._core.backend import Backend
@@ -89,7 +88,7 @@ def submit_batch(backend: Backend, specs: Sequence[OpSpec], works: Sequence[Work
     if len(specs) == 1:
         backend.submit(specs[0], works[0])
         return
-    issue: list[tuple[OpSpec, Work]] = []
+    issue: list[tuple[OpSpec, Work | Bundle]] = []
     for idx in plan(specs):
         if len(idx) == 1:
             i = idx[0]
@@ -123,8 +122,8 @@ def _unpack_into(dsts: list[torch.Tensor], flat: torch.Tensor, numels: list[int]
     return copy
 
 
-def _flatten(specs: list[OpSpec], works: list[Work], rank: int, ws: int) -> tuple[OpSpec, Work]:
-    """One flat (spec, Work) standing for ``specs``; its settling settles ``works``."""
+def _flatten(specs: list[OpSpec], works: list[Work], rank: int, ws: int) -> tuple[OpSpec, Bundle]:
+    """One flat spec standing for ``specs``, and the Bundle of ``works`` it settles."""
     first = specs[0]
     kind = first.kind
     timeout = max(s.timeout for s in specs)
@@ -163,8 +162,7 @@ def _flatten(specs: list[OpSpec], works: list[Work], rank: int, ws: int) -> tupl
         flat_spec = OpSpec(kind, flat_in.view(-1), flat_out, first.reduce_op, first.peer, timeout)
         copy_back = _unpack_into(outs, flat_out, chunks)
         keep = (flat_in, flat_out)
-    flat_work = Work(kind.value, works[0].seq, keep=keep, on_settle=_settle_members(works, copy_back))
-    return flat_spec, flat_work
+    return flat_spec, Bundle(works, kind.value, copy_back, keep)
 
 
 def _gather_rows_into(outs: list[torch.Tensor], flat2d: torch.Tensor, numels: list[int]) -> Callable[[], None]:
@@ -175,31 +173,3 @@ def _gather_rows_into(outs: list[torch.Tensor], flat2d: torch.Tensor, numels: li
         torch.split_with_sizes_copy(flat2d, numels, dim=1, out=[o.view(ws, n) for o, n in zip(outs, numels)])
 
     return copy
-
-
-def _settle_members(works: list[Work], copy_back: Callable[[], None] | None) -> Callable[[Work], None]:
-    """on_settle of a flat Work: copy results out, then settle every member alike.
-
-    Members settle last-to-first: callers await them first-to-last, so the first
-    wake-up finds every member already done.
-    """
-
-    def settle(flat_work: Work) -> None:
-        if flat_work._state == _FAILED:
-            exc = flat_work._value
-            for work in reversed(works):
-                work._set_exception(exc)
-            return
-        if copy_back is not None:
-            try:
-                copy_back()
-            except Exception as err:
-                failure = CommAborted(f"coalesced {flat_work.op} (seq {flat_work.seq}): copy-back failed: {err}")
-                failure.__cause__ = err
-                for work in reversed(works):
-                    work._set_exception(failure)
-                return
-        for work in reversed(works):
-            work._set_result()
-
-    return settle

@@ -48,7 +48,7 @@ from .._core.errors import (
     PeerFailure,
 )
 from .._core.ops import OpKind, OpSpec, ReduceOp
-from .._core.work import Work
+from .._core.work import Bundle, Work
 from .nccl_runtime import (  # noqa: F401 - some re-exported for tests and callers
     _COMPLEX,
     _NCCL_DTYPES,
@@ -382,8 +382,7 @@ class NcclBackend(Backend):
         if self._aborted:  # never report success after abort (the op may have been cut short)
             return
         self._rt.events.release(job.done)
-        for work in job.works:
-            work._set_result()
+        self.sink.succeed_all(job.works)
 
     def _watch_failed(self, job: _Job, exc: BaseException) -> None:
         with self._lock:
@@ -401,8 +400,8 @@ class NcclBackend(Backend):
         self._mark(job, _FAILED)
         if self._aborted:
             return
-        for i, work in enumerate(job.works):
-            work._set_exception(exc if i == 0 else _copy(exc, work))
+        works = list(job.works)
+        self.sink.fail(works[0] if len(works) == 1 else Bundle(works, works[0].op), exc)
 
     def _mark(self, job: _Job, state: int) -> None:
         job.state = state
@@ -570,21 +569,6 @@ class NcclBackend(Backend):
             lib=self._lib, runtime=self._rt, health_interval=self._health_interval,
             abort_timeout=self._abort_timeout,
         )
-
-
-def _copy(exc: BaseException, work: Work) -> BaseException:
-    """A fresh exception like ``exc`` for another Work of the same launch."""
-    new: BaseException
-    if isinstance(exc, PeerFailure):
-        new = PeerFailure(str(exc), exc.ranks)
-    elif isinstance(exc, CollectiveTimeout):
-        new = CollectiveTimeout(str(exc), seq=work.seq, op=work.op)
-    elif isinstance(exc, CommAborted):
-        new = CommAborted(str(exc))
-    else:
-        return exc
-    new.__cause__ = exc.__cause__
-    return new
 
 
 async def create(

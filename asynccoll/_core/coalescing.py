@@ -41,12 +41,12 @@ runs the same program.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any, Generator
 
 from .errors import InvalidArgument
+from .ledger import State
 from .ops import OpSpec
-from .work import Work
+from .work import Bundle, Work
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -130,13 +130,14 @@ class CoalescingGroup:
         task = _current_task()
         if task is None:
             raise InvalidArgument("comm.coalescing() must be entered from an asyncio task")
-        outer = comm._batch_var.get()
+        outer = comm.ledger.batch.get()
         if outer is not None and outer.open and outer.task is task:
             raise InvalidArgument("comm.coalescing() does not nest within one task")
-        if comm._state != "ok" or comm._closing:
-            raise comm._unusable()
+        ledger = comm.ledger
+        if ledger.state is not State.OK or ledger.closing:
+            raise ledger.unusable()
         self._batch = batch = Batch(task)
-        self._token = comm._batch_var.set(batch)
+        self._token = comm.ledger.batch.set(batch)
         self._state = _OPEN
         return self
 
@@ -149,7 +150,7 @@ class CoalescingGroup:
         batch.open = False
         self._state = _EXITED
         try:
-            self._comm._batch_var.reset(self._token)
+            self._comm.ledger.batch.reset(self._token)
         except ValueError:  # exited in another context than entered; the batch is closed anyway
             pass
         self._token = None
@@ -166,64 +167,47 @@ class CoalescingGroup:
 
     def _discard(self, exc: BaseException) -> None:
         """The body raised: issue nothing, fail every member with ``exc``, keep the comm usable."""
-        comm = self._comm
         works = self._batch.works if self._batch is not None else []
         if not works:
             return
-        with comm._lock:
-            for work in works:
-                work._on_settle = None  # a discarded op must not abort the communicator
-                comm._pending.pop(work.seq, None)
-            first, last = works[0].seq, works[-1].seq
-            if comm._seq == last and last - first + 1 == len(works):
-                comm._seq = first - 1  # nothing else took a seq meanwhile: give them back
-        for work in works:
-            work._set_exception(exc)
+        ledger = self._comm.ledger
+        with ledger.lock:
+            ledger.discard(works)
+        ledger.fail_unissued(works, exc)
 
     def _submit(self) -> None:
         """Hand the batch to its backend(s), atomically with respect to other ops."""
-        comm = self._comm
         batch = self._batch
         assert batch is not None
         specs, works, backends = batch.specs, batch.works, batch.backends
+        ledger = self._comm.ledger
         error: BaseException | None = None
-        unusable: BaseException | None = None
-        with comm._lock:
-            if comm._state != "ok":
-                unusable = comm._unusable()
-                for work in works:
-                    work._on_settle = None
-                    comm._pending.pop(work.seq, None)
-            else:
-                # One deadline for the batch: every member carries the same instant
-                # (heap pushes are cheap); the first to expire aborts the rest.
-                timeout = min(s.timeout for s in specs)
-                deadline = time.monotonic() + timeout
-                for work in works:
-                    comm._deadlines.add(work.seq, timeout, deadline)
-                try:
-                    order = dict.fromkeys(backends)
-                    if len(order) == 1:
-                        backends[0].submit_batch(specs, works)
-                    else:
-                        for backend in order:
-                            idx = [i for i, b in enumerate(backends) if b is backend]
-                            backend.submit_batch([specs[i] for i in idx], [works[i] for i in idx])
-                except BaseException as exc:  # noqa: BLE001 - re-raised below
-                    error = exc
-        if unusable is not None:
-            # Aborted or closed meanwhile: abort() already failed members that were
-            # pending then; fail any left, without touching the communicator.
-            for work in works:
-                work._set_exception(unusable)
-            raise unusable
+        with ledger.lock:
+            if ledger.state is not State.OK:
+                unusable = ledger.unusable()
+                ledger.discard(works)
+                ledger.fail_unissued(works, unusable)
+                raise unusable
+            # One deadline for the batch: the shortest member timeout, the same
+            # instant for every member; the first to expire aborts the rest.
+            ledger.commit_all(works, min(s.timeout for s in specs))
+            try:
+                order = dict.fromkeys(backends)
+                if len(order) == 1:
+                    backends[0].submit_batch(specs, works)
+                else:
+                    for backend in order:
+                        idx = [i for i, b in enumerate(backends) if b is backend]
+                        backend.submit_batch([specs[i] for i in idx], [works[i] for i in idx])
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                error = exc
         if error is not None:
             # Part of the batch may have started on this rank, and the peers will not
-            # agree on what follows: the unsettled members fail, which aborts the
-            # communicator (as any failed op does).
-            for work in works:
-                if not work.done():
-                    work._set_exception(error)
+            # agree on what follows: the batch fails, which aborts the communicator
+            # (as any failed op does).
+            unsettled = [w for w in works if not w.done()]
+            if unsettled:
+                ledger.fail(Bundle(unsettled, "coalesced batch"), error)
             raise error
 
     # ------------------------------------------------------------------ await

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
@@ -12,40 +10,17 @@ import torch
 
 from . import validate
 from .backend import Backend
-from .deadlines import DeadlineTimer
-from .errors import (
-    AsyncCollError,
-    CollectiveTimeout,
-    CommAborted,
-    CommClosed,
-    InvalidArgument,
-    PeerFailure,
-)
+from .coalescing import CoalescingGroup
+from .deadlines import service as deadline_service
+from .errors import CommAborted, InvalidArgument, PeerFailure
 from .faults import Liveness
+from .ledger import Ledger, State
 from .objects import ObjectChannel, dumps
 from .ops import OpKind, OpSpec, ReduceOp
-from .work import _FAILED, Waker, Work
+from .shrink import shrink as _shrink
+from .work import Waker, Work
 
-if TYPE_CHECKING:
-    from .coalescing import Batch, CoalescingGroup
-
-_OK, _ABORTED, _CLOSED = "ok", "aborted", "closed"
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
-
-
-def _fresh_abort_error(error: BaseException) -> CommAborted:
-    """A new exception for one Work, like the communicator's abort error."""
-    exc: CommAborted
-    if isinstance(error, PeerFailure):
-        exc = PeerFailure(str(error), error.ranks)
-        exc.__cause__ = error.__cause__
-    elif isinstance(error, CommAborted):
-        exc = CommAborted(str(error))
-        exc.__cause__ = error.__cause__
-    else:
-        exc = CommAborted(f"communicator aborted: {error}")
-        exc.__cause__ = error
-    return exc
 
 
 def _weak(method: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -58,6 +33,22 @@ def _weak(method: Callable[[Any], None]) -> Callable[[Any], None]:
             fn(arg)
 
     return call
+
+
+def _release(ledger: Ledger, backends: list[Backend], liveness: Liveness | None, objects: ObjectChannel | None) -> None:
+    """A communicator dropped without ``close()``: stop everything it started.
+
+    Runs from ``weakref.finalize`` (garbage collection or interpreter exit); it
+    holds no reference to the communicator. Pending Works fail with ``CommAborted``.
+    """
+    ledger.abort(CommAborted("the communicator was garbage-collected without close()"))
+    ledger.release()
+    if liveness is not None:
+        liveness.stop()
+    if objects is not None:
+        objects.shutdown()
+    for backend in backends:
+        backend.release()
 
 
 class Communicator:
@@ -93,24 +84,16 @@ class Communicator:
         self._cuda_backend = self._backends.get("cuda") or self._backends.get(None)
         self._store = store
         self._objects = ObjectChannel(store, rank, world_size) if store is not None else None
-        self._waker_factory = waker_factory
-        self._wakers: dict[asyncio.AbstractEventLoop, Waker] = {}
         self._rebuild = rebuild
         self._shrunk = False
-        # _lock orders issue against abort/close: an op is either in _pending
-        # before abort takes its snapshot, or sees the new state and raises.
-        self._lock = threading.Lock()
-        self._state = _OK
-        self._closing = False
-        self._error: BaseException | None = None
-        self._seq = 0
-        self._pending: dict[int, Work] = {}
-        pending = self._pending
-        self._deadlines = DeadlineTimer(
-            _weak(self._expired),  # the timer thread must not keep us alive
-            is_live=pending.__contains__,
-            name=f"asynccoll-deadlines-r{rank}",
+        self._ledger = ledger = Ledger(
+            rank,
+            deadlines=deadline_service(),
+            waker_for=waker_factory or (lambda loop: None),
+            on_abort=_weak(self._after_abort),
         )
+        for backend in self._backends.values():
+            backend.bind(ledger)
         self._liveness: Liveness | None = None
         if heartbeat and store is not None and world_size > 1:
             self._liveness = Liveness(
@@ -121,45 +104,44 @@ class Communicator:
                 if hasattr(backend, "census"):
                     backend.census = self._liveness.census
             self._liveness.start()
-        self._batch_var: contextvars.ContextVar[Batch | None] = contextvars.ContextVar(
-            "asynccoll_batch", default=None
+        self._finalizer = weakref.finalize(
+            self, _release, ledger, list(self._backends.values()), self._liveness, self._objects
         )
 
     # ------------------------------------------------------------------ state
     @property
     def state(self) -> str:
         """``"ok"``, ``"aborted"`` or ``"closed"``."""
-        return self._state
+        return self._ledger.state.value
 
     @property
     def error(self) -> BaseException | None:
         """The exception that aborted the communicator, or None."""
-        return self._error
+        return self._ledger.error
 
     @property
     def failed_ranks(self) -> tuple[int, ...]:
         """Ranks known to have failed (from errors and heartbeats); ``shrink()``'s default."""
         ranks = set(self._liveness.dead) if self._liveness is not None else set()
-        if isinstance(self._error, PeerFailure):
-            ranks.update(self._error.ranks)
+        error = self._ledger.error
+        if isinstance(error, PeerFailure):
+            ranks.update(error.ranks)
         return tuple(sorted(ranks))
 
     @property
     def pending(self) -> int:
         """Number of issued operations not yet settled."""
-        return len(self._pending)
+        return len(self._ledger.pending)
 
-    def _unusable(self) -> AsyncCollError:
-        if self._state == _ABORTED:
-            exc = CommAborted(f"communicator is aborted: {self._error}")
-            exc.__cause__ = self._error
-            return exc
-        return CommClosed("communicator is closed")
+    @property
+    def ledger(self) -> Ledger:
+        """The owner of this communicator's issued operations (for coalescing, shrink, diagnostics)."""
+        return self._ledger
 
     def __repr__(self) -> str:
         return (
             f"<asynccoll.Communicator rank={self.rank}/{self.world_size} "
-            f"backend={self.backend} state={self._state}>"
+            f"backend={self.backend} state={self.state}>"
         )
 
     # ------------------------------------------------------------------ issue
@@ -177,66 +159,23 @@ class Communicator:
             )
         return backend
 
-    def _waker(self, loop: asyncio.AbstractEventLoop | None) -> Waker | None:
-        if loop is None or self._waker_factory is None:
-            return None
-        waker = self._wakers.get(loop)
-        if waker is None:
-            for old in [lp for lp in self._wakers if lp.is_closed()]:
-                del self._wakers[old]
-            waker = self._wakers[loop] = self._waker_factory(loop)
-        return waker
-
-    def _new_work(self, op: str, value: Any, keep: Any) -> Work:
-        """Allocate the next seq and a pending Work. Caller holds ``_lock``."""
-        if self._state != _OK or self._closing:
-            raise self._unusable()
-        loop = asyncio._get_running_loop()
-        seq = self._seq = self._seq + 1
-        work = Work(op, seq, value, keep, loop, self._waker(loop), self._settled)
-        self._pending[seq] = work
-        return work
-
     def _issue(
         self, backend: Backend, spec: OpSpec, value: Any, keep: Any, timeout: float | None
     ) -> Work:
         spec.timeout = self.timeout if timeout is None else validate.timeout(timeout, self.timeout)
-        with self._lock:
-            work = self._new_work(_OP_NAMES[spec.kind], value, keep)
-            batch = self._batch_var.get()
+        ledger = self._ledger
+        with ledger.lock:
+            work = ledger.reserve(_OP_NAMES[spec.kind], value, keep)
+            batch = ledger.batch.get()
             if batch is not None and batch.add(backend, spec, work):
                 return work  # issued, with its deadline, when the batch exits
             try:
                 backend.submit(spec, work)
             except BaseException:
-                self._unissue(work)
+                ledger.discard((work,))
                 raise
-            # After submit: a refused op gives its seq back, and a stale entry must
-            # not apply to the next op that takes it.
-            self._deadlines.add(work.seq, spec.timeout)
+            ledger.commit(work, spec.timeout)
         return work
-
-    def _unissue(self, work: Work) -> None:
-        """Undo ``_new_work`` for an op the backend refused synchronously."""
-        work._on_settle = None
-        self._pending.pop(work.seq, None)
-        if self._seq == work.seq:
-            self._seq -= 1
-
-    def _settled(self, work: Work) -> None:
-        self._pending.pop(work.seq, None)  # its deadline entry goes stale (lazy deletion)
-        if work._state == _FAILED and self._state == _OK:  # failed: the transport is suspect
-            self._abort(work._value)
-
-    def _expired(self, seq: int) -> None:
-        work = self._pending.get(seq)
-        if work is not None:
-            work._set_exception(
-                CollectiveTimeout(
-                    f"{work.op} (seq {seq}) on rank {self.rank} did not complete within its deadline",
-                    seq=seq, op=work.op,
-                )
-            )
 
     # ------------------------------------------------------------ collectives
     def all_reduce(
@@ -355,18 +294,19 @@ class Communicator:
                 f"{op} needs a store; pass store= to asynccoll.wrap() to enable object collectives"
             )
         limit = validate.timeout(timeout, self.timeout)
-        with self._lock:
-            work = self._new_work(op, None, None)
-            self._deadlines.add(work.seq, limit)
+        ledger = self._ledger
+        with ledger.lock:
+            work = ledger.reserve(op, None, None)
+            ledger.commit(work, limit)
         seq = work.seq
 
         def done(value: Any, exc: BaseException | None) -> None:
             if exc is None:
-                work._set_result(value)
+                ledger.succeed(work, value)
             else:
                 err = CommAborted(f"{op} (seq {seq}) failed: {exc}")
                 err.__cause__ = exc
-                work._set_exception(err)
+                ledger.fail(work, err)
 
         channel.run(lambda: fn(channel, seq, limit), done)
         return work
@@ -378,52 +318,41 @@ class Communicator:
         Synchronous, callable from any thread, idempotent, bounded: it never waits
         for the network or for peers.
         """
-        self._abort(CommAborted(reason or "aborted by the user"))
+        self._ledger.abort(CommAborted(reason or "aborted by the user"))
 
     def _abort(self, cause: BaseException) -> None:
-        with self._lock:
-            if self._state != _OK:
-                return
-            if isinstance(cause, CommAborted):
-                error = cause
-            else:
-                error = CommAborted(f"communicator aborted: {cause}")
-                error.__cause__ = cause
-            self._state = _ABORTED
-            self._error = error
-            pending = list(self._pending.values())
-            self._pending.clear()
-        for work in pending:
-            work._set_exception(_fresh_abort_error(error))
-        self._deadlines.stop(join_timeout=0)
+        self._ledger.abort(cause)
+
+    def _after_abort(self, error: BaseException) -> None:
+        """The ledger aborted (any thread): stop the transport and tell the peers."""
+        self._ledger.release()
         if self._liveness is not None:
             # Tell the peers (a no-op when the news came from a peer: that thread is done).
             self._liveness.publish_abort(error)
         if self._objects is not None:
             self._objects.shutdown()
         for backend in self._backends.values():
-            try:
-                backend.abort()
-            except Exception:  # abort must finish for every backend
-                pass
+            backend.abort()
 
-    async def close(self) -> None:
+    async def close(self, *, timeout: float | None = None) -> None:
         """Finish pending work, then release the backends. Idempotent.
 
-        Pending Works are awaited (each bounded by its own deadline); afterwards every
-        call raises ``CommClosed``. On an aborted communicator this only releases
-        resources.
+        Pending Works are awaited for at most ``timeout`` seconds (default: the
+        communicator's timeout; each is also bounded by its own deadline), after
+        which the communicator aborts; afterwards every call raises ``CommClosed``.
+        On an aborted communicator this only releases resources.
         """
-        with self._lock:
-            if self._state == _CLOSED or self._closing:
-                return
-            self._closing = True
-        pending = list(self._pending.values())
+        ledger = self._ledger
+        if not ledger.begin_close():
+            return
+        pending = list(ledger.pending.values())
         if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-        with self._lock:
-            self._state = _CLOSED
-        self._deadlines.stop()
+            limit = self.timeout if timeout is None else validate.timeout(timeout, self.timeout)
+            done, _ = await asyncio.wait([asyncio.ensure_future(_settled(w)) for w in pending], timeout=limit)
+            if len(done) < len(pending):
+                ledger.abort(CommAborted(f"close(): {len(pending) - len(done)} op(s) still pending after {limit} s"))
+        ledger.end_close()
+        self._finalizer.detach()
         if self._liveness is not None:
             self._liveness.stop()
         if self._objects is not None:
@@ -431,12 +360,6 @@ class Communicator:
         loop = asyncio.get_running_loop()
         for backend in self._backends.values():
             await loop.run_in_executor(None, backend.close)
-
-    def __del__(self) -> None:
-        # No close(): stop the timer thread so it does not outlive the object.
-        deadlines = getattr(self, "_deadlines", None)
-        if deadlines is not None:
-            deadlines.stop(join_timeout=0)
 
     # ----------------------------------------------------------- coalescing
     def coalescing(self, wait: bool = True) -> CoalescingGroup:
@@ -450,8 +373,6 @@ class Communicator:
         with its exception. Nesting in one task, entering a group twice, or
         awaiting it before the body exited raise ``InvalidArgument``.
         """
-        from .coalescing import CoalescingGroup
-
         return CoalescingGroup(self, wait)
 
     # ----------------------------------------------------------- recovery
@@ -464,12 +385,27 @@ class Communicator:
         communicator under a new prefix with ranks renumbered in order. A healthy
         communicator is aborted first. Each communicator can be shrunk once.
         """
-        from .shrink import shrink
-
-        return await shrink(self, exclude)
+        return await _shrink(self, exclude)
 
     async def __aenter__(self) -> Communicator:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        await exit_scope(self, exc)
+
+
+async def exit_scope(comm: Communicator, exc: BaseException | None) -> None:
+    """Leaving ``async with``: close on a normal exit; abort on any exception
+    (KeyboardInterrupt and cancellation included), never waiting for peers."""
+    if exc is None:
+        await comm.close()
+        return
+    comm.abort(f"left the communicator's scope by {type(exc).__name__}: {exc}")
+    await comm.close()
+
+
+async def _settled(work: Work) -> None:
+    try:
+        await work
+    except BaseException:  # noqa: BLE001 - close() only waits for the outcome, whatever it is
+        return

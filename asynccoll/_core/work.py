@@ -1,10 +1,11 @@
-"""Work: the handle of one issued operation, awaitable from asyncio and uvloop.
+"""Work: the handle of one issued operation, awaitable from any loop or thread.
 
-A Work is settled exactly once, from whatever thread learns the outcome (a Gloo
-worker thread, the deadline timer, a CUDA event watcher, ``abort()`` on any
-thread). Settling never blocks: waiters on an event loop are woken through that
-loop's batched waker, synchronous ``wait()`` callers through a lazily created
-``threading.Event``.
+A Work is settled exactly once, by the communicator's ledger (``ledger.py``), from
+whatever thread learns the outcome (a backend's completion thread, the deadline
+service, ``abort()`` on any thread). Settling sets the state at once, so every
+waiter — on any event loop, or blocked in ``wait()`` on any thread — sees the
+outcome without depending on the loop that issued the op. Waking is batched by
+the ledger (:class:`Wakeups`): one wake-up per event loop for a whole burst.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any, Callable, Generator, Protocol
 _PENDING = 0
 _DONE = 1
 _FAILED = 2
+
+_get_running_loop = asyncio._get_running_loop
 
 
 class Waker(Protocol):
@@ -41,23 +44,11 @@ class Work:
         "_callbacks",
         "_event",
         "_keep",
-        "_on_settle",
-        "_loop",
-        "_waker",
         "_stream_hook",
         "__weakref__",
     )
 
-    def __init__(
-        self,
-        op: str,
-        seq: int,
-        value: Any = None,
-        keep: Any = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-        waker: Waker | None = None,
-        on_settle: Callable[["Work"], None] | None = None,
-    ) -> None:
+    def __init__(self, op: str, seq: int, value: Any = None, keep: Any = None) -> None:
         self.op = op
         self.seq = seq
         self._state = _PENDING
@@ -67,25 +58,19 @@ class Work:
         # Tensors that must outlive the operation (allocator safety, §3).
         self._keep = keep
         self._lock = threading.Lock()
+        # Futures of awaiting tasks, on any loop.
         self._waiters: list[asyncio.Future[Any]] | None = None
         self._callbacks: list[tuple[asyncio.AbstractEventLoop | None, Callable[[Work], Any]]] | None = None
         self._event: threading.Event | None = None
-        self._on_settle = on_settle
-        self._loop = loop
-        self._waker = waker
         # Set by device backends: makes a stream wait for the op (``wait_stream``).
         self._stream_hook: Callable[[Any], None] | None = None
 
     # ------------------------------------------------------------------ settle
-    def _set_result(self, value: Any = None) -> bool:
-        """Mark success (any thread). Returns False if the Work was already settled."""
-        return self._settle(_DONE, value)
+    def _settle(self, state: int, value: Any, wake: Wakeups) -> bool:
+        """Mark the outcome (any thread; only the ledger calls this). Waiters go to ``wake``.
 
-    def _set_exception(self, exc: BaseException) -> bool:
-        """Mark failure (any thread). Returns False if the Work was already settled."""
-        return self._settle(_FAILED, exc)
-
-    def _settle(self, state: int, value: Any) -> bool:
+        Returns False if the Work was already settled.
+        """
         with self._lock:
             if self._state != _PENDING:
                 return False
@@ -96,46 +81,24 @@ class Work:
             callbacks, self._callbacks = self._callbacks, None
             event = self._event
         self._keep = None
-        # The communicator forgets the Work before anyone wakes, so a task resumed
-        # by it sees consistent bookkeeping (``comm.pending``).
-        on_settle = self._on_settle
-        if on_settle is not None:
-            self._on_settle = None
-            on_settle(self)
         if event is not None:
             event.set()
-        if waiters:
+        if waiters is not None:
             for fut in waiters:
-                self._deliver(fut.get_loop(), self._wake, fut)
-        if callbacks:
+                wake.add(fut.get_loop(), _wake, fut)
+        if callbacks is not None:
             for loop, fn in callbacks:
                 if loop is None:
                     self._run_callback(fn)
                 else:
-                    self._deliver(loop, self._run_callback, fn)
+                    wake.add(loop, self._run_callback, fn)
         return True
 
-    def _deliver(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], arg: Any) -> None:
-        if asyncio._get_running_loop() is loop:
-            fn(arg)
-            return
-        try:
-            if loop is self._loop and self._waker is not None:
-                self._waker.post(fn, arg)
-            else:
-                loop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:  # the loop was closed: nobody is left to wake
-            pass
-
-    def _wake(self, fut: asyncio.Future[Any]) -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    def _run_callback(self, fn: Callable[["Work"], Any]) -> None:
+    def _run_callback(self, fn: Callable[[Work], Any]) -> None:
         try:
             fn(self)
         except Exception as exc:  # a user callback must not break the settling thread
-            loop = asyncio._get_running_loop()
+            loop = _get_running_loop()
             if loop is not None:
                 loop.call_exception_handler(
                     {"message": "exception in Work done callback", "exception": exc}
@@ -165,14 +128,14 @@ class Work:
             raise self._value
         raise asyncio.InvalidStateError(f"{self!r} is still pending")
 
-    def add_done_callback(self, fn: Callable[["Work"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[Work], Any]) -> None:
         """Call ``fn(work)`` when the Work settles.
 
         Added from a running event loop, ``fn`` runs on that loop; otherwise it runs
         in the thread that settles the Work. A Work already settled runs ``fn`` soon
         (on the loop) or at once (without one).
         """
-        loop = asyncio._get_running_loop()
+        loop = _get_running_loop()
         with self._lock:
             if self._state == _PENDING:
                 if self._callbacks is None:
@@ -202,8 +165,7 @@ class Work:
     def wait_stream(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for this op on the device, no host block.
 
-        For CPU operations this is a no-op once the Work is done; the CUDA backend
-        replaces it with an event wait.
+        For CPU operations this is a no-op; the CUDA backend installs an event wait.
         """
         hook = self._stream_hook
         if hook is not None:
@@ -226,3 +188,75 @@ class Work:
         state = ("pending", "done", "failed")[self._state]
         return f"<Work {self.op} seq={self.seq} {state}>"
 
+
+def _wake(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Bundle:
+    """Several member Works that one backend operation settles together.
+
+    A flattened coalesced batch is one collective standing for many ops: the backend
+    reports its outcome once, for the bundle; on success ``finish`` (copying the
+    flat result back into the members' tensors) runs before the members settle.
+    ``keep`` holds the flat buffers until then.
+    """
+
+    __slots__ = ("works", "op", "seq", "finish", "keep")
+
+    def __init__(
+        self, works: list[Work], op: str, finish: Callable[[], object] | None = None, keep: Any = None
+    ) -> None:
+        self.works = works
+        self.op = op
+        self.seq = works[0].seq
+        self.finish = finish
+        self.keep = keep
+
+    def __repr__(self) -> str:
+        return f"<Bundle {self.op} seqs={[w.seq for w in self.works]}>"
+
+
+class Wakeups:
+    """Wake-ups gathered while settling a burst of Works, delivered once per loop.
+
+    ``deliver(waker_for)`` runs the items of the calling thread's own running loop
+    at once and posts each other loop's items in ONE call to that loop's waker, so
+    settling a thousand Works costs each loop one wake-up.
+    """
+
+    __slots__ = ("_by_loop",)
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], Any], Any]]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:
+        items = self._by_loop.get(loop)
+        if items is None:
+            self._by_loop[loop] = [(fn, arg)]
+        else:
+            items.append((fn, arg))
+
+    def deliver(self, waker_for: Callable[[asyncio.AbstractEventLoop], Waker | None]) -> None:
+        if not self._by_loop:
+            return
+        running = _get_running_loop()
+        for loop, items in self._by_loop.items():
+            if loop is running:
+                _run_all(items)
+                continue
+            waker = waker_for(loop)
+            try:
+                if waker is not None:
+                    waker.post(_run_all, items)
+                else:
+                    loop.call_soon_threadsafe(_run_all, items)
+            except RuntimeError:  # that loop is closed: nobody is left there to wake
+                continue
+        self._by_loop = {}
+
+
+def _run_all(items: list[tuple[Callable[[Any], Any], Any]]) -> None:
+    for fn, arg in items:
+        fn(arg)

@@ -1,0 +1,219 @@
+"""What every backend shares: error translation, the integer-AVG fix-up, and the
+ordered completion thread.
+
+Completion discipline (every backend): an op is an *ordered thing to wait on* —
+a torch Work (``wait()``), a CUDA event (``synchronize()``) — queued at submit in
+issue order. One :class:`Completer` thread per queue waits on them in that order
+and reports each outcome to the backend's sink (the communicator's ledger).
+Successes are reported in batches, and always before the thread blocks again, so
+a burst of completions costs each event loop one wake-up while the waiting thread
+never holds finished Works back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import queue
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from .._core.backend import Sink
+from .._core.errors import CollectiveTimeout, CommAborted, PeerFailure
+from .._core.ops import ReduceOp
+from .._core.work import Bundle, Work
+
+Target = Work | Bundle
+
+# torch 2.13's Gloo raises a plain RuntimeError for every transport failure (no
+# DistNetworkError subclass), so the kind is read from the message, here only.
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "connection refused",
+    "end of file",
+)
+_TIMED_OUT = ("timed out", "timeout")
+
+
+def translate(exc: BaseException, target: Target, backend: str) -> BaseException:
+    """A backend error of ``target`` as one of the contract's exceptions (``__cause__``: ``exc``)."""
+    if isinstance(exc, (CommAborted, CollectiveTimeout)):
+        return exc
+    what = f"{target.op} (seq {target.seq})"
+    new: BaseException
+    if isinstance(exc, torch.distributed.DistNetworkError):
+        new = PeerFailure(f"{what}: a peer failed: {exc}")
+    elif isinstance(exc, TimeoutError):
+        new = CollectiveTimeout(f"{what} timed out in {backend}: {exc}", target.seq, target.op)
+    else:
+        text = str(exc)
+        low = text.lower()
+        if any(s in low for s in _PEER_LOST):
+            new = PeerFailure(f"{what}: a peer failed: {text}")
+        elif any(s in low for s in _TIMED_OUT):
+            new = CollectiveTimeout(f"{what} timed out in {backend}: {text}", target.seq, target.op)
+        else:
+            new = CommAborted(f"{what} failed in {backend}: {text}")
+    new.__cause__ = exc
+    return new
+
+
+def avg_fixup(op: ReduceOp, out: torch.Tensor, world_size: int) -> tuple[ReduceOp, Callable[[], object] | None]:
+    """How to run ``op`` on a backend without native AVG for ``out``'s dtype.
+
+    Returns the op to run and a fix-up for the result: AVG of integers is a SUM
+    then a floor division (as torch does), of complex numbers a SUM then a division.
+    Floating-point AVG runs as it is.
+    """
+    if op is not ReduceOp.AVG or out.is_floating_point():
+        return op, None
+    if out.is_complex():
+        return ReduceOp.SUM, lambda: out.div_(world_size)
+    return ReduceOp.SUM, lambda: out.copy_(torch.div(out, world_size, rounding_mode="floor"))
+
+
+class Completer:
+    """One thread that waits on ordered things and reports their outcomes.
+
+    ``watch(waitable, target, fixup)``: after everything queued before it,
+    ``wait(waitable)`` is called on this thread; on success ``fixup()`` (if any)
+    runs and ``target`` succeeds; on an exception, ``on_error(exc, target)``
+    returns the error to fail it with. Started lazily, stopped by :meth:`stop`.
+    """
+
+    _STOP = object()
+    #: Successes reported together at most (bounds each loop's batch of settles).
+    batch = 64
+
+    def __init__(
+        self,
+        name: str,
+        sink: Callable[[], Sink],
+        wait: Callable[[Any], object],
+        is_done: Callable[[Any], bool],
+        on_error: Callable[[BaseException, Target], BaseException],
+    ) -> None:
+        self._name = name
+        self._sink = sink
+        self._wait = wait
+        self._is_done = is_done
+        self._on_error = on_error
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def watch(self, waitable: Any, target: Target, fixup: Callable[[], object] | None = None) -> None:
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None and not self._stopped:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+        self._queue.put((waitable, target, fixup))
+
+    def stop(self, join_timeout: float = 0.0) -> None:
+        """Stop after the wait in progress; queued items are dropped (their Works
+        were failed by the ledger's abort, or all are done at close)."""
+        with self._start_lock:
+            self._stopped = True
+            thread = self._thread
+        self._queue.put((self._STOP, None, None))
+        if join_timeout and thread is not None and thread is not threading.current_thread():
+            thread.join(join_timeout)
+
+    def _run(self) -> None:
+        get, get_nowait = self._queue.get, self._queue.get_nowait
+        wait, is_done, on_error = self._wait, self._is_done, self._on_error
+        backlog: collections.deque[Any] = collections.deque()
+        ready: list[Target] = []
+        while True:
+            if backlog:
+                waitable, target, fixup = backlog.popleft()
+            else:
+                if ready:
+                    self._sink().succeed_all(ready)
+                    ready = []
+                waitable, target, fixup = get()
+            if waitable is self._STOP:
+                return
+            if ready and not is_done(waitable):
+                self._sink().succeed_all(ready)  # about to block: report what is done first
+                ready = []
+            error: BaseException | None = None
+            try:
+                wait(waitable)
+            except Exception as exc:
+                error = exc
+            # Drop the waitable now: a torch Work's destructor retakes the GIL, which
+            # aborts the process if it runs on a daemon thread during interpreter
+            # shutdown (so never leave it to the next get()).
+            del waitable
+            if error is None and fixup is not None:
+                try:
+                    fixup()
+                except Exception as exc:
+                    error = exc
+            if error is not None:
+                if ready:
+                    self._sink().succeed_all(ready)
+                    ready = []
+                self._sink().fail(target, on_error(error, target))
+            else:
+                ready.append(target)
+                if len(ready) >= self.batch:
+                    self._sink().succeed_all(ready)
+                    ready = []
+            del target, fixup, error
+            while True:  # take what was queued meanwhile, without blocking
+                try:
+                    backlog.append(get_nowait())
+                except queue.Empty:
+                    break
+
+
+# ----------------------------------------------------------------- exit guard
+# A thread left inside a native wait by an aborted Gloo group (Gloo cannot
+# interrupt an op in flight) must not return into Python while the interpreter
+# finalizes: CPython then ends it with pthread_exit, whose forced unwind through
+# torch's C++ frames aborts the whole process ("terminate called without an
+# active exception", SIGABRT; seen here with torch 2.13 on Ctrl-C). If such a
+# thread is still alive at exit, the process leaves with os._exit instead.
+_stranded: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_guard_lock = threading.Lock()
+_guard_registered = False
+
+
+def strand(thread: threading.Thread | None) -> None:
+    """``thread`` may stay blocked in native code after an abort (see above)."""
+    global _guard_registered
+    if thread is None or not thread.is_alive():
+        return
+    with _guard_lock:
+        _stranded.add(thread)
+        if not _guard_registered:
+            atexit.register(_exit_if_stranded)
+            _guard_registered = True
+
+
+def _exit_if_stranded() -> None:
+    if not any(t.is_alive() for t in list(_stranded)):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more can be written
+            pass
+    last = getattr(sys, "last_value", None)
+    os._exit(130 if isinstance(last, KeyboardInterrupt) else (1 if last is not None else 0))

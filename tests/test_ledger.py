@@ -1,0 +1,387 @@
+"""The ledger, the shared deadline service, completion from any loop or thread, and
+what a communicator leaves behind: unit tests and real 2-rank runs."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import asynccoll as ac
+from asynccoll._core.deadlines import DeadlineService
+from asynccoll._core.ledger import Ledger
+from asynccoll.testing import RankContext, run_ranks, skip_collective
+
+from backends import LOOPS
+
+
+# ------------------------------------------------------------ deadline service
+class _Target:
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+        self.fired: list[int] = []
+        self.done = threading.Event()
+
+    def is_live(self, seq: int) -> bool:
+        return seq in self.live
+
+    def expired(self, seq: int) -> None:
+        self.fired.append(seq)
+        self.live.discard(seq)
+        if not self.live:
+            self.done.set()
+
+
+def test_deadline_added_while_the_timer_examines_the_heap_is_not_lost() -> None:
+    """The first timer read heap[0], asked is_live(), then popped: an earlier deadline
+    pushed in between was popped in place of the examined one and never fired."""
+    service = DeadlineService(name="test-deadlines")
+    target = _Target()
+    client = service.client(target)
+    injected = []
+
+    class Racing(_Target):
+        def is_live(self, seq: int) -> bool:
+            if seq == 1 and not injected:
+                injected.append(True)
+                # Another thread registers an earlier deadline right now.
+                t = threading.Thread(target=client.add, args=(2, 0.01, time.monotonic() - 1.0))
+                t.start()
+                t.join(0.2)  # blocks on the service's lock in the fixed version
+            return super().is_live(seq)
+
+    racing = Racing()
+    client._target = lambda: racing  # type: ignore[method-assign,assignment]
+    racing.live.update({1, 2})
+    client.add(1, 0.05)
+    assert racing.done.wait(5.0), f"a deadline was lost: fired {racing.fired}"
+    assert sorted(racing.fired) == [1, 2]
+    client.close()
+
+
+def test_deadline_service_fires_each_live_entry_once_under_concurrent_adds() -> None:
+    service = DeadlineService(name="test-deadlines")
+    target = _Target()
+    client = service.client(target)
+    n = 2000
+    target.live.update(range(n))
+
+    def add(start: int) -> None:
+        for seq in range(start, n, 4):
+            client.add(seq, 0.02 + (seq % 7) * 0.001)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert target.done.wait(10.0), f"{len(target.live)} deadlines never fired"
+    assert sorted(target.fired) == list(range(n))
+    client.close()
+
+
+def test_deadline_service_thread_ends_when_no_client_is_left() -> None:
+    service = DeadlineService(name="test-deadlines-end")
+    target = _Target()
+    client = service.client(target)
+    target.live.add(1)
+    client.add(1, 0.01)
+    assert target.done.wait(5.0)
+    thread = service.thread
+    assert thread is not None
+    del client
+    gc.collect()
+    # The sleeping thread notices at its next wake-up; a close() would notify it.
+    service.client(_Target()).close()
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+# ------------------------------------------------------------ ledger, no transport
+def _ledger(waker_for: Any = lambda loop: None) -> tuple[Ledger, list[BaseException]]:
+    aborted: list[BaseException] = []
+    return Ledger(0, deadlines=DeadlineService(), waker_for=waker_for, on_abort=aborted.append), aborted
+
+
+class _CountingWaker:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.posts = 0
+
+    def post(self, fn: Any, *args: Any) -> bool:
+        self.posts += 1
+        self.loop.call_soon_threadsafe(fn, *args)
+        return True
+
+
+@pytest.mark.parametrize("where", ["thread", "loop"])
+def test_abort_wakes_a_thousand_waiters_with_one_wakeup_per_loop(where: str) -> None:
+    async def main() -> tuple[int, int]:
+        waker = _CountingWaker(asyncio.get_running_loop())
+        ledger, aborted = _ledger(lambda loop: waker)
+        with ledger.lock:
+            works = [ledger.reserve("all_reduce") for _ in range(1000)]
+
+        async def waiter(w: ac.Work) -> type:
+            try:
+                await w
+            except BaseException as exc:  # noqa: BLE001 - the type is the assertion
+                return type(exc)
+            return type(None)
+
+        tasks = [asyncio.create_task(waiter(w)) for w in works]
+        await asyncio.sleep(0)  # every task is parked on its Work
+        if where == "thread":
+            t = threading.Thread(target=ledger.abort, args=(ac.CommAborted("stop"),))
+            t.start()
+            t.join()
+        else:
+            ledger.abort(ac.CommAborted("stop"))
+        kinds = await asyncio.gather(*tasks)
+        assert set(kinds) == {ac.CommAborted} and len(aborted) == 1
+        assert ledger.state.value == "aborted" and not ledger.pending
+        return waker.posts, len(kinds)
+
+    posts, n = asyncio.run(main())
+    assert n == 1000
+    assert posts == (1 if where == "thread" else 0)
+
+
+def test_no_success_is_reported_after_abort_and_state_leads_the_error() -> None:
+    ledger, _ = _ledger()
+    with ledger.lock:
+        a = ledger.reserve("all_reduce")
+        b = ledger.reserve("broadcast")
+    seen: list[str] = []
+    a.add_done_callback(lambda w: seen.append(ledger.state.value))
+    ledger.fail(a, ac.CollectiveTimeout("late", a.seq, a.op))
+    assert seen == ["aborted"]  # the state changed before anyone saw the error
+    ledger.succeed(b)  # Gloo reports force-completed works as successes
+    assert isinstance(b.exception(), ac.CommAborted)
+    assert isinstance(b.exception().__cause__, ac.CollectiveTimeout)
+    assert isinstance(ledger.error, ac.CommAborted)
+
+
+def test_discard_gives_seqs_back_only_when_nothing_came_after() -> None:
+    ledger, _ = _ledger()
+    with ledger.lock:
+        works = [ledger.reserve("all_reduce") for _ in range(3)]
+        ledger.discard(works)
+        assert ledger.last_seq == 0
+        first = ledger.reserve("x")
+        second = ledger.reserve("y")
+        ledger.discard([first])  # `second` took a later seq: a gap remains
+        assert ledger.last_seq == 2 and list(ledger.pending) == [second.seq]
+
+
+# ------------------------------------------------------------ real ranks
+async def completion_without_issuing_loop(comm: ac.Communicator) -> dict:
+    """A Work issued on this loop completes for another loop's task and for a
+    blocked thread while this loop is blocked (time.sleep) or idle."""
+    t = torch.ones(4)
+    if comm.rank == 1:
+        await asyncio.sleep(0.3)  # rank 0's op stays pending meanwhile
+        await comm.all_reduce(t)
+        return {}
+    work = comm.all_reduce(t)
+    seen: dict[str, float] = {}
+
+    def other_loop() -> None:
+        async def wait() -> None:
+            await work
+
+        asyncio.run(wait())
+        seen["loop"] = time.monotonic()
+
+    def blocking() -> None:
+        work.wait(20)
+        seen["thread"] = time.monotonic()
+
+    threads = [threading.Thread(target=other_loop), threading.Thread(target=blocking)]
+    for th in threads:
+        th.start()
+    time.sleep(3.0)  # this loop is blocked: it cannot relay anything
+    unblocked = time.monotonic()
+    for th in threads:
+        th.join(20)
+    assert work.done() and work.result() is t
+    return {"loop": unblocked - seen["loop"], "thread": unblocked - seen["thread"]}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_completion_reaches_other_loops_and_threads_while_the_issuing_loop_is_blocked(loop: str) -> None:
+    results = run_ranks(completion_without_issuing_loop, world_size=2, backend="gloo", timeout=60, loop=loop)
+    assert results[0]["loop"] > 1.0 and results[0]["thread"] > 1.0, results[0]
+
+
+async def state_when_error_is_seen(comm: ac.Communicator) -> str:
+    if comm.rank == 1:
+        skip_collective(comm)
+        await comm.all_reduce(torch.ones(2))
+        for _ in range(200):
+            if comm.state == "aborted":
+                break
+            await asyncio.sleep(0.02)
+        return comm.state
+    with pytest.raises(ac.CollectiveTimeout):
+        await comm.all_reduce(torch.ones(2), timeout=0.5)
+    return comm.state  # read at once, on the same loop turn
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_state_is_aborted_when_the_waiter_sees_the_timeout(loop: str) -> None:
+    assert run_ranks(state_when_error_is_seen, world_size=2, backend="gloo", timeout=60, loop=loop) == [
+        "aborted",
+        "aborted",
+    ]
+
+
+def _own_threads() -> set[str]:
+    # The process-wide deadline thread and the test kit's executor threads are not the communicator's.
+    return {
+        t.name for t in threading.enumerate()
+        if t.name.startswith("asynccoll-") and "deadlines" not in t.name and not t.name.startswith("asynccoll-rank")
+    }
+
+
+async def dropped_without_close(ctx: RankContext) -> dict:
+    before = _own_threads()
+    # timeout=2: Gloo cannot interrupt an op in flight; the thread waiting on rank 0's
+    # pending op ends when Gloo's own timeout fails it.
+    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, heartbeat=0, timeout=2)
+    await comm.all_reduce(torch.ones(2))
+    await comm.send(torch.ones(1), 1 - ctx.rank) if ctx.rank == 0 else await comm.recv(torch.ones(1), 0)
+    during = _own_threads() - before
+    pending = comm.all_reduce(torch.ones(2)) if ctx.rank == 0 else None  # rank 1 never joins
+    del comm
+    gc.collect()
+    for _ in range(500):
+        if not (_own_threads() - before):
+            break
+        await asyncio.sleep(0.02)
+    after = _own_threads() - before
+    failed = None
+    if pending is not None:
+        with pytest.raises(ac.CommAborted):
+            await pending
+        failed = type(pending.exception()).__name__
+    return {"during": sorted(during), "after": sorted(after), "failed": failed}
+
+
+def test_a_communicator_dropped_without_close_ends_its_threads() -> None:
+    results = run_ranks(dropped_without_close, world_size=2, backend=None, timeout=60)
+    for r in results:
+        assert r["during"], r  # the completion threads did run
+        assert r["after"] == [], r
+    assert results[0]["failed"] == "CommAborted"
+
+
+async def scope_exit_by_exception(ctx: RankContext) -> dict:
+    class Boom(Exception):
+        pass
+
+    t0 = time.monotonic()
+    if ctx.rank == 0:
+        with pytest.raises(Boom):
+            async with ac.init("gloo", rank=0, world_size=2, store=ctx.store, timeout=60) as comm:
+                work = comm.all_reduce(torch.ones(2))  # rank 1 is not there yet
+                raise Boom()
+        assert isinstance(comm.error, ac.CommAborted) and "Boom" in str(comm.error)
+        assert isinstance(work.exception(), ac.CommAborted)
+        return {"elapsed": time.monotonic() - t0}
+    comm = await ac.init("gloo", rank=1, world_size=2, store=ctx.store, timeout=60)
+    await asyncio.sleep(0.5)
+    # Rank 0 left by an exception: this op must fail promptly, not at its 60 s deadline.
+    with pytest.raises(ac.CommAborted):
+        await comm.all_reduce(torch.ones(2))
+    elapsed = time.monotonic() - t0
+    await comm.close()
+    return {"elapsed": elapsed}
+
+
+def test_leaving_the_scope_by_an_exception_aborts_and_peers_learn_it_promptly() -> None:
+    results = run_ranks(scope_exit_by_exception, world_size=2, backend=None, timeout=60)
+    assert results[0]["elapsed"] < 10 and results[1]["elapsed"] < 10, results
+
+
+async def bounded_close(comm: ac.Communicator) -> dict:
+    if comm.rank == 1:
+        skip_collective(comm)
+    work = comm.all_reduce(torch.ones(2))
+    t0 = time.monotonic()
+    await comm.close(timeout=0.5)
+    return {"elapsed": time.monotonic() - t0, "state": comm.state, "done": work.done() or comm.rank == 1}
+
+
+def test_close_is_bounded_with_ops_in_flight() -> None:
+    results = run_ranks(bounded_close, world_size=2, backend="gloo", timeout=60)
+    assert results[0]["elapsed"] < 5 and results[0]["state"] == "closed" and results[0]["done"], results
+
+
+_SIGINT_RANK = textwrap.dedent(
+    """
+    import asyncio, signal, sys, torch
+    # A terminal's Ctrl-C: Python's handler even if this test runs with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from datetime import timedelta
+    import torch.distributed as dist
+    import asynccoll as ac
+
+    async def main(rank, port):
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+        async with ac.init("gloo", rank=rank, world_size=2, store=store, timeout=60) as comm:
+            await comm.all_reduce(torch.ones(2))
+            print("ready", flush=True)
+            if rank == 0:
+                await comm.all_reduce(torch.ones(2))  # rank 1 never joins: a long op
+            else:
+                await asyncio.sleep(60)
+
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_during_a_long_op_exits_promptly(tmp_path: Any) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "rank.py"
+    script.write_text(_SIGINT_RANK)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+        for r in range(2)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=20) for p in procs[:1]]
+        procs[1].send_signal(signal.SIGINT)
+        outs += [procs[1].communicate(timeout=20)]
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert elapsed < 15, elapsed
+    for p, (_, err) in zip(procs, outs):
+        assert "terminate called" not in err, err
+        assert p.returncode != -signal.SIGABRT, err
