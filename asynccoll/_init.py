@@ -137,6 +137,38 @@ class _StoreCache:
 
 _STORES = _StoreCache()
 
+# Creation of communicators on one store, per process, one at a time. Gloo's
+# constructor blocks inside the store client, which serves one request at a time:
+# two creations interleaved on one client can each wait for a key that the other
+# rank publishes only through the blocked client (a deadlock until the timeout).
+# One at a time, each process builds its n-th communicator before its (n+1)-th,
+# and the n-th pair with each other across ranks.
+_CREATION_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_CREATION_GUARD = threading.Lock()
+
+
+async def _exclusive(store: Any, timeout: float) -> threading.Lock:
+    """Take the creation lock of ``store`` off the loop, within ``timeout``; the caller releases it."""
+    with _CREATION_GUARD:
+        lock = _CREATION_LOCKS.setdefault(store, threading.Lock())
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(None, lock.acquire, True, timeout)
+    try:
+        got = await asyncio.shield(fut)
+    except BaseException:
+        def late(f: asyncio.Future[Any]) -> None:  # cancelled while waiting: give it back once taken
+            if not f.cancelled() and f.exception() is None and f.result():
+                lock.release()
+
+        fut.add_done_callback(late)
+        raise
+    if not got:
+        raise CollectiveTimeout(
+            f"another communicator on this store was still being created after {timeout} s "
+            "(creations on one store run one at a time)"
+        )
+    return lock
+
 
 class Rendezvous:
     """Where a communicator's ranks meet: a store, and a prefix unique to this communicator.
@@ -312,7 +344,11 @@ async def _build(
         master_port=master_port, store=store, timeout=timeout,
     )
     try:
-        comm = await _connect(rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat)
+        lock = await _exclusive(rdv.store, timeout)
+        try:
+            comm = await _connect(rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat)
+        finally:
+            lock.release()
     except BaseException:
         if rdv.key is not None:
             _STORES.release(rdv.key)

@@ -131,17 +131,18 @@ async def two_on_one_address(ctx: RankContext) -> list[float]:
     args = dict(rank=ctx.rank, world_size=2, master_addr="127.0.0.1", master_port=port, timeout=30)
     first = await ac.init("gloo", **args)
     second = await ac.init("gloo", **args)  # the same address again: the process's store is reused
-    third = await ac.init("gloo", **args)
-    comms = [first, second, third]
-    out = []
-    for i, comm in enumerate(comms):
-        t = torch.full((2,), float(ctx.rank + 1 + 10 * i))
-        await comm.all_reduce(t)
-        out.append(t[0].item())
+    # Two at once on one store: creations take turns (Gloo's constructor blocks the
+    # shared store client; interleaved, they deadlocked until the timeout).
+    third, fourth = await asyncio.gather(ac.init("gloo", **args), ac.init("gloo", **args))
+    comms = [first, second, third, fourth]
+    # Issued on all, then awaited: the two made together may pair crosswise.
+    ts = [torch.full((2,), float(ctx.rank + 1 + 10 * i)) for i in range(len(comms))]
+    await asyncio.gather(*(c.all_reduce(t) for c, t in zip(comms, ts)))
+    out = [t[0].item() for t in ts]
     assert await second.all_gather_object(ctx.rank) == [0, 1]
     assert key in _init._STORES
     await asyncio.gather(*(c.close() for c in comms))
-    del first, second, third, comms, comm
+    del first, second, third, fourth, comms
     gc.collect()
     assert key not in _init._STORES, "the shared store outlived its communicators"
     return out
@@ -151,4 +152,22 @@ async def two_on_one_address(ctx: RankContext) -> list[float]:
 def test_two_communicators_on_one_explicit_address(loop: str) -> None:
     results = run_ranks(two_on_one_address, world_size=2, backend=None, timeout=90, loop=loop)
     # all_reduce of (rank + 1 + 10 i) over ranks 0, 1: 3 + 20 i.
-    assert results[0] == results[1] == [3.0, 23.0, 43.0]
+    # The two created together pair by creation order, whichever call got which turn
+    # (crossed pairs sum 21 + 32 = 53 twice instead of 43 and 63).
+    assert results[0][:2] == results[1][:2] == [3.0, 23.0]
+    assert sorted(results[0][2:]) == sorted(results[1][2:]) and sum(results[0][2:]) == 106.0
+
+
+async def concurrent_on_given_store(ctx: RankContext) -> float:
+    args = dict(rank=ctx.rank, world_size=2, store=ctx.store, timeout=30)
+    comms = await asyncio.gather(*(ac.init("gloo", **args) for _ in range(3)))
+    # Which call got which turn may differ between ranks: issue on all, then wait.
+    ts = [torch.ones(1) for _ in comms]
+    await asyncio.gather(*(c.all_reduce(t) for c, t in zip(comms, ts)))
+    await asyncio.gather(*(c.close() for c in comms))
+    return sum(t.item() for t in ts)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_concurrent_creation_on_a_given_store(loop: str) -> None:
+    assert run_ranks(concurrent_on_given_store, world_size=2, backend=None, timeout=90, loop=loop) == [6.0, 6.0]
