@@ -31,7 +31,7 @@ class Caps:
     any (a wrapped group of unknown kind: torch checks at the call).
     """
 
-    __slots__ = ("as_bytes", "move", "name", "reduce", "text")
+    __slots__ = ("as_bytes", "move", "name", "reduce", "sum", "text")
 
     def __init__(
         self,
@@ -44,6 +44,8 @@ class Caps:
         self.move = move
         self.as_bytes = as_bytes
         self.reduce = dict(reduce) if reduce is not None else None
+        #: ``reduce[SUM]``, looked up without hashing the enum (the hot path).
+        self.sum = self.reduce[ReduceOp.SUM] if self.reduce is not None else None
         self.text = {op: _names(dts) for op, dts in (reduce or {}).items()}
 
 
@@ -144,7 +146,7 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
 def reduce_op(op: Any, dtype: torch.dtype, backend: str = "torch") -> ReduceOp:
     """``op`` as a ReduceOp that ``backend`` can apply to ``dtype``."""
     table = CAPS.get(backend, _TORCH)
-    if op is ReduceOp.SUM and (table.reduce is None or dtype in table.reduce[op]):
+    if op is ReduceOp.SUM and (table.sum is None or dtype in table.sum):
         return op  # the common case, first
     if not isinstance(op, ReduceOp):
         try:
