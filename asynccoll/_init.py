@@ -23,9 +23,18 @@ from ._backends.torch_pg import TorchGroupBackend
 from ._core.backend import Backend
 from ._core.communicator import Communicator
 from ._core import validate
-from ._core.errors import BackendUnavailable, CollectiveTimeout, InvalidArgument
+from ._core.errors import (
+    AsyncCollError,
+    BackendUnavailable,
+    CollectiveTimeout,
+    CommAborted,
+    InvalidArgument,
+    PeerFailure,
+)
 
 _BACKENDS = ("auto", "gloo", "nccl")
+# Words of torch/Gloo errors (torch 2.13) that mean a peer's connection went away.
+_PEER_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused", "end of file")
 
 
 def _waker_factory() -> Callable[[asyncio.AbstractEventLoop], Any] | None:
@@ -195,11 +204,15 @@ async def _off_loop(fn: Callable[[], Any], timeout: float, what: str) -> Any:
         return await asyncio.wait_for(fut, timeout)
     except asyncio.TimeoutError:
         raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s") from None
-    except RuntimeError as exc:
+    except AsyncCollError:
+        raise
+    except RuntimeError as exc:  # torch gives no finer type for these (torch 2.13)
         text = str(exc).lower()
         if "timeout" in text or "timed out" in text:
             raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s: {exc}") from exc
-        raise
+        if any(s in text for s in _PEER_LOST):
+            raise PeerFailure(f"{what}: a peer failed while the communicator was created: {exc}") from exc
+        raise CommAborted(f"{what} failed: {exc}") from exc
 
 
 def _store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Exception:

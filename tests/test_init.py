@@ -171,3 +171,33 @@ async def concurrent_on_given_store(ctx: RankContext) -> float:
 @pytest.mark.parametrize("loop", LOOPS)
 def test_concurrent_creation_on_a_given_store(loop: str) -> None:
     assert run_ranks(concurrent_on_given_store, world_size=2, backend=None, timeout=90, loop=loop) == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_creation_errors_are_typed(loop: str) -> None:
+    """What torch raises while building a backend reaches the caller as the contract's type."""
+
+    def raising(text: str) -> Callable[[], None]:
+        def fn() -> None:
+            raise dist.DistNetworkError(text)
+
+        return fn
+
+    async def main() -> None:
+        cases: list[tuple[str, type[BaseException]]] = [
+            ("Socket Timeout", ac.CollectiveTimeout),
+            ("Connection reset by peer", ac.PeerFailure),
+            ("something else broke", ac.CommAborted),
+        ]
+        for text, kind in cases:
+            with pytest.raises(kind) as info:
+                await _init._off_loop(raising(text), 5, "gloo init")
+            assert isinstance(info.value.__cause__, dist.DistNetworkError)
+        with pytest.raises(ac.InvalidArgument):  # already typed: unchanged
+
+            def invalid() -> None:
+                raise ac.InvalidArgument("x")
+
+            await _init._off_loop(invalid, 5, "gloo init")
+
+    _run(loop, main)
