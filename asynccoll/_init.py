@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ._backends.torch_pg import TorchGroupBackend
+from ._core import validate
 from ._core.backend import Backend
 from ._core.communicator import Communicator
-from ._core import validate
 from ._core.errors import (
     AsyncCollError,
     BackendUnavailable,
