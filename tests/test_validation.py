@@ -201,3 +201,28 @@ def test_timeouts_must_be_finite() -> None:
             validate.timeout(bad, 60.0)
     assert validate.timeout(None, 60.0) == 60.0
     assert validate.timeout(5, 60.0) == 5.0
+
+
+async def coalesced_conversions(comm: ac.Communicator) -> list[object]:
+    """The same conversions (0-d chunks, byte views, complex sums) inside a coalesced batch."""
+    r, ws = comm.rank, comm.world_size
+    c = torch.full((3,), 1 + 1j * (r + 1), dtype=torch.complex64)
+    u = torch.zeros(2 * ws, dtype=torch.uint16)
+    f8 = torch.zeros(2 * ws, dtype=torch.float8_e4m3fn)
+    rs = torch.tensor(0.0)
+    ag = torch.zeros(ws)
+    async with comm.coalescing():
+        comm.all_reduce(c)
+        comm.all_gather(u, torch.full((2,), 1000 + r, dtype=torch.uint16))
+        comm.all_gather(f8, torch.full((2,), r + 1.0).to(torch.float8_e4m3fn))
+        comm.reduce_scatter(rs, torch.arange(ws, dtype=torch.float32) + r)
+        comm.all_gather(ag, torch.tensor(float(r)))
+    return [c.tolist(), u.to(torch.int64).tolist(), f8.float().tolist(), rs.item(), ag.tolist()]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_conversions_inside_coalescing(loop: str) -> None:
+    results = run_ranks(coalesced_conversions, world_size=2, backend="gloo", timeout=60, loop=loop)
+    common = [[2 + 3j] * 3, [1000, 1000, 1001, 1001], [1.0, 1.0, 2.0, 2.0]]
+    assert results[0] == common + [1.0, [0.0, 1.0]]
+    assert results[1] == common + [3.0, [0.0, 1.0]]
