@@ -75,7 +75,12 @@ async def own_arguments_alike(comm: ac.Communicator) -> int:
     ws = comm.world_size
     strided = torch.ones(4, 2).t()
     conj = torch.ones(2, dtype=torch.complex64).conj()
+    quant = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
     cases = [
+        lambda: comm.gather(quant, 0, torch.zeros(2 * ws) if comm.rank == 0 else None),
+        lambda: comm.scatter(quant, 0, torch.zeros(2 * ws) if comm.rank == 0 else None),
+        lambda: comm.all_reduce(quant),
+        lambda: comm.broadcast(quant, 0),
         lambda: comm.gather(strided, 0, torch.zeros(4 * ws, 2).t() if comm.rank == 0 else None),
         lambda: comm.gather(conj, 0, torch.zeros(2 * ws, dtype=torch.complex64) if comm.rank == 0 else None),
         lambda: comm.scatter(strided, 0, torch.zeros(4 * ws, 2) if comm.rank == 0 else None),
@@ -93,7 +98,7 @@ async def own_arguments_alike(comm: ac.Communicator) -> int:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_root_and_non_root_reject_alike(loop: str) -> None:
-    assert run_ranks(own_arguments_alike, world_size=2, backend="gloo", timeout=60, loop=loop) == [6, 6]
+    assert run_ranks(own_arguments_alike, world_size=2, backend="gloo", timeout=60, loop=loop) == [10, 10]
 
 
 async def unsupported_dtypes(comm: ac.Communicator) -> int:

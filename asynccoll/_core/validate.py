@@ -105,6 +105,10 @@ _NCCL = Caps(
 # backend defines is refused here.
 _TORCH = Caps("torch", move=None, as_bytes=False, reduce=None)
 
+# Quantized tensors look dense and contiguous, but no backend here moves or reduces
+# them meaningfully (their scale and zero point are not data).
+_QUANTIZED = _dtypes("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
+
 #: Capabilities by ``Backend.name``.
 CAPS: dict[str, Caps] = {"gloo": _GLOO, "nccl": _NCCL, "torch": _TORCH}
 
@@ -138,16 +142,16 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
     if obj.is_conj() or obj.is_neg():
         # The lazy conjugate/negative bit is not in the bytes a backend sends.
         raise InvalidArgument(f"{name} is a lazy conjugate/negative view; call .resolve_conj().resolve_neg() first")
-    if obj.is_quantized:
-        raise InvalidArgument(f"{name}: quantized tensors ({obj.dtype}) are not supported; send int_repr() instead")
     return obj
 
 
 def reduce_op(op: Any, dtype: torch.dtype, backend: str = "torch") -> ReduceOp:
     """``op`` as a ReduceOp that ``backend`` can apply to ``dtype``."""
     table = CAPS.get(backend, _TORCH)
-    if op is ReduceOp.SUM and (table.sum is None or dtype in table.sum):
+    if op is ReduceOp.SUM and (dtype in table.sum if table.sum is not None else dtype not in _QUANTIZED):
         return op  # the common case, first
+    if dtype in _QUANTIZED:
+        raise InvalidArgument(f"quantized tensors ({dtype}) cannot be reduced; reduce a float tensor instead")
     if not isinstance(op, ReduceOp):
         try:
             op = ReduceOp[str(op).rsplit(".", 1)[-1].upper()]
@@ -165,6 +169,8 @@ def reduce_op(op: Any, dtype: torch.dtype, backend: str = "torch") -> ReduceOp:
 
 def movable(t: torch.Tensor, backend: str, what: str) -> torch.Tensor:
     """``t`` as ``backend`` can move it: as is, or as a flat byte view of it."""
+    if t.dtype in _QUANTIZED:
+        raise InvalidArgument(f"{what}: quantized tensors ({t.dtype}) are not supported; send int_repr() instead")
     table = caps(backend)
     if table.move is None or t.dtype in table.move:
         return t
