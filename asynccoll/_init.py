@@ -8,17 +8,30 @@ executor threads, bounded by ``timeout``.
 from __future__ import annotations
 
 import asyncio
+import operator
 import os
+import socket
+import threading
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Generator
 
 import torch
 import torch.distributed as dist
 
+from ._backends.common import kind_of
 from ._backends.torch_pg import TorchGroupBackend
+from ._core import validate
 from ._core.backend import Backend
 from ._core.communicator import Communicator, exit_scope
-from ._core.errors import BackendUnavailable, CollectiveTimeout, InvalidArgument
+from ._core.errors import (
+    AsyncCollError,
+    BackendUnavailable,
+    CollectiveTimeout,
+    CommAborted,
+    InvalidArgument,
+    PeerFailure,
+)
 
 _BACKENDS = ("auto", "gloo", "nccl")
 
@@ -29,25 +42,154 @@ def _waker_factory() -> Callable[[asyncio.AbstractEventLoop], Any] | None:
     return loop_waker
 
 
-def _env_int(value: int | None, var: str, what: str) -> int:
+def _int(value: Any, what: str, low: int, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]``, or ``InvalidArgument`` saying what to pass."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
+    if number < low or (high is not None and number > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidArgument(f"{what} must be {bound}, got {number}")
+    return number
+
+
+def _env_int(value: Any, var: str, what: str, low: int, high: int | None = None) -> int:
     if value is not None:
-        return value
+        return _int(value, what, low, high)
     raw = os.environ.get(var)
     if raw is None:
         raise InvalidArgument(f"{what} not given and ${var} is not set (launch with torchrun or pass {what}=)")
     try:
-        return int(raw)
+        number = int(raw)
     except ValueError:
         raise InvalidArgument(f"${var}={raw!r} is not an integer") from None
+    return _int(number, f"${var}", low, high)
+
+
+def _check_args(
+    backend: Any, store: Any, master_addr: Any, device: Any, timeout: Any, heartbeat: Any
+) -> float:
+    """Type and range checks of ``init``'s own arguments; returns the timeout as a float."""
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise InvalidArgument(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    timeout = validate.seconds(timeout, "timeout")
+    if heartbeat is not None:
+        validate.seconds(heartbeat, "heartbeat", allow_zero=True)
+    if store is not None and not isinstance(store, dist.Store):
+        raise InvalidArgument(f"store must be a torch.distributed.Store (TCPStore, FileStore...), got {type(store).__name__}")
+    if master_addr is not None and (not isinstance(master_addr, str) or not master_addr):
+        raise InvalidArgument(f"master_addr must be a host name or IP address (str), got {master_addr!r}")
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
+            raise InvalidArgument(f"device must be None, an int, a str or a torch.device, got {device!r}")
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"device={device!r} is not a device: {exc}") from None
+    return timeout
+
+
+class _StoreCache:
+    """One TCPStore per ``(master_addr, master_port)`` per process, shared by its communicators.
+
+    A second server on the same port would fail with EADDRINUSE; the contract's
+    "many communicators in one process" reuses the first store instead (each
+    communicator still gets its own prefix). A store is dropped when no
+    communicator built on it is alive.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key_locks: dict[tuple[str, int], threading.Lock] = {}
+        self._stores: dict[tuple[str, int], list[Any]] = {}  # key -> [store, holders]
+
+    def acquire(self, key: tuple[str, int], create: Callable[[], Any]) -> Any:
+        """The store for ``key`` (made by ``create`` if none), with one hold taken. Blocking."""
+        with self._lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:  # one creation per key; other keys proceed
+            with self._lock:
+                entry = self._stores.get(key)
+                if entry is not None:
+                    entry[1] += 1
+                    return entry[0]
+            store = create()
+            with self._lock:
+                self._stores[key] = [store, 1]
+            return store
+
+    def hold(self, key: tuple[str, int], owner: object) -> None:
+        """One more hold on ``key``'s store, released when ``owner`` is garbage-collected."""
+        with self._lock:
+            entry = self._stores.get(key)
+            if entry is None:
+                return
+            entry[1] += 1
+        weakref.finalize(owner, self.release, key)
+
+    def release(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            entry = self._stores.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._stores[key]
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        with self._lock:
+            return key in self._stores
+
+
+_STORES = _StoreCache()
+
+# Creation of communicators on one store, per process, one at a time. Gloo's
+# constructor blocks inside the store client, which serves one request at a time:
+# two creations interleaved on one client can each wait for a key that the other
+# rank publishes only through the blocked client (a deadlock until the timeout).
+# One at a time, each process builds its n-th communicator before its (n+1)-th,
+# and the n-th pair with each other across ranks.
+_CREATION_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_CREATION_GUARD = threading.Lock()
+
+
+async def _exclusive(store: Any, timeout: float) -> threading.Lock:
+    """Take the creation lock of ``store`` off the loop, within ``timeout``; the caller releases it."""
+    with _CREATION_GUARD:
+        lock = _CREATION_LOCKS.setdefault(store, threading.Lock())
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(None, lock.acquire, True, timeout)
+    try:
+        got = await asyncio.shield(fut)
+    except BaseException:
+        def late(f: asyncio.Future[Any]) -> None:  # cancelled while waiting: give it back once taken
+            if not f.cancelled() and f.exception() is None and f.result():
+                lock.release()
+
+        fut.add_done_callback(late)
+        raise
+    if not got:
+        raise CollectiveTimeout(
+            f"another communicator on this store was still being created after {timeout} s "
+            "(creations on one store run one at a time)"
+        )
+    return lock
 
 
 class Rendezvous:
-    """Where a communicator's ranks meet: a store, and a prefix unique to this communicator."""
+    """Where a communicator's ranks meet: a store, and a prefix unique to this communicator.
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+    ``key``: the ``(master_addr, master_port)`` of a store from the process's cache
+    (this rendezvous holds one reference to it), or None for a store given by the user.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, key: tuple[str, int] | None = None) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.key = key
 
     def prefixed(self, prefix: str) -> Any:
         return dist.PrefixStore(prefix, self.store)
@@ -61,11 +203,66 @@ async def _off_loop(fn: Callable[[], Any], timeout: float, what: str) -> Any:
         return await asyncio.wait_for(fut, timeout)
     except asyncio.TimeoutError:
         raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s") from None
-    except RuntimeError as exc:
-        text = str(exc).lower()
-        if "timeout" in text or "timed out" in text:
-            raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s: {exc}") from exc
+    except AsyncCollError:
         raise
+    except RuntimeError as exc:  # torch gives no finer type for these (torch 2.13)
+        kind = kind_of(exc)
+        if kind == "timeout":
+            raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s: {exc}") from exc
+        if kind == "peer":
+            raise PeerFailure(f"{what}: a peer failed while the communicator was created: {exc}") from exc
+        raise CommAborted(f"{what} failed: {exc}") from exc
+
+
+def _store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Exception:
+    """A TCPStore constructor's DistNetworkError/DistStoreError as the contract's error."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    low = text.lower()
+    if "eaddrinuse" in low or "address already in use" in low:
+        return InvalidArgument(
+            f"master_port {port} is already in use on this host (by another process): pick a free "
+            f"port, or pass store= ({text})"
+        )
+    if "timed out" in low or "timeout" in low:
+        return CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s: {text}")
+    return InvalidArgument(
+        f"no asynccoll/torch store answers at {addr}:{port} (check master_addr and master_port): {text}"
+    )
+
+
+async def _tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, tuple[str, int]]:
+    """The process's TCPStore for ``addr:port`` (shared), with one hold taken for the caller."""
+    # Under torchrun's agent the store already runs; every rank is a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_server = rank == 0 and not agent_store
+    key = (addr, port)
+
+    def create() -> Any:
+        try:
+            socket.getaddrinfo(addr, port)
+        except (OSError, UnicodeError) as exc:
+            raise InvalidArgument(f"master_addr {addr!r} does not resolve to an address: {exc}") from None
+        try:
+            return dist.TCPStore(
+                addr, port, world_size, is_server,
+                timeout=timedelta(seconds=timeout), wait_for_workers=False,
+            )
+        except (dist.DistError, RuntimeError) as exc:  # DistNetworkError, DistStoreError
+            raise _store_error(exc, addr, port, timeout) from exc
+
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(None, _STORES.acquire, key, create)
+    try:
+        store = await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        # Give back the hold the thread takes if it still succeeds.
+        def late(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                _STORES.release(key)
+
+        fut.add_done_callback(late)
+        raise CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s") from None
+    return store, key
 
 
 async def rendezvous(
@@ -77,31 +274,25 @@ async def rendezvous(
     store: Any,
     timeout: float,
 ) -> Rendezvous:
-    """Resolve the torchrun environment and meet the other ranks' store."""
-    rank = _env_int(rank, "RANK", "rank")
-    world_size = _env_int(world_size, "WORLD_SIZE", "world_size")
-    if world_size < 1 or not 0 <= rank < world_size:
+    """Resolve the torchrun environment and meet the other ranks' store.
+
+    Without ``store=``, the store for ``master_addr:master_port`` is the process's
+    shared one (``_STORES``): the returned rendezvous holds one reference to it.
+    """
+    world_size = _env_int(world_size, "WORLD_SIZE", "world_size", 1)
+    rank = _env_int(rank, "RANK", "rank", 0)
+    if rank >= world_size:
         raise InvalidArgument(f"rank {rank} is out of range for world_size {world_size}")
-    if store is None:
-        master_addr = master_addr or os.environ.get("MASTER_ADDR")
-        port = master_port if master_port is not None else os.environ.get("MASTER_PORT")
-        if not master_addr or port is None:
-            raise InvalidArgument(
-                "no store: pass store=, or master_addr/master_port (or set $MASTER_ADDR/$MASTER_PORT)"
-            )
-        port = int(port)
-        # Under torchrun's agent the store already runs; every rank is a client.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        is_server = rank == 0 and not agent_store
-
-        def connect() -> Any:
-            return dist.TCPStore(
-                master_addr, port, world_size, is_server,
-                timeout=timedelta(seconds=timeout), wait_for_workers=False,
-            )
-
-        store = await _off_loop(connect, timeout, f"store at {master_addr}:{port}")
-    return Rendezvous(store, rank, world_size)
+    if store is not None:
+        return Rendezvous(store, rank, world_size)
+    master_addr = master_addr or os.environ.get("MASTER_ADDR")
+    if not master_addr or (master_port is None and os.environ.get("MASTER_PORT") is None):
+        raise InvalidArgument(
+            "no store: pass store=, or master_addr/master_port (or set $MASTER_ADDR/$MASTER_PORT)"
+        )
+    port = _env_int(master_port, "MASTER_PORT", "master_port", 1, 65535)
+    tcp, key = await _tcp_store(master_addr, port, rank, world_size, timeout)
+    return Rendezvous(tcp, rank, world_size, key)
 
 
 async def _comm_prefix(rdv: Rendezvous, timeout: float) -> str:
@@ -148,17 +339,11 @@ async def _build(
     trace_dir: Any,
     heartbeat: float | None = None,
 ) -> Communicator:
-    if backend not in _BACKENDS:
-        raise InvalidArgument(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = _check_args(backend, store, master_addr, device, timeout, heartbeat)
     if check is not None:
         raise InvalidArgument(f"check={check!r} is not supported by this version (only None)")
     if trace_dir is not None:
         raise InvalidArgument("trace_dir is not supported by this version")
-    if heartbeat is not None and (isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or heartbeat < 0):
-        raise InvalidArgument(f"heartbeat must be None or a number of seconds >= 0, got {heartbeat!r}")
-    timeout = float(timeout)
     use_nccl = backend == "nccl"
     if backend in ("nccl", "auto"):
         missing = _nccl_missing()
@@ -170,6 +355,27 @@ async def _build(
         rank=rank, world_size=world_size, master_addr=master_addr,
         master_port=master_port, store=store, timeout=timeout,
     )
+    try:
+        lock = await _exclusive(rdv.store, timeout)
+        try:
+            comm = await _connect(rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat)
+        finally:
+            lock.release()
+    except BaseException:
+        if rdv.key is not None:
+            _STORES.release(rdv.key)
+        raise
+    if rdv.key is not None:
+        # The hold taken by rendezvous() ends with this communicator.
+        weakref.finalize(comm, _STORES.release, rdv.key)
+    return comm
+
+
+async def _connect(
+    rdv: Rendezvous, backend: str, use_nccl: bool, device: Any, timeout: float,
+    check: str | None, trace_dir: Any, heartbeat: float | None,
+) -> Communicator:
+    """Build the backends and the Communicator on a met rendezvous."""
     prefix = await _comm_prefix(rdv, timeout)
     backends: dict[str | None, Backend] = {}
     if backend in ("gloo", "auto"):
@@ -183,11 +389,14 @@ async def _build(
     interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
 
     async def rebuild(new_rank: int, new_size: int, suffix: str) -> Communicator:
-        return await _build(
+        new = await _build(
             backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
             store=rdv.prefixed(prefix + suffix), device=device, timeout=timeout, check=check,
             trace_dir=trace_dir, heartbeat=heartbeat,
         )
+        if rdv.key is not None:
+            _STORES.hold(rdv.key, new)  # it uses the shared store too
+        return new
 
     return Communicator(
         rank=rdv.rank,
@@ -273,9 +482,14 @@ def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Com
 
     if not isinstance(process_group, (dist.ProcessGroup, _TorchBackend)):
         raise InvalidArgument(f"wrap() needs a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+    timeout = validate.seconds(timeout, "timeout")
+    if store is not None and not isinstance(store, dist.Store):
+        raise InvalidArgument(f"store must be a torch.distributed.Store, got {type(store).__name__}")
     ws = process_group.size()
     name = process_group.name() if hasattr(process_group, "name") else "torch"
-    backend = TorchGroupBackend(process_group, name="torch", device_type=None, world_size=ws, timeout=timeout)
+    # A Gloo group gets Gloo's capability table (validate.CAPS); any other kind, torch's checks.
+    kind = "gloo" if name == "gloo" else "torch"
+    backend = TorchGroupBackend(process_group, name=kind, device_type=None, world_size=ws, timeout=timeout)
     return Communicator(
         rank=process_group.rank(),
         world_size=ws,

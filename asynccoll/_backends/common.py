@@ -33,8 +33,8 @@ Target = Work | Bundle
 # torch 2.13's Gloo raises a plain RuntimeError for every transport failure (no
 # DistNetworkError subclass), so the kind is read from the message, here only.
 _PEER_LOST = (
-    "connection closed by peer",
-    "connection reset by peer",
+    "connection closed",
+    "connection reset",
     "broken pipe",
     "socket closed",
     "connection refused",
@@ -43,25 +43,30 @@ _PEER_LOST = (
 _TIMED_OUT = ("timed out", "timeout")
 
 
+def kind_of(exc: BaseException) -> str | None:
+    """``"peer"`` (a peer's connection went away), ``"timeout"``, or None, for a
+    torch/Gloo error: by type where torch gives one, else by its message."""
+    low = str(exc).lower()
+    if isinstance(exc, TimeoutError) or any(s in low for s in _TIMED_OUT):
+        return "timeout"  # torch's DistNetworkError covers socket timeouts too
+    if isinstance(exc, torch.distributed.DistNetworkError) or any(s in low for s in _PEER_LOST):
+        return "peer"
+    return None
+
+
 def translate(exc: BaseException, target: Target, backend: str) -> BaseException:
     """A backend error of ``target`` as one of the contract's exceptions (``__cause__``: ``exc``)."""
     if isinstance(exc, (CommAborted, CollectiveTimeout)):
         return exc
     what = f"{target.op} (seq {target.seq})"
+    kind = kind_of(exc)
     new: BaseException
-    if isinstance(exc, torch.distributed.DistNetworkError):
+    if kind == "peer":
         new = PeerFailure(f"{what}: a peer failed: {exc}")
-    elif isinstance(exc, TimeoutError):
+    elif kind == "timeout":
         new = CollectiveTimeout(f"{what} timed out in {backend}: {exc}", target.seq, target.op)
     else:
-        text = str(exc)
-        low = text.lower()
-        if any(s in low for s in _PEER_LOST):
-            new = PeerFailure(f"{what}: a peer failed: {text}")
-        elif any(s in low for s in _TIMED_OUT):
-            new = CollectiveTimeout(f"{what} timed out in {backend}: {text}", target.seq, target.op)
-        else:
-            new = CommAborted(f"{what} failed in {backend}: {text}")
+        new = CommAborted(f"{what} failed in {backend}: {exc}")
     new.__cause__ = exc
     return new
 

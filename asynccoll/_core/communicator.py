@@ -183,48 +183,73 @@ class Communicator:
     ) -> Work:
         """Reduce ``tensor`` across ranks, in place. Work result: ``tensor``."""
         t = validate.tensor(tensor, "tensor")
-        spec = OpSpec(OpKind.ALL_REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype))
-        return self._issue(self._backend_for(t), spec, t, t, timeout)
+        backend = self._backend_for(t)
+        spec = OpSpec(OpKind.ALL_REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.name))
+        return self._issue(backend, spec, t, t, timeout)
 
     def broadcast(self, tensor: Any, src: int, *, timeout: float | None = None) -> Work:
         """Copy ``tensor`` from ``src`` to every rank, in place."""
         t = validate.tensor(tensor, "tensor")
-        spec = OpSpec(OpKind.BROADCAST, t, peer=validate.rank(src, self.world_size, "src"))
-        return self._issue(self._backend_for(t), spec, t, t, timeout)
+        backend = self._backend_for(t)
+        spec = OpSpec(
+            OpKind.BROADCAST, validate.movable(t, backend.name, "broadcast"),
+            peer=validate.rank(src, self.world_size, "src"),
+        )
+        return self._issue(backend, spec, t, t, timeout)
 
     def reduce(
         self, tensor: Any, dst: int, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
     ) -> Work:
         """Reduce ``tensor`` into rank ``dst`` (in place there; other ranks' buffers are scratch)."""
         t = validate.tensor(tensor, "tensor")
+        backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype),
+            OpKind.REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.name),
             peer=validate.rank(dst, self.world_size, "dst"),
         )
-        return self._issue(self._backend_for(t), spec, t, t, timeout)
+        return self._issue(backend, spec, t, t, timeout)
 
     def all_gather(self, output: Any, input: Any, *, timeout: float | None = None) -> Work:
-        """Concatenate every rank's ``input`` on dim 0 into ``output``."""
+        """Concatenate every rank's ``input`` on dim 0 into ``output``.
+
+        In place: ``input`` may be exactly this rank's chunk of ``output``."""
         out, inp = validate.tensor(output, "output"), validate.tensor(input, "input")
         validate.stacked(out, inp, self.world_size, "all_gather output")
-        spec = OpSpec(OpKind.ALL_GATHER, inp, out)
-        return self._issue(self._backend_for(inp), spec, out, (out, inp), timeout)
+        validate.no_overlap(out, inp, "all_gather", own_slot=self.rank)
+        backend = self._backend_for(inp)
+        name = backend.name
+        spec = OpSpec(
+            OpKind.ALL_GATHER, validate.movable(validate.chunk(inp), name, "all_gather"),
+            validate.movable(out, name, "all_gather"),
+        )
+        return self._issue(backend, spec, out, (out, inp), timeout)
 
     def reduce_scatter(
         self, output: Any, input: Any, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
     ) -> Work:
-        """Reduce ``input`` (world_size chunks on dim 0) and keep this rank's chunk in ``output``."""
+        """Reduce ``input`` (world_size chunks on dim 0) and keep this rank's chunk in ``output``.
+
+        In place: ``output`` may be exactly this rank's chunk of ``input``."""
         out, inp = validate.tensor(output, "output"), validate.tensor(input, "input")
         validate.stacked(inp, out, self.world_size, "reduce_scatter input")
-        spec = OpSpec(OpKind.REDUCE_SCATTER, inp, out, reduce_op=validate.reduce_op(op, inp.dtype))
-        return self._issue(self._backend_for(inp), spec, out, (out, inp), timeout)
+        validate.no_overlap(out, inp, "reduce_scatter", own_slot=self.rank)
+        backend = self._backend_for(inp)
+        rop = validate.reduce_op(op, inp.dtype, backend.name)
+        # chunk(): a 0-d output is a (1,) view; Gloo SIGSEGVs the process on a 0-d one.
+        spec = OpSpec(OpKind.REDUCE_SCATTER, inp, validate.chunk(out), reduce_op=rop)
+        return self._issue(backend, spec, out, (out, inp), timeout)
 
     def all_to_all(self, output: Any, input: Any, *, timeout: float | None = None) -> Work:
         """Send chunk ``i`` of ``input`` (dim 0) to rank ``i``; receive into ``output``."""
         out, inp = validate.tensor(output, "output"), validate.tensor(input, "input")
         validate.splittable(out, inp, self.world_size, "all_to_all")
-        spec = OpSpec(OpKind.ALL_TO_ALL, inp, out)
-        return self._issue(self._backend_for(inp), spec, out, (out, inp), timeout)
+        validate.no_overlap(out, inp, "all_to_all")
+        backend = self._backend_for(inp)
+        name = backend.name
+        spec = OpSpec(
+            OpKind.ALL_TO_ALL, validate.movable(inp, name, "all_to_all"), validate.movable(out, name, "all_to_all")
+        )
+        return self._issue(backend, spec, out, (out, inp), timeout)
 
     def gather(
         self, input: Any, dst: int, output: Any = None, *, timeout: float | None = None
@@ -232,14 +257,20 @@ class Communicator:
         """Concatenate every rank's ``input`` on dim 0 into ``output`` on ``dst`` (result elsewhere: None)."""
         inp = validate.tensor(input, "input")
         dst = validate.rank(dst, self.world_size, "dst")
-        out = None
+        backend = self._backend_for(inp)
+        name = backend.name
+        # Every rank, root or not, checks and converts its own input alike.
+        sent = validate.movable(validate.chunk(inp), name, "gather")
+        out = into = None
         if self.rank == dst:
             if output is None:
                 raise InvalidArgument("gather: output is required on the dst rank")
             out = validate.tensor(output, "output")
             validate.stacked(out, inp, self.world_size, "gather output")
-        spec = OpSpec(OpKind.GATHER, inp, out, peer=dst)
-        return self._issue(self._backend_for(inp), spec, out, (out, inp), timeout)
+            validate.no_overlap(out, inp, "gather")
+            into = validate.movable(out, name, "gather")
+        spec = OpSpec(OpKind.GATHER, sent, into, peer=dst)
+        return self._issue(backend, spec, out, (out, inp), timeout)
 
     def scatter(
         self, output: Any, src: int, input: Any = None, *, timeout: float | None = None
@@ -247,26 +278,40 @@ class Communicator:
         """Split ``input`` on ``src`` (dim 0) and deliver chunk ``i`` to rank ``i``'s ``output``."""
         out = validate.tensor(output, "output")
         src = validate.rank(src, self.world_size, "src")
-        inp = None
+        backend = self._backend_for(out)
+        name = backend.name
+        # Every rank, root or not, checks and converts its own output alike.
+        into = validate.movable(validate.chunk(out), name, "scatter")
+        inp = sent = None
         if self.rank == src:
             if input is None:
                 raise InvalidArgument("scatter: input is required on the src rank")
             inp = validate.tensor(input, "input")
             validate.stacked(inp, out, self.world_size, "scatter input")
-        spec = OpSpec(OpKind.SCATTER, inp, out, peer=src)
-        return self._issue(self._backend_for(out), spec, out, (out, inp), timeout)
+            validate.no_overlap(out, inp, "scatter")
+            sent = validate.movable(inp, name, "scatter")
+        spec = OpSpec(OpKind.SCATTER, sent, into, peer=src)
+        return self._issue(backend, spec, out, (out, inp), timeout)
 
     def send(self, tensor: Any, dst: int, *, timeout: float | None = None) -> Work:
         """Send ``tensor`` to ``dst`` (matched in order with ``dst``'s ``recv``)."""
         t = validate.tensor(tensor, "tensor")
-        spec = OpSpec(OpKind.SEND, t, peer=validate.peer(dst, self.world_size, self.rank, "dst"))
-        return self._issue(self._backend_for(t), spec, t, t, timeout)
+        backend = self._backend_for(t)
+        spec = OpSpec(
+            OpKind.SEND, validate.movable(t, backend.name, "send"),
+            peer=validate.peer(dst, self.world_size, self.rank, "dst"),
+        )
+        return self._issue(backend, spec, t, t, timeout)
 
     def recv(self, tensor: Any, src: int, *, timeout: float | None = None) -> Work:
         """Receive into ``tensor`` from ``src``."""
         t = validate.tensor(tensor, "tensor")
-        spec = OpSpec(OpKind.RECV, t, peer=validate.peer(src, self.world_size, self.rank, "src"))
-        return self._issue(self._backend_for(t), spec, t, t, timeout)
+        backend = self._backend_for(t)
+        spec = OpSpec(
+            OpKind.RECV, validate.movable(t, backend.name, "recv"),
+            peer=validate.peer(src, self.world_size, self.rank, "src"),
+        )
+        return self._issue(backend, spec, t, t, timeout)
 
     def barrier(self, *, timeout: float | None = None) -> Work:
         """Complete once every rank has reached the barrier. Work result: None."""

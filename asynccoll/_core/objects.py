@@ -5,6 +5,11 @@ them strictly in call order, so they keep the contract's ordering among
 themselves without stalling tensor collectives (and work for every backend,
 NCCL included). Keys are named by the operation's sequence number, and the last
 rank to read an operation's keys deletes them.
+
+Payloads of any size: each rank's pickle is published under one header key, inline
+when small, else as chunks of at most ``CHUNK`` bytes under ``<header>/<i>`` keys
+written before the header (so a header that exists names chunks that exist). No
+store value or reply ever nears TCPStore's payload limit.
 """
 
 from __future__ import annotations
@@ -16,6 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from .errors import InvalidArgument
+
+# TCPStore refuses a value over 8 MiB ("Invalid payload size ... max: 8388608") by
+# dropping the client's connection, which breaks every user of that client (every
+# communicator of the process on that store): values stay far below it.
+#: Largest store value a payload chunk may take.
+CHUNK = 4 << 20
+#: Payloads up to this size ride in their header; headers are read
+#: ``_HEADER_BATCH`` at a time, so one multi_get reply stays under ``CHUNK``.
+INLINE = 64 << 10
+_HEADER_BATCH = CHUNK // (INLINE + 32)
+_INLINE, _CHUNKED = b"i", b"c"
 
 
 def poll_keys(store: Any, keys: list[str], deadline: float) -> bool:
@@ -70,31 +86,60 @@ class ObjectChannel:
 
     def all_gather(self, seq: int, payload: bytes, timeout: float) -> list[Any]:
         keys = [f"obj/{seq}/{r}" for r in range(self._world_size)]
-        self._store.set(keys[self._rank], payload)
+        self._publish(keys[self._rank], payload)
         self._wait(keys, timeout)
-        values = self._store.multi_get(keys)
-        self._release(seq, keys)
+        headers: list[bytes] = []
+        for i in range(0, len(keys), _HEADER_BATCH):
+            headers += self._store.multi_get(keys[i : i + _HEADER_BATCH])
+        values = [
+            payload if r == self._rank else self._fetch(key, header)  # our own: not read back
+            for r, (key, header) in enumerate(zip(keys, headers))
+        ]
+        self._release(seq, keys, headers)
         return [pickle.loads(v) for v in values]
 
     def broadcast(self, seq: int, payload: bytes | None, src: int, timeout: float) -> Any:
         key = f"obj/{seq}/{src}"
         if self._rank == src:
             assert payload is not None
-            self._store.set(key, payload)
+            self._publish(key, payload)
         self._wait([key], timeout)
-        value = self._store.get(key)
-        self._release(seq, [key])
+        header = self._store.get(key)
+        value = self._fetch(key, header)
+        self._release(seq, [key], [header])
         return pickle.loads(value)
+
+    def _publish(self, key: str, payload: bytes) -> None:
+        """Write ``payload`` under ``key``: inline, or chunks first and the header last."""
+        if len(payload) <= INLINE:
+            self._store.set(key, _INLINE + payload)
+            return
+        view = memoryview(payload)
+        count = 0
+        for start in range(0, len(payload), CHUNK):
+            self._store.set(f"{key}/{count}", bytes(view[start : start + CHUNK]))
+            count += 1
+        self._store.set(key, _CHUNKED + str(count).encode())
+
+    def _fetch(self, key: str, header: bytes) -> bytes:
+        if header[:1] == _INLINE:
+            return header[1:]
+        return b"".join(self._store.get(f"{key}/{i}") for i in range(_chunks(header)))
 
     def _wait(self, keys: list[str], timeout: float) -> None:
         if not poll_keys(self._store, keys, time.monotonic() + timeout):
             missing = [k for k in keys if not self._store.check([k])]
             raise TimeoutError(f"object collective: {missing} not published within {timeout} s")
 
-    def _release(self, seq: int, keys: list[str]) -> None:
+    def _release(self, seq: int, keys: list[str], headers: list[bytes]) -> None:
+        """The last rank to have read the operation's keys deletes them all."""
         if self._store.add(f"obj/{seq}/read", 1) == self._world_size:
-            for key in keys + [f"obj/{seq}/read"]:
+            for key, header in zip(keys, headers):
+                if header[:1] == _CHUNKED:
+                    for i in range(_chunks(header)):
+                        self._store.delete_key(f"{key}/{i}")
                 self._store.delete_key(key)
+            self._store.delete_key(f"obj/{seq}/read")
 
     def shutdown(self) -> None:
         """Drop queued jobs; a job blocked in the store ends at its own timeout."""
@@ -102,3 +147,7 @@ class ObjectChannel:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _chunks(header: bytes) -> int:
+    return int(header[1:])

@@ -1,0 +1,203 @@
+"""``ac.init`` arguments: typed errors saying what to fix, and one store per address per process.
+
+Each bad argument once surfaced as a raw OverflowError, TypeError, ValueError or
+torch DistNetworkError; a second communicator on the same explicit address failed
+with EADDRINUSE. Runs under asyncio and uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+from typing import Any, Awaitable, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import uvloop
+
+import asynccoll as ac
+from asynccoll import _init
+from asynccoll.testing import RankContext, run_ranks
+
+from backends import LOOPS
+
+
+def _run(loop: str, fn: Callable[[], Awaitable[Any]]) -> Any:
+    if loop == "uvloop":
+        return uvloop.run(fn())
+    return asyncio.run(fn())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+BAD_ARGS: list[tuple[dict[str, Any], str]] = [
+    (dict(timeout=float("inf")), "timeout"),
+    (dict(timeout=float("nan")), "timeout"),
+    (dict(timeout=1e300), "timeout"),
+    (dict(timeout="5"), "timeout"),
+    (dict(timeout=0), "timeout"),
+    (dict(rank="0"), "rank"),
+    (dict(rank=1.0), "rank"),
+    (dict(rank=-1), "rank"),
+    (dict(rank=True), "rank"),
+    (dict(rank=2), "rank"),
+    (dict(world_size="2"), "world_size"),
+    (dict(world_size=0), "world_size"),
+    (dict(master_port="abc"), "master_port"),
+    (dict(master_port="29500"), "master_port"),
+    (dict(master_port=-1), "master_port"),
+    (dict(master_port=70000), "master_port"),
+    (dict(master_port=2.5), "master_port"),
+    (dict(master_addr=127), "master_addr"),
+    (dict(master_addr="nosuchhost.invalid"), "resolve"),
+    (dict(store=object()), "store"),
+    (dict(store="127.0.0.1:29500"), "store"),
+    (dict(device="notadevice"), "device"),
+    (dict(device=1.5), "device"),
+    (dict(heartbeat=float("inf")), "heartbeat"),
+    (dict(heartbeat=-1), "heartbeat"),
+    (dict(heartbeat="x"), "heartbeat"),
+    (dict(backend=["gloo"]), "backend"),
+]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_bad_init_arguments_are_invalid_argument(loop: str) -> None:
+    async def main() -> None:
+        for extra, what in BAD_ARGS:
+            kwargs: dict[str, Any] = dict(
+                backend="gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=_free_port(), timeout=5
+            )
+            kwargs.update(extra)
+            with pytest.raises(ac.InvalidArgument, match=what):
+                await ac.init(**kwargs)
+
+    _run(loop, main)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_bad_environment_is_invalid_argument(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        for var, raw in (("MASTER_PORT", "abc"), ("RANK", "zero"), ("WORLD_SIZE", "0"), ("MASTER_PORT", "0")):
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("WORLD_SIZE", "1")
+            monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+            monkeypatch.setenv(var, raw)
+            with pytest.raises(ac.InvalidArgument, match=var):
+                await ac.init("gloo", timeout=5)
+
+    _run(loop, main)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_port_in_use_is_invalid_argument(loop: str) -> None:
+    async def main() -> None:
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            with pytest.raises(ac.InvalidArgument, match="in use"):
+                await ac.init("gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=port, timeout=5)
+        assert (("127.0.0.1", port)) not in _init._STORES
+
+    _run(loop, main)
+
+
+def test_wrap_checks_its_arguments() -> None:
+    store = dist.HashStore()
+    pg = dist.ProcessGroupGloo(store, 0, 1, __import__("datetime").timedelta(seconds=10))
+    with pytest.raises(ac.InvalidArgument, match="timeout"):
+        ac.wrap(pg, timeout=float("inf"))
+    with pytest.raises(ac.InvalidArgument, match="store"):
+        ac.wrap(pg, store="not a store")
+    comm = ac.wrap(pg, store=store)
+    # A wrapped Gloo group is validated with Gloo's capability table.
+    with pytest.raises(ac.InvalidArgument, match="gloo cannot reduce"):
+        comm.all_reduce(torch.zeros(2, dtype=torch.uint16))
+
+
+async def two_on_one_address(ctx: RankContext) -> list[float]:
+    if ctx.rank == 0:
+        ctx.store.set("port", str(_free_port()))
+    port = int(ctx.store.get("port"))
+    key = ("127.0.0.1", port)
+    args = dict(rank=ctx.rank, world_size=2, master_addr="127.0.0.1", master_port=port, timeout=30)
+    first = await ac.init("gloo", **args)
+    second = await ac.init("gloo", **args)  # the same address again: the process's store is reused
+    # Two at once on one store: creations take turns (Gloo's constructor blocks the
+    # shared store client; interleaved, they deadlocked until the timeout).
+    third, fourth = await asyncio.gather(ac.init("gloo", **args), ac.init("gloo", **args))
+    comms = [first, second, third, fourth]
+    # Issued on all, then awaited: the two made together may pair crosswise.
+    ts = [torch.full((2,), float(ctx.rank + 1 + 10 * i)) for i in range(len(comms))]
+    await asyncio.gather(*(c.all_reduce(t) for c, t in zip(comms, ts)))
+    out = [t[0].item() for t in ts]
+    assert await second.all_gather_object(ctx.rank) == [0, 1]
+    assert key in _init._STORES
+    await asyncio.gather(*(c.close() for c in comms))
+    del first, second, third, fourth, comms
+    gc.collect()
+    assert key not in _init._STORES, "the shared store outlived its communicators"
+    return out
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_two_communicators_on_one_explicit_address(loop: str) -> None:
+    results = run_ranks(two_on_one_address, world_size=2, backend=None, timeout=90, loop=loop)
+    # all_reduce of (rank + 1 + 10 i) over ranks 0, 1: 3 + 20 i.
+    # The two created together pair by creation order, whichever call got which turn
+    # (crossed pairs sum 21 + 32 = 53 twice instead of 43 and 63).
+    assert results[0][:2] == results[1][:2] == [3.0, 23.0]
+    assert sorted(results[0][2:]) == sorted(results[1][2:]) and sum(results[0][2:]) == 106.0
+
+
+async def concurrent_on_given_store(ctx: RankContext) -> float:
+    args = dict(rank=ctx.rank, world_size=2, store=ctx.store, timeout=30)
+    comms = await asyncio.gather(*(ac.init("gloo", **args) for _ in range(3)))
+    # Which call got which turn may differ between ranks: issue on all, then wait.
+    ts = [torch.ones(1) for _ in comms]
+    await asyncio.gather(*(c.all_reduce(t) for c, t in zip(comms, ts)))
+    await asyncio.gather(*(c.close() for c in comms))
+    return sum(t.item() for t in ts)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_concurrent_creation_on_a_given_store(loop: str) -> None:
+    assert run_ranks(concurrent_on_given_store, world_size=2, backend=None, timeout=90, loop=loop) == [6.0, 6.0]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_creation_errors_are_typed(loop: str) -> None:
+    """What torch raises while building a backend reaches the caller as the contract's type."""
+
+    def raising(text: str) -> Callable[[], None]:
+        def fn() -> None:
+            raise dist.DistNetworkError(text)
+
+        return fn
+
+    async def main() -> None:
+        cases: list[tuple[str, type[BaseException]]] = [
+            ("Socket Timeout", ac.CollectiveTimeout),
+            ("Connection reset by peer", ac.PeerFailure),
+            ("something else broke", ac.CommAborted),
+        ]
+        for text, kind in cases:
+            with pytest.raises(kind) as info:
+                await _init._off_loop(raising(text), 5, "gloo init")
+            assert isinstance(info.value.__cause__, dist.DistNetworkError)
+        with pytest.raises(ac.InvalidArgument):  # already typed: unchanged
+
+            def invalid() -> None:
+                raise ac.InvalidArgument("x")
+
+            await _init._off_loop(invalid, 5, "gloo init")
+
+    _run(loop, main)

@@ -1,0 +1,75 @@
+"""Object collectives of any size: never one store value near TCPStore's 8 MiB limit.
+
+A 9 MiB pickle once made the store server drop the client's connection, which
+broke every communicator of the process on that store. Payloads now travel in
+chunks; these tests move 100 MB objects on 2 real ranks and check that the store
+stays usable and that no key is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import asynccoll as ac
+from asynccoll._core import objects
+from asynccoll.testing import RankContext, run_ranks
+
+from backends import LOOPS
+
+BIG = 100_000_000
+
+
+def _leftover(comm: ac.Communicator, seqs: list[int]) -> list[str]:
+    keys = []
+    for seq in seqs:
+        keys.append(f"obj/{seq}/read")
+        for r in range(comm.world_size):
+            keys += [f"obj/{seq}/{r}"] + [f"obj/{seq}/{r}/{i}" for i in range(BIG // objects.CHUNK + 2)]
+    return [k for k in keys if comm._store.check([k])]
+
+
+async def big_objects(ctx: RankContext) -> list[int]:
+    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60)
+    r = ctx.rank
+    blob = bytes([r + 1]) * BIG
+    w = comm.all_gather_object(blob)
+    got = await w
+    assert [len(b) for b in got] == [BIG, BIG] and got[0][:1] == b"\x01" and got[1][-1:] == b"\x02"
+    del got
+    w2 = comm.broadcast_object(b"z" * BIG if r == 1 else None, src=1)
+    one = await w2
+    assert len(one) == BIG and one[:1] == one[-1:] == b"z"
+    del one
+    # Sizes around the inline and chunk boundaries, several in flight, results in order.
+    sizes = [0, objects.INLINE - 40, objects.INLINE + 1, objects.CHUNK - 40, objects.CHUNK + 7, 3 * objects.CHUNK]
+    works = [comm.all_gather_object(bytes(n) + bytes([r])) for n in sizes]
+    works.append(comm.broadcast_object({"r": r, "pad": b"q" * objects.CHUNK} if r == 0 else None, src=0))
+    results = await asyncio.gather(*works)
+    for n, res in zip(sizes, results):
+        assert [len(x) for x in res] == [n + 1, n + 1] and [x[-1] for x in res] == [0, 1]
+    assert results[-1]["r"] == 0
+    seqs = [w.seq, w2.seq] + [x.seq for x in works]
+    await comm.all_gather_object(None)  # every rank has finished reading the ones above
+    assert _leftover(comm, seqs) == []
+    # The shared store still serves everyone: a second communicator on it works.
+    other = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60)
+    assert await other.all_gather_object(r) == [0, 1]
+    await other.close()
+    assert comm.state == "ok"
+    await comm.close()
+    return [len(sizes)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_objects_of_100_mb_travel_in_chunks(loop: str) -> None:
+    assert run_ranks(big_objects, world_size=2, backend=None, timeout=240, loop=loop) == [[6], [6]]
+
+
+def test_chunk_sizes_stay_below_the_store_limit() -> None:
+    limit = 8 * 1024 * 1024  # TCPStore's largest value
+    assert objects.CHUNK + 1 < limit
+    assert objects.INLINE < objects.CHUNK
+    assert objects._HEADER_BATCH * (objects.INLINE + 1) < limit
