@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ._backends.common import kind_of
 from ._backends.torch_pg import TorchGroupBackend
 from ._core import validate
+from ._core.aio import run_in_thread
 from ._core.backend import Backend
 from ._core.communicator import Communicator, exit_scope
 from ._core.errors import (
@@ -159,17 +160,12 @@ async def _exclusive(store: Any, timeout: float) -> threading.Lock:
     """Take the creation lock of ``store`` off the loop, within ``timeout``; the caller releases it."""
     with _CREATION_GUARD:
         lock = _CREATION_LOCKS.setdefault(store, threading.Lock())
-    loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(None, lock.acquire, True, timeout)
-    try:
-        got = await asyncio.shield(fut)
-    except BaseException:
-        def late(f: asyncio.Future[Any]) -> None:  # cancelled while waiting: give it back once taken
-            if not f.cancelled() and f.exception() is None and f.result():
-                lock.release()
 
-        fut.add_done_callback(late)
-        raise
+    def late(got: bool) -> None:  # cancelled while waiting: give it back once taken
+        if got:
+            lock.release()
+
+    got = await run_in_thread(lambda: lock.acquire(True, timeout), None, on_late=late)
     if not got:
         raise CollectiveTimeout(
             f"another communicator on this store was still being created after {timeout} s "
@@ -197,14 +193,12 @@ class Rendezvous:
 
 async def _off_loop(fn: Callable[[], Any], timeout: float, what: str) -> Any:
     """Run blocking ``fn`` on an executor thread; ``CollectiveTimeout`` after ``timeout``."""
-    loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(None, fn)
     try:
-        return await asyncio.wait_for(fut, timeout)
-    except asyncio.TimeoutError:
-        raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s") from None
+        return await run_in_thread(fn, timeout)
     except AsyncCollError:
         raise
+    except TimeoutError:
+        raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s") from None
     except RuntimeError as exc:  # torch gives no finer type for these (torch 2.13)
         kind = kind_of(exc)
         if kind == "timeout":
@@ -250,17 +244,14 @@ async def _tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: 
         except (dist.DistError, RuntimeError) as exc:  # DistNetworkError, DistStoreError
             raise _store_error(exc, addr, port, timeout) from exc
 
-    loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(None, _STORES.acquire, key, create)
     try:
-        store = await asyncio.wait_for(asyncio.shield(fut), timeout)
-    except asyncio.TimeoutError:
-        # Give back the hold the thread takes if it still succeeds.
-        def late(f: asyncio.Future[Any]) -> None:
-            if not f.cancelled() and f.exception() is None:
-                _STORES.release(key)
-
-        fut.add_done_callback(late)
+        # A hold the thread still takes after we stopped waiting is given back.
+        store = await run_in_thread(
+            lambda: _STORES.acquire(key, create), timeout, on_late=lambda _: _STORES.release(key)
+        )
+    except AsyncCollError:
+        raise
+    except TimeoutError:
         raise CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s") from None
     return store, key
 

@@ -304,7 +304,7 @@ def test_invalid_arguments_are_refused_in_the_caller():
     with pytest.raises(TypeError, match="picklable"):
         run_ranks(local_async)
     with pytest.raises(ValueError, match="loop"):
-        run_ranks(_pid, loop="trio")
+        run_ranks(_pid, loop="curio")
     with pytest.raises(ValueError, match="lost rank"):
         run_ranks(_pid, lost=(5,))
 

@@ -40,9 +40,9 @@ runs the same program.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, Generator
 
+from .aio import current_task as _current_task
 from .errors import InvalidArgument
 from .ledger import State
 from .ops import OpSpec
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from .backend import Backend
     from .communicator import Communicator
 
-_current_task = asyncio.current_task
 
 _NEW, _OPEN, _EXITED = 0, 1, 2
 
@@ -62,7 +61,7 @@ class Batch:
 
     __slots__ = ("task", "open", "backends", "specs", "works")
 
-    def __init__(self, task: asyncio.Task[Any]) -> None:
+    def __init__(self, task: object) -> None:
         self.task = task
         self.open = True
         self.backends: list[Backend] = []
@@ -129,7 +128,7 @@ class CoalescingGroup:
         comm = self._comm
         task = _current_task()
         if task is None:
-            raise InvalidArgument("comm.coalescing() must be entered from an asyncio task")
+            raise InvalidArgument("comm.coalescing() must be entered from an asyncio or trio task")
         outer = comm.ledger.batch.get()
         if outer is not None and outer.open and outer.task is task:
             raise InvalidArgument("comm.coalescing() does not nest within one task")

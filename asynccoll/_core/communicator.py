@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 import torch
 
 from . import validate
+from .aio import run_in_thread, settle_within
 from .backend import Backend
 from .coalescing import CoalescingGroup
 from .deadlines import service as deadline_service
@@ -393,18 +394,17 @@ class Communicator:
         pending = list(ledger.pending.values())
         if pending:
             limit = self.timeout if timeout is None else validate.timeout(timeout, self.timeout)
-            done, _ = await asyncio.wait([asyncio.ensure_future(_settled(w)) for w in pending], timeout=limit)
-            if len(done) < len(pending):
-                ledger.abort(CommAborted(f"close(): {len(pending) - len(done)} op(s) still pending after {limit} s"))
+            left = await settle_within(pending, limit)
+            if left:
+                ledger.abort(CommAborted(f"close(): {left} op(s) still pending after {limit} s"))
         ledger.end_close()
         self._finalizer.detach()
         if self._liveness is not None:
             self._liveness.stop()
         if self._objects is not None:
             self._objects.shutdown()
-        loop = asyncio.get_running_loop()
         for backend in self._backends.values():
-            await loop.run_in_executor(None, backend.close)
+            await run_in_thread(backend.close, None, name="asynccoll-close")
 
     # ----------------------------------------------------------- coalescing
     def coalescing(self, wait: bool = True) -> CoalescingGroup:
@@ -448,9 +448,3 @@ async def exit_scope(comm: Communicator, exc: BaseException | None) -> None:
     comm.abort(f"left the communicator's scope by {type(exc).__name__}: {exc}")
     await comm.close()
 
-
-async def _settled(work: Work) -> None:
-    try:
-        await work
-    except BaseException:  # noqa: BLE001 - close() only waits for the outcome, whatever it is
-        return

@@ -11,6 +11,7 @@ the ledger (:class:`Wakeups`): one wake-up per event loop for a whole burst.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from typing import Any, Callable, Generator, Protocol
 
@@ -85,7 +86,10 @@ class Work:
             event.set()
         if waiters is not None:
             for fut in waiters:
-                wake.add(fut.get_loop(), _wake, fut)
+                if type(fut) is _TrioWaiter:
+                    wake.add(fut.token, _TrioWaiter.wake, fut)
+                else:
+                    wake.add(fut.get_loop(), _wake, fut)
         if callbacks is not None:
             for loop, fn in callbacks:
                 if loop is None:
@@ -135,7 +139,7 @@ class Work:
         in the thread that settles the Work. A Work already settled runs ``fn`` soon
         (on the loop) or at once (without one).
         """
-        loop = _get_running_loop()
+        loop: Any = _get_running_loop() or _trio_token()
         with self._lock:
             if self._state == _PENDING:
                 if self._callbacks is None:
@@ -144,8 +148,10 @@ class Work:
                 return
         if loop is None:
             self._run_callback(fn)
-        else:
+        elif isinstance(loop, asyncio.AbstractEventLoop):
             loop.call_soon(self._run_callback, fn)
+        else:
+            loop.run_sync_soon(self._run_callback, fn)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block the calling thread until done; returns ``result()``.
@@ -173,7 +179,10 @@ class Work:
 
     def __await__(self) -> Generator[Any, None, Any]:
         if self._state == _PENDING:
-            fut = asyncio.get_running_loop().create_future()
+            loop = _get_running_loop()
+            if loop is None:  # not asyncio: trio (anything else raises there)
+                return (yield from self._trio_wait().__await__())
+            fut = loop.create_future()
             with self._lock:
                 pending = self._state == _PENDING
                 if pending:
@@ -184,9 +193,57 @@ class Work:
                 yield from fut.__await__()
         return self.result()
 
+    async def _trio_wait(self) -> Any:
+        import trio
+
+        waiter = _TrioWaiter(trio.lowlevel.current_task(), trio.lowlevel.current_trio_token())
+        with self._lock:
+            pending = self._state == _PENDING
+            if pending:
+                if self._waiters is None:
+                    self._waiters = []
+                self._waiters.append(waiter)  # type: ignore[arg-type]
+        if pending:
+
+            def abort(_: Any) -> Any:
+                # Cancelling the wait cancels only the wait (a later wake finds it gone).
+                waiter.task = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        return self.result()
+
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
         return f"<Work {self.op} seq={self.seq} {state}>"
+
+
+class _TrioWaiter:
+    """A trio task parked on a Work; woken on its own run through the run's token."""
+
+    __slots__ = ("task", "token")
+
+    def __init__(self, task: Any, token: Any) -> None:
+        self.task = task
+        self.token = token
+
+    def wake(self) -> None:  # on the trio thread (Wakeups call it with the waiter)
+        task, self.task = self.task, None
+        if task is not None:
+            import trio
+
+            trio.lowlevel.reschedule(task)
+
+
+def _trio_token() -> Any:
+    """The current trio run's token, or None outside trio."""
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return None
+    try:
+        return trio.lowlevel.current_trio_token()
+    except RuntimeError:  # not inside trio.run
+        return None
 
 
 def _wake(fut: asyncio.Future[Any]) -> None:
@@ -245,6 +302,12 @@ class Wakeups:
         for loop, items in self._by_loop.items():
             if loop is running:
                 _run_all(items)
+                continue
+            if not isinstance(loop, asyncio.AbstractEventLoop):  # a trio run's token
+                try:
+                    loop.run_sync_soon(_run_all, items)
+                except RuntimeError:  # trio.RunFinishedError: that run is over
+                    pass
                 continue
             waker = waker_for(loop)
             try:

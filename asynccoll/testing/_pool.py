@@ -29,7 +29,7 @@ from . import _worker
 from ._errors import RanksTimedOut, RemoteTraceback
 
 _HOST = "127.0.0.1"
-_LOOPS = ("asyncio", "uvloop")
+_LOOPS = ("asyncio", "uvloop", "trio")
 #: Once a rank has failed, how long the others get to finish before they are killed.
 _FAILURE_GRACE = 3.0
 #: How long the parent waits for stack dumps from stuck ranks.
@@ -514,7 +514,7 @@ def run_ranks(
 
     Each rank builds ``comm = await ac.init(backend, rank=r, world_size=n, store=...)``
     on a store prefix unique to this run, awaits ``fn(comm, *args)`` on a fresh
-    ``loop`` (``"asyncio"`` or ``"uvloop"``), then closes ``comm``. With
+    ``loop`` (``"asyncio"``, ``"uvloop"`` or ``"trio"``), then closes ``comm``. With
     ``backend=None`` no communicator is made: ``fn(ctx, *args)`` gets a
     :class:`RankContext`. Returns each rank's (picklable) return value, by rank.
 

@@ -26,6 +26,8 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import anyio
+
 # The loop running the current task, for the task-stack dump (read from another thread).
 _current_loop: asyncio.AbstractEventLoop | None = None
 
@@ -109,9 +111,10 @@ def _error_reply(run_id: int, rank: int, exc: BaseException, aborted: bool) -> t
 
 async def _main(task: dict[str, Any], rank: int, store: Any, state: dict[str, bool]) -> Any:
     global _current_loop
-    loop = asyncio.get_running_loop()
-    loop.set_default_executor(_NoWaitExecutor(thread_name_prefix=f"asynccoll-rank{rank}"))
-    _current_loop = loop
+    if task["loop"] != "trio":
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(_NoWaitExecutor(thread_name_prefix=f"asynccoll-rank{rank}"))
+        _current_loop = loop
     fn, args = task["fn"], task["args"]
     backend = task["backend"]
     world_size, timeout = task["world_size"], task["timeout"]
@@ -134,7 +137,8 @@ async def _main(task: dict[str, Any], rank: int, store: Any, state: dict[str, bo
         if comm.state == "aborted":
             state["aborted"] = True
         try:
-            await asyncio.wait_for(comm.close(), 10)
+            with anyio.fail_after(10):
+                await comm.close()
         except BaseException:  # an aborted comm, or a close that hung: this worker is not clean
             state["aborted"] = True
 
@@ -160,8 +164,13 @@ def _run(msg: tuple[Any, ...], rank: int, client: Any, send: Callable[[Any], Non
             import uvloop
 
             factory = uvloop.new_event_loop
-        with asyncio.Runner(loop_factory=factory) as runner:
-            value = runner.run(_main(task, rank, store, state))
+        if task["loop"] == "trio":
+            import trio
+
+            value = trio.run(_main, task, rank, store, state)
+        else:
+            with asyncio.Runner(loop_factory=factory) as runner:
+                value = runner.run(_main(task, rank, store, state))
     except BaseException as exc:
         return _error_reply(run_id, rank, exc, True)
     finally:

@@ -1,0 +1,99 @@
+"""The loop-adapter seam: the few places where asyncio and trio differ.
+
+Everything here works under asyncio, uvloop and trio (directly or through anyio).
+The hot path — awaiting a :class:`~asynccoll.Work` and waking its waiters — lives
+in ``work.py`` and uses each library's own primitives (an asyncio future woken
+through the loop's batched waker; trio's ``wait_task_rescheduled`` woken through
+the run's token); the rest — running blocking set-up off the loop, bounded
+waits — goes through anyio, which is not on any per-op path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Callable
+
+import anyio
+import anyio.to_thread
+
+_get_running_loop = asyncio._get_running_loop
+
+
+def trio_running() -> bool:
+    """True inside ``trio.run`` (and no asyncio loop runs in this thread)."""
+    if _get_running_loop() is not None:
+        return False
+    try:
+        import sniffio
+
+        return sniffio.current_async_library() == "trio"
+    except Exception:  # sniffio.AsyncLibraryNotFoundError: no async library runs here
+        return False
+
+
+def current_task() -> object | None:
+    """The running task (asyncio or trio), or None outside any."""
+    if _get_running_loop() is not None:
+        return asyncio.current_task()
+    if trio_running():
+        import trio
+
+        return trio.lowlevel.current_task()
+    return None
+
+
+def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
+    result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def job() -> None:
+        try:
+            value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting task
+            result.set_exception(exc)
+        else:
+            result.set_result(value)
+
+    threading.Thread(target=job, name=name, daemon=True).start()
+    return result
+
+
+async def run_in_thread(
+    fn: Callable[[], Any],
+    timeout: float | None,
+    *,
+    on_late: Callable[[Any], None] | None = None,
+    name: str = "asynccoll-setup",
+) -> Any:
+    """Run blocking ``fn`` on a thread of its own without blocking the loop.
+
+    Raises the builtin ``TimeoutError`` after ``timeout`` seconds. If the wait times
+    out or is cancelled, ``fn`` keeps running (a blocking call cannot be
+    interrupted) and ``on_late(result)`` receives its result if it still succeeds,
+    so whatever it acquired can be given back.
+    """
+    future = _start(fn, name)
+    try:
+        with anyio.fail_after(timeout):
+            return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+    except BaseException:
+        if on_late is not None:
+            def late(f: concurrent.futures.Future[Any]) -> None:
+                if f.exception() is None:
+                    on_late(f.result())
+
+            future.add_done_callback(late)
+        raise
+
+
+async def settle_within(waitables: list[Any], timeout: float) -> int:
+    """Await each of ``waitables`` (ignoring their errors) for at most ``timeout``
+    seconds in all; returns how many were not done by then."""
+    with anyio.move_on_after(timeout):
+        for w in waitables:
+            try:
+                await w
+            except Exception:  # noqa: BLE001 - only the end matters, not the outcome
+                continue
+    return sum(1 for w in waitables if not w.done())
