@@ -90,7 +90,7 @@ def _check_args(
             torch.device(device)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"device={device!r} is not a device: {exc}") from None
-    return timeout
+    return float(timeout)
 
 
 class _StoreCache:
@@ -311,9 +311,9 @@ async def _nccl(rdv: Rendezvous, prefix: str, device: Any, timeout: float) -> Ba
 
 
 def _nccl_missing() -> str | None:
-    from ._backends import nccl
+    from ._backends.nccl_runtime import missing
 
-    return nccl.missing()
+    return missing()
 
 
 async def _build(

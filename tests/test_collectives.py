@@ -12,11 +12,10 @@ import asyncio
 
 import pytest
 import torch
+from backends import BACKENDS, LOOPS
 
 import asynccoll as ac
 from asynccoll.testing import run_ranks
-
-from backends import BACKENDS, LOOPS
 
 OPS = [ac.ReduceOp.SUM, ac.ReduceOp.PROD, ac.ReduceOp.MIN, ac.ReduceOp.MAX, ac.ReduceOp.AVG]
 DTYPES = [

@@ -10,11 +10,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from backends import BACKENDS, LOOPS
 
 import asynccoll as ac
 from asynccoll.testing import RankContext, run_ranks
-
-from backends import BACKENDS, LOOPS
 
 
 # ---------------------------------------------------------------- Work API

@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import uvloop
+from backends import LOOPS
 
 import asynccoll as ac
 from asynccoll import _init
 from asynccoll.testing import RankContext, run_ranks
-
-from backends import LOOPS
 
 
 def _run(loop: str, fn: Callable[[], Awaitable[Any]]) -> Any:

@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from backends import LOOPS
 
 import asynccoll as ac
 from asynccoll._core.deadlines import DeadlineService
 from asynccoll._core.ledger import Ledger
 from asynccoll.testing import RankContext, run_ranks, skip_collective
-
-from backends import LOOPS
 
 
 # ------------------------------------------------------------ deadline service

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 import asynccoll as ac
-from asynccoll._core.deadlines import service as deadline_service
-from asynccoll._core.ledger import Ledger
 import streams
 from asynccoll._backends import nccl
 from asynccoll._core.communicator import Communicator
+from asynccoll._core.deadlines import service as deadline_service
+from asynccoll._core.ledger import Ledger
 from asynccoll._core.ops import OpKind, OpSpec, ReduceOp
 from asynccoll._core.work import Work
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from backends import LOOPS
 
 import asynccoll as ac
 from asynccoll._core import objects
 from asynccoll.testing import RankContext, run_ranks
-
-from backends import LOOPS
 
 BIG = 100_000_000
 

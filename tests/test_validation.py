@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backends import LOOPS
 
 import asynccoll as ac
 from asynccoll._core import validate
 from asynccoll.testing import run_ranks
-
-from backends import LOOPS
 
 R = ac.ReduceOp
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import torch
 
@@ -15,7 +15,7 @@ from .coalescing import CoalescingGroup
 from .deadlines import service as deadline_service
 from .errors import CommAborted, InvalidArgument, PeerFailure
 from .faults import Liveness
-from .ledger import Ledger, State
+from .ledger import Ledger
 from .objects import ObjectChannel, dumps
 from .ops import OpKind, OpSpec, ReduceOp
 from .shrink import shrink as _shrink

@@ -232,12 +232,12 @@ class Ledger:
             state = "timed out" if isinstance(exc, CollectiveTimeout) else "failed"
             if work._settle(_FAILED, exc if i == 0 else clone_error(exc), wake) and recorder is not None:
                 recorder.ended(work.seq, state, now)
-        if first:
-            assert self.error is not None
-            self._fail_pending(others, self.error, wake)
+        error = self.error if first else None
+        if error is not None:
+            self._fail_pending(others, error, wake)
         wake.deliver(self._waker_for)
-        if first:
-            self._on_abort(self.error)
+        if error is not None:
+            self._on_abort(error)
 
     def expired(self, seq: int) -> None:
         """The deadline service's report: ``seq`` is past its deadline."""

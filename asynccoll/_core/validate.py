@@ -9,7 +9,7 @@ with the backend chosen for the op's tensors.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import torch
 
@@ -142,7 +142,7 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
     if obj.is_conj() or obj.is_neg():
         # The lazy conjugate/negative bit is not in the bytes a backend sends.
         raise InvalidArgument(f"{name} is a lazy conjugate/negative view; call .resolve_conj().resolve_neg() first")
-    return obj
+    return cast(torch.Tensor, obj)
 
 
 def reduce_op(op: Any, dtype: torch.dtype, backend: str = "torch") -> ReduceOp:
@@ -164,7 +164,7 @@ def reduce_op(op: Any, dtype: torch.dtype, backend: str = "torch") -> ReduceOp:
             f"{backend} cannot reduce {dtype} with ReduceOp.{op.name}; "
             f"it supports: {table.text[op]}"
         )
-    return op
+    return cast(ReduceOp, op)
 
 
 def movable(t: torch.Tensor, backend: str, what: str) -> torch.Tensor:
@@ -231,7 +231,7 @@ def peer(value: Any, world_size: int, me: int, name: str) -> int:
     value = rank(value, world_size, name)
     if value == me:
         raise InvalidArgument(f"{name}={value} is this rank; point-to-point needs another rank")
-    return value
+    return int(value)
 
 
 def same_kind(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -277,7 +277,7 @@ def seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
         raise InvalidArgument(
             f"{name} must be a finite number of seconds {bound} and at most {MAX_TIMEOUT:g}, got {value!r}"
         )
-    return value
+    return float(value)
 
 
 def timeout(value: Any, default: float) -> float:

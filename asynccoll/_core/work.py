@@ -60,7 +60,7 @@ class Work:
         self._keep = keep
         self._lock = threading.Lock()
         # Futures of awaiting tasks, on any loop.
-        self._waiters: list[asyncio.Future[Any]] | None = None
+        self._waiters: list[Any] | None = None  # asyncio futures and _TrioWaiter s
         self._callbacks: list[tuple[asyncio.AbstractEventLoop | None, Callable[[Work], Any]]] | None = None
         self._event: threading.Event | None = None
         # Set by device backends: makes a stream wait for the op (``wait_stream``).
@@ -202,7 +202,7 @@ class Work:
             if pending:
                 if self._waiters is None:
                     self._waiters = []
-                self._waiters.append(waiter)  # type: ignore[arg-type]
+                self._waiters.append(waiter)
         if pending:
 
             def abort(_: Any) -> Any:

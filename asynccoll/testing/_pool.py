@@ -110,7 +110,9 @@ class _Worker:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid  # type: ignore[return-value]
+        pid = self.proc.pid
+        assert pid is not None  # started in __init__
+        return int(pid)
 
     def signal(self, sig: int) -> None:
         try:
@@ -216,7 +218,7 @@ class RankPool:
         self._server: dist.TCPStore | None = dist.TCPStore(
             _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
-        self._port = self._server.port  # type: ignore[union-attr]
+        self._port = self._server.port
         self._lock = threading.RLock()
         self._runs = 0
         self._closed = False
@@ -440,7 +442,7 @@ class RankPool:
         while len(tasks) < len(ranks) and time.monotonic() < end:
             conns = {self._workers[r].conn: r for r in ranks if r not in tasks}
             for conn in multiprocessing.connection.wait(list(conns), timeout=end - time.monotonic()):
-                r = conns[conn]  # type: ignore[index]
+                r = conns[conn]
                 try:
                     msg = conn.recv()  # type: ignore[union-attr,call-arg]
                 except (EOFError, OSError):
