@@ -8,11 +8,7 @@ DEFAULT_TIMEOUT_S = 120
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    try:
-        has_timeout = config.pluginmanager.hasplugin("timeout")
-    except Exception:
-        has_timeout = False
-    if not has_timeout:
+    if not config.pluginmanager.hasplugin("timeout"):
         return
     for item in items:
         if item.get_closest_marker("timeout") is None:

@@ -159,7 +159,7 @@ class Completer:
             error: BaseException | None = None
             try:
                 wait(waitable)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure of the wait is this op's failure
                 error = exc
             # Drop the waitable now: a torch Work's destructor retakes the GIL, which
             # aborts the process if it runs on a daemon thread during interpreter
@@ -168,7 +168,7 @@ class Completer:
             if error is None and fixup is not None:
                 try:
                     fixup()
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - a failed fix-up fails the op
                     error = exc
             if error is not None:
                 if ready:

@@ -25,11 +25,11 @@ def trio_running() -> bool:
     """True inside ``trio.run`` (and no asyncio loop runs in this thread)."""
     if _get_running_loop() is not None:
         return False
-    try:
-        import sniffio
+    import sniffio
 
+    try:
         return sniffio.current_async_library() == "trio"
-    except Exception:  # sniffio.AsyncLibraryNotFoundError: no async library runs here
+    except sniffio.AsyncLibraryNotFoundError:  # no async library runs in this thread
         return False
 
 

@@ -163,7 +163,7 @@ class DeadlineClient:
             return
         try:
             target.expired(seq)
-        except Exception as exc:  # the shared timer must survive a failing handler
+        except Exception as exc:  # noqa: BLE001 - the shared timer must survive a failing handler
             threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
 
     def close(self) -> None:

@@ -60,7 +60,7 @@ def clone_error(error: BaseException) -> BaseException:
     else:
         try:
             exc = type(error)(*error.args)
-        except Exception:  # an exception type with an unusual constructor: wrap it
+        except Exception:  # noqa: BLE001 - an exception type with an unusual constructor: wrap it
             exc = CommAborted(str(error))
     exc.__cause__ = error.__cause__
     return exc
@@ -201,7 +201,7 @@ class Ledger:
         if target.finish is not None:
             try:
                 target.finish()
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - a failed copy-back fails the batch
                 failure = CommAborted(f"coalesced {target.op} (seq {target.seq}): copy-back failed: {err}")
                 failure.__cause__ = err
                 self.fail(target, failure)

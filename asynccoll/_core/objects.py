@@ -77,7 +77,7 @@ class ObjectChannel:
         def job() -> None:
             try:
                 value = fn()
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed to the Work, raised where it is awaited
                 done(None, exc)
             else:
                 done(value, None)

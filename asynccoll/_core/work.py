@@ -101,7 +101,7 @@ class Work:
     def _run_callback(self, fn: Callable[[Work], Any]) -> None:
         try:
             fn(self)
-        except Exception as exc:  # a user callback must not break the settling thread
+        except Exception as exc:  # noqa: BLE001 - a user callback must not break the settling thread
             loop = _get_running_loop()
             if loop is not None:
                 loop.call_exception_handler(

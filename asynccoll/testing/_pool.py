@@ -150,7 +150,7 @@ class _Worker:
         """Ask the worker to exit (closing the pipe is enough); kill it if it lingers."""
         try:
             self.conn.send(("exit",))
-        except Exception:
+        except OSError:  # the pipe is closed: the worker is gone already
             pass
         self.proc.join(2)
         self.kill()
@@ -177,7 +177,7 @@ def _outcome_from(msg: tuple[Any, ...]) -> _Outcome:
     if blob is not None:
         try:
             error = pickle.loads(blob)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any unpickling failure: the message and traceback text remain
             error = None
     if not isinstance(error, BaseException):
         error = RuntimeError(f"{name}: {message}")
@@ -188,7 +188,7 @@ def _stop_workers(workers: list[_Worker]) -> None:
     for w in workers:
         try:
             w.conn.send(("exit",))
-        except Exception:
+        except OSError:  # the pipe is closed: the worker is gone already
             pass
     for w in workers:
         w.stop()
@@ -411,7 +411,7 @@ class RankPool:
             assert exc is not None
             try:
                 exc.rank = r  # type: ignore[attr-defined]
-            except Exception:
+            except AttributeError:  # an exception type with __slots__: the rank stays in the traceback text
                 pass
             raise exc from RemoteTraceback(text, rank=r)
         if stuck:
