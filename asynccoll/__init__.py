@@ -16,6 +16,7 @@ from ._core.errors import InvalidArgument as InvalidArgument
 from ._core.errors import PeerFailure as PeerFailure
 from ._core.ops import ReduceOp as ReduceOp
 from ._core.work import Work as Work
+from ._train import GradSync as GradSync
 from ._init import init as init
 from ._init import wrap as wrap
 
@@ -29,6 +30,7 @@ __all__ = [
     "CommAborted",
     "CommClosed",
     "Communicator",
+    "GradSync",
     "InvalidArgument",
     "PeerFailure",
     "ReduceOp",

@@ -1,0 +1,198 @@
+"""GradSync (API.md §9) against torch DDP, in the same rank processes, on Gloo.
+
+Each rank builds a torch.distributed group (``init_process_group`` on its own store
+prefix, destroyed at the end: the test kit reuses worker processes) and an
+asynccoll communicator, trains one copy of a model with DDP and an identical copy
+with GradSync on the same batches, and checks that the parameters agree after
+every step (to float32 rounding: at world size 3 the buckets differ from DDP's, so
+Gloo may sum in another order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from backends import LOOPS
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import asynccoll as ac
+from asynccoll.testing import run_ranks
+
+IN, HID, OUT, BATCH = 8, 16, 4, 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One training scenario, run by DDP and by GradSync."""
+
+    steps: int = 4
+    uneven: int = 0            # rank r gets steps + uneven * r batches, inside join()
+    accumulate: int = 1        # micro-batches per step (all but the last under no_sync)
+    unused: bool = False       # a branch used on some ranks/steps only, and one never used
+    thread: bool = False       # backward in a worker thread
+    bucket_mb: float = 0.0005  # small: several buckets even for this model
+    zero_grad_none: bool = True
+
+
+class Net(torch.nn.Module):
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(IN, HID)
+        self.b = torch.nn.Linear(HID, HID)
+        self.extra = torch.nn.Linear(HID, HID)   # used only where ``use_extra``
+        if unused:
+            self.never = torch.nn.Linear(HID, HID)   # never used: its grad stays None
+        self.c = torch.nn.Linear(HID, OUT)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = torch.relu(self.b(h))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.c(h)
+
+
+def batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def use_extra(case: Case, rank: int, step: int) -> bool:
+    return not case.unused or (rank + step) % 2 == 0
+
+
+def n_steps(case: Case, rank: int) -> int:
+    return case.steps + case.uneven * rank
+
+
+@contextlib.asynccontextmanager
+async def groups(ctx: Any) -> Any:
+    """A torch.distributed default group and an asynccoll communicator on this run's store."""
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("torch/", ctx.store), rank=ctx.rank, world_size=ctx.world_size
+    )
+    try:
+        comm = await ac.init(
+            "gloo", rank=ctx.rank, world_size=ctx.world_size, store=dist.PrefixStore("ac/", ctx.store)
+        )
+        try:
+            yield comm
+        finally:
+            await comm.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def train_ddp(model: Net, case: Case, rank: int) -> list[list[torch.Tensor]]:
+    ddp = DDP(model, find_unused_parameters=case.unused)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    snapshots = []
+    with ddp.join() if case.uneven else contextlib.nullcontext():
+        for step in range(n_steps(case, rank)):
+            for micro in range(case.accumulate):
+                x, y = batch(rank, step, micro)
+                last = micro == case.accumulate - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    out = ddp(x, use_extra(case, rank, step))
+                    torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=case.zero_grad_none)
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+    snapshots.append([p.detach().clone() for p in model.parameters()])
+    return snapshots
+
+
+async def train_gradsync(comm: ac.Communicator, model: Net, case: Case) -> list[list[torch.Tensor]]:
+    sync = ac.GradSync(comm, model, bucket_mb=case.bucket_mb)
+    assert len(sync.bucket_sizes) > 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    snapshots = []
+    try:
+        joined = sync.join() if case.uneven else contextlib.nullcontext()
+        async with joined:
+            for step in range(n_steps(case, comm.rank)):
+                for micro in range(case.accumulate):
+                    x, y = batch(comm.rank, step, micro)
+                    last = micro == case.accumulate - 1
+                    with contextlib.nullcontext() if last else sync.no_sync():
+                        loss = torch.nn.functional.mse_loss(model(x, use_extra(case, comm.rank, step)), y)
+                        if case.thread:
+                            await asyncio.to_thread(loss.backward)
+                        else:
+                            loss.backward()
+                await sync.wait()
+                opt.step()
+                opt.zero_grad(set_to_none=case.zero_grad_none)
+                snapshots.append([p.detach().clone() for p in model.parameters()])
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+        if case.uneven:
+            assert joined.authoritative_rank == comm.world_size - 1  # type: ignore[union-attr]
+    finally:
+        sync.close()
+    return snapshots
+
+
+async def compare_with_ddp(ctx: Any, case: Case) -> dict[str, Any]:
+    async with groups(ctx) as comm:
+        torch.manual_seed(0)
+        ours = Net(case.unused)
+        theirs = copy.deepcopy(ours)
+        ref = train_ddp(theirs, case, ctx.rank)
+        got = await train_gradsync(comm, ours, case)
+        assert len(got) == len(ref), (len(got), len(ref))
+        worst = 0.0
+        for step, (a, b) in enumerate(zip(got, ref)):
+            for i, (pa, pb) in enumerate(zip(a, b)):
+                worst = max(worst, float((pa - pb).abs().max()))
+                where = f"step {step} param {i}"
+                torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
+        # The parameters moved (the comparison is not vacuous), and every rank ends equal.
+        moved = float((got[-1][0] - got[0][0]).abs().max())
+        assert moved > 1e-4, moved
+        final = torch.cat([p.reshape(-1) for p in got[-1]])
+        spread = final.clone()
+        await comm.all_reduce(spread, ac.ReduceOp.MAX)
+        low = final.clone()
+        await comm.all_reduce(low, ac.ReduceOp.MIN)
+        assert torch.equal(spread, low), "ranks ended with different parameters"
+        never_none = ours.never.weight.grad is None if case.unused else None
+        return {"worst": worst, "never_grad_none": never_none, "steps": len(got) - 1}
+
+
+CASES = {
+    "even": Case(),
+    "uneven": Case(uneven=2),
+    "no_sync": Case(accumulate=3),
+    "unused": Case(unused=True),
+    "thread": Case(thread=True),
+    "uneven_thread_unused": Case(uneven=1, thread=True, unused=True, accumulate=2),
+    "zero_grad_keep": Case(unused=True, zero_grad_none=False),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_parameters_equal_ddp(name: str, world_size: int) -> None:
+    case = CASES[name]
+    results = run_ranks(compare_with_ddp, world_size=world_size, backend=None, timeout=90, args=(case,))
+    for r in results:
+        assert r["worst"] < 1e-5
+        if case.unused:
+            assert r["never_grad_none"] or not case.zero_grad_none
+    if world_size == 2:
+        # 1/2 is exact and two addends commute: DDP's numbers bit for bit.
+        assert all(r["worst"] == 0.0 for r in results), results
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_thread_and_loop_backward_under_each_loop(loop: str) -> None:
+    case = Case(uneven=1, thread=True, accumulate=2)
+    results = run_ranks(compare_with_ddp, world_size=2, backend=None, timeout=90, loop=loop, args=(case,))
+    assert [r["steps"] for r in results] == [4, 5]
