@@ -144,6 +144,7 @@ async def compare_with_ddp(ctx: Any, case: Case) -> dict[str, Any]:
         torch.manual_seed(0)
         ours = Net(case.unused)
         theirs = copy.deepcopy(ours)
+        start = [p.detach().clone() for p in ours.parameters()]
         ref = train_ddp(theirs, case, ctx.rank)
         got = await train_gradsync(comm, ours, case)
         assert len(got) == len(ref), (len(got), len(ref))
@@ -154,7 +155,7 @@ async def compare_with_ddp(ctx: Any, case: Case) -> dict[str, Any]:
                 where = f"step {step} param {i}"
                 torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
         # The parameters moved (the comparison is not vacuous), and every rank ends equal.
-        moved = float((got[-1][0] - got[0][0]).abs().max())
+        moved = float((got[-1][0] - start[0]).abs().max())
         assert moved > 1e-4, moved
         final = torch.cat([p.reshape(-1) for p in got[-1]])
         spread = final.clone()
@@ -174,6 +175,7 @@ CASES = {
     "thread": Case(thread=True),
     "uneven_thread_unused": Case(uneven=1, thread=True, unused=True, accumulate=2),
     "zero_grad_keep": Case(unused=True, zero_grad_none=False),
+    "uneven_one_rank_empty": Case(steps=0, uneven=3, accumulate=2),
 }
 
 
@@ -196,3 +198,112 @@ def test_thread_and_loop_backward_under_each_loop(loop: str) -> None:
     case = Case(uneven=1, thread=True, accumulate=2)
     results = run_ranks(compare_with_ddp, world_size=2, backend=None, timeout=90, loop=loop, args=(case,))
     assert [r["steps"] for r in results] == [4, 5]
+
+
+# ------------------------------------------------------------------ behaviour
+async def behaviour(comm: ac.Communicator) -> dict[str, Any]:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16) for _ in range(3)]
+    params = [p for layer in layers for p in layer.parameters()]
+    sync = ac.GradSync(comm, params, bucket_mb=16 * 17 * 4 / 2**20, op=ac.ReduceOp.SUM)
+    out: dict[str, Any] = {"buckets": len(sync.bucket_sizes)}
+
+    def loss_of(x: torch.Tensor, skip_last: bool = False) -> torch.Tensor:
+        h = torch.relu(layers[1](layers[0](x)))
+        return (h if skip_last else layers[2](h)).square().sum()
+
+    # Every bucket is issued during backward (all parameters used): nothing is left for wait().
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(comm.rank))
+    seq0 = comm.all_reduce(torch.zeros(1)).seq
+    loss_of(x).backward()
+    out["issued_in_backward"] = comm.all_reduce(torch.zeros(1)).seq - seq0 - 1
+    local = [p.grad.clone() for p in params]
+    await sync.wait()
+    # SUM: the result is the sum of every rank's local gradient.
+    for p, g in zip(params, local):
+        total = g.clone()
+        await comm.all_reduce(total)
+        torch.testing.assert_close(p.grad, total)
+    for p in params:
+        p.grad = None
+
+    # Buckets go in a fixed order (reverse parameter order): a parameter without gradient
+    # (the last layer's: the first bucket) holds every bucket back until wait().
+    seq0 = comm.all_reduce(torch.zeros(1)).seq
+    loss_of(x, skip_last=True).backward()
+    out["issued_without_last_layer"] = comm.all_reduce(torch.zeros(1)).seq - seq0 - 1
+    await sync.wait()
+    out["unused_grad_none"] = layers[2].weight.grad is None  # no rank used it: left untouched
+
+    # Misuse is reported where it happens; the GradSync stays usable.
+    loss_of(x).backward()
+    with pytest.raises(ac.InvalidArgument):
+        with sync.no_sync():
+            pass
+    try:
+        loss_of(x).backward()
+    except RuntimeError as exc:
+        out["twice"] = "twice" in str(exc)
+    with pytest.raises(RuntimeError, match="twice"):
+        await sync.wait()
+    with sync.no_sync():
+        with pytest.raises(ac.InvalidArgument):
+            await sync.wait()
+    for p in params:
+        p.grad = None
+    loss_of(x).backward()
+    await sync.wait()
+
+    # close(): the hooks are gone, backward communicates nothing.
+    sync.close()
+    sync.close()
+    seq0 = comm.all_reduce(torch.zeros(1)).seq
+    loss_of(x).backward()
+    out["issued_after_close"] = comm.all_reduce(torch.zeros(1)).seq - seq0 - 1
+    with pytest.raises(ac.InvalidArgument):
+        await sync.wait()
+    with pytest.raises(ac.InvalidArgument):
+        sync.join()
+    return out
+
+
+def test_buckets_issued_during_backward_misuse_and_close() -> None:
+    for r in run_ranks(behaviour, world_size=2, timeout=60):
+        assert r["buckets"] == 3
+        assert r["issued_in_backward"] == 3
+        assert r["issued_without_last_layer"] == 0
+        assert r["unused_grad_none"] is True
+        assert r["twice"] is True
+        assert r["issued_after_close"] == 0
+
+
+async def bad_arguments(comm: ac.Communicator) -> int:
+    model = torch.nn.Linear(4, 4)
+    checks = [
+        lambda: ac.GradSync(comm, model, op=ac.ReduceOp.MAX),
+        lambda: ac.GradSync(comm, model, bucket_mb=0),
+        lambda: ac.GradSync(comm, model, bucket_mb=True),
+        lambda: ac.GradSync(comm, []),
+        lambda: ac.GradSync(comm, [torch.zeros(3)]),                        # nothing requires grad
+        lambda: ac.GradSync(comm, [model.weight * 2]),                      # not a leaf
+        lambda: ac.GradSync(comm, 42),
+    ]
+    for check in checks:
+        with pytest.raises(ac.InvalidArgument):
+            check()
+    sync = ac.GradSync(comm, model)
+    j = sync.join()
+    async with j:
+        with pytest.raises(ac.InvalidArgument):
+            async with sync.join():
+                pass
+    with pytest.raises(ac.InvalidArgument):
+        async with j:
+            pass
+    sync.close()
+    await comm.barrier()  # the communicator is still usable
+    return len(checks)
+
+
+def test_bad_arguments_raise_invalid_argument() -> None:
+    assert run_ranks(bad_arguments, world_size=2, timeout=60) == [7, 7]
