@@ -39,6 +39,7 @@ class Case:
     thread: bool = False       # backward in a worker thread
     bucket_mb: float = 0.0005  # small: several buckets even for this model
     zero_grad_none: bool = True
+    grad_views: bool = True
 
 
 class Net(torch.nn.Module):
@@ -110,7 +111,7 @@ def train_ddp(model: Net, case: Case, rank: int) -> list[list[torch.Tensor]]:
 
 
 async def train_gradsync(comm: ac.Communicator, model: Net, case: Case) -> list[list[torch.Tensor]]:
-    sync = ac.GradSync(comm, model, bucket_mb=case.bucket_mb)
+    sync = ac.GradSync(comm, model, bucket_mb=case.bucket_mb, grad_views=case.grad_views)
     assert len(sync.bucket_sizes) > 1
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     snapshots = []
@@ -175,6 +176,8 @@ CASES = {
     "thread": Case(thread=True),
     "uneven_thread_unused": Case(uneven=1, thread=True, unused=True, accumulate=2),
     "zero_grad_keep": Case(unused=True, zero_grad_none=False),
+    "zero_grad_keep_no_views": Case(unused=True, zero_grad_none=False, grad_views=False, accumulate=2),
+    "no_views_uneven": Case(uneven=1, grad_views=False),
     "uneven_one_rank_empty": Case(steps=0, uneven=3, accumulate=2),
 }
 

@@ -29,12 +29,14 @@ def assign(
 
     Parameters of different dtype or device never share a bucket. A bucket is
     closed once it holds at least its size limit: ``first_bytes`` for the first
-    bucket of each (dtype, device), ``cap_bytes`` for the others (DDP's rule with
-    its 1 MiB first bucket). The result depends only on the parameters' shapes,
-    dtypes, devices and ``order``, so every rank computes the same buckets.
+    bucket of each (dtype, device), then twice the previous limit, up to
+    ``cap_bytes``. Small buckets first let communication start early in backward;
+    larger ones later keep the number of ops low. The result depends only on the
+    parameters' shapes, dtypes, devices and ``order``, so every rank computes the
+    same buckets.
     """
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
-    seen: set[tuple[torch.dtype, torch.device]] = set()
+    closed: dict[tuple[torch.dtype, torch.device], int] = {}  # buckets closed so far, per key
     done: list[tuple[int, list[int]]] = []  # (position of the bucket's first member, members)
     first_at: dict[tuple[torch.dtype, torch.device], int] = {}
     for pos, i in enumerate(order):
@@ -45,10 +47,11 @@ def assign(
             first_at[key] = pos
         members.append(i)
         size += p.numel() * p.element_size()
-        limit = cap_bytes if key in seen else min(first_bytes, cap_bytes)
+        k = closed.get(key, 0)
+        limit = min(cap_bytes, first_bytes << min(k, 48))
         if size >= limit:
             done.append((first_at[key], members))
-            seen.add(key)
+            closed[key] = k + 1
             open_.pop(key, None)
         else:
             open_[key] = (members, size)
@@ -61,7 +64,10 @@ def assign(
 class Bucket:
     """The flat buffer of one bucket and the views of its parameters' gradients."""
 
-    __slots__ = ("buffer", "flags", "index", "members", "numel", "params", "pending", "views", "work")
+    __slots__ = (
+        "buffer", "flags", "grads", "index", "members", "numel", "params", "pending", "saved", "shadow",
+        "views", "work",
+    )
 
     def __init__(self, index: int, members: Sequence[int], params: Sequence[torch.Tensor]) -> None:
         self.index = index
@@ -77,6 +83,13 @@ class Bucket:
             self.views.append(self.buffer[offset:offset + n].view(p.shape))
             offset += n
         self.flags = self.buffer[self.numel:]
+        # The slots whose parameter's .grad is (still) the slot's view, as set by
+        # unpack(); None elsewhere. Compared by identity: a new .grad replaces it.
+        self.grads: list[torch.Tensor | None] = [None] * len(self.params)
+        # Slots whose .grad is the view and was filled in without a hook (unused in
+        # this step): the value to restore if no rank used the parameter.
+        self.saved: dict[int, torch.Tensor] = {}
+        self.shadow: torch.Tensor | None = None  # join: the zeros (and flags) this rank sends
         self.pending = len(self.params)
         self.work: object | None = None
 
@@ -89,6 +102,9 @@ class Bucket:
         view = self.views[slot]
         if grad is None:
             view.zero_()
+        elif grad is self.grads[slot]:  # .grad is still our view: accumulated in place
+            if scale is not None:
+                view.mul_(scale)
         elif grad.layout is not torch.strided:
             raise RuntimeError(
                 f"GradSync: parameter {self.members[slot]} has a {grad.layout} gradient; "
@@ -102,3 +118,4 @@ class Bucket:
     def reset(self) -> None:
         self.pending = len(self.params)
         self.work = None
+        self.saved.clear()

@@ -53,9 +53,15 @@ class GradSync:
 
     ``bucket_mb``: the largest bucket, in MiB. Buckets are filled in reverse
     parameter order (the order in which backward usually produces gradients); the
-    first one is smaller (``first_bucket_mb``, 1 MiB as in DDP) so that
-    communication starts early. ``op``: ``ReduceOp.AVG`` (default) or
-    ``ReduceOp.SUM``.
+    first holds at least ``first_bucket_mb`` (1 MiB, as in DDP), each next one
+    twice as much, up to ``bucket_mb``, so that communication starts early in
+    backward. ``op``: ``ReduceOp.AVG`` (default) or ``ReduceOp.SUM``.
+
+    ``grad_views`` (default True): after :meth:`wait`, a (contiguous) parameter's
+    ``.grad`` is its view of the reduced bucket instead of a copy, which saves a
+    pass over all gradients per step, as DDP's ``gradient_as_bucket_view``. Such a
+    ``.grad`` is overwritten by the next synchronised backward; ``zero_grad()``
+    (either way) is fine. Pass False to get a ``.grad`` of its own each step.
 
     Use: ``loss.backward()`` (on the loop or in a thread), then ``await
     sync.wait()``, then the optimizer step; ``with sync.no_sync():`` around
@@ -72,6 +78,7 @@ class GradSync:
         bucket_mb: float = 25.0,
         op: ReduceOp = ReduceOp.AVG,
         first_bucket_mb: float = 1.0,
+        grad_views: bool = True,
     ) -> None:
         if op not in (ReduceOp.AVG, ReduceOp.SUM):
             raise InvalidArgument(f"GradSync: op must be ReduceOp.AVG or ReduceOp.SUM, got {op!r}")
@@ -82,6 +89,7 @@ class GradSync:
         self.op = op
         self.bucket_mb = float(bucket_mb)
         self.first_bucket_mb = float(first_bucket_mb)
+        self.grad_views = bool(grad_views)
         if isinstance(module_or_params, torch.nn.Module):
             self.module: torch.nn.Module | None = module_or_params
             candidates: list[Any] = list(module_or_params.parameters())
@@ -193,7 +201,10 @@ class GradSync:
             with torch.no_grad():
                 for slot, i in enumerate(bucket.members):
                     if not self._ready[i]:
-                        bucket.put(slot, bucket.params[slot].grad, self._scale)
+                        grad = bucket.params[slot].grad
+                        if grad is not None and grad is bucket.grads[slot]:
+                            bucket.saved[slot] = grad.clone()
+                        bucket.put(slot, grad, self._scale)
                         self._ready[i] = True
             bucket.pending = 0
         used = self._used
@@ -246,19 +257,33 @@ class GradSync:
             raise error
 
     def _unpack(self, bucket: Bucket) -> None:
-        """Copy the reduced bucket into the parameters' ``.grad`` (loop thread)."""
+        """Hand the reduced bucket to the parameters' ``.grad`` (loop thread).
+
+        With ``grad_views`` a parameter's ``.grad`` becomes its view of the bucket (no
+        copy); it stays so until something replaces it (``zero_grad()`` setting it to
+        None, or a new assignment). Otherwise the values are copied into ``.grad``.
+        """
         used = self._used
+        views_ok = self.grad_views
         global_used: list[float] | None = None
         with torch.no_grad():
             for slot, p in enumerate(bucket.params):
+                grad = p.grad
                 if not used[bucket.members[slot]]:
                     if global_used is None:  # only here: reading the flags may sync a device
                         global_used = bucket.flags.tolist()
-                    if global_used[slot] == 0:
-                        continue  # no rank used it: its .grad stays as it is
+                    if global_used[slot] == 0:  # no rank used it: its .grad stays as it was
+                        saved = bucket.saved.get(slot)
+                        if saved is not None:
+                            bucket.views[slot].copy_(saved)
+                        continue
                 view = bucket.views[slot]
-                grad = p.grad
-                if grad is None:
+                if grad is not None and grad is bucket.grads[slot]:
+                    continue  # .grad is the view: reduced in place
+                if views_ok and p.is_contiguous():
+                    p.grad = view
+                    bucket.grads[slot] = view
+                elif grad is None:
                     p.grad = view.clone()
                 else:
                     grad.copy_(view)
@@ -286,11 +311,20 @@ class GradSync:
         with self._lock:
             works = []
             for bucket in self._buckets:
-                bucket.buffer[: bucket.numel].zero_()
-                works.append(self.comm.all_reduce(bucket.buffer))
+                shadow = bucket.shadow
+                if shadow is None:  # first shadowed step of this join: flags of the last real step
+                    shadow = bucket.shadow = torch.zeros_like(bucket.buffer)
+                    shadow[bucket.numel:].copy_(bucket.flags)
+                else:
+                    shadow[: bucket.numel].zero_()
+                works.append(self.comm.all_reduce(shadow))
         for work in works:
             await work
         self.steps += 1
+
+    def _end_join(self) -> None:
+        for bucket in self._buckets:
+            bucket.shadow = None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -88,8 +88,8 @@ class Join:
             is_last = False
             self.shadowed_steps += 1
             await sync._shadow_step()
+        sync._end_join()
         self.authoritative_rank = await self._sync_final_model(is_last)
-        return
 
     async def _sync_final_model(self, is_last: bool) -> int:
         sync = self._sync
