@@ -274,8 +274,8 @@ def _plot(res: dict[str, Any], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run: few rounds")
-    ap.add_argument("--rounds", type=int, default=12, help="rounds of alternating blocks")
-    ap.add_argument("--steps", type=int, default=10, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds of alternating blocks")
+    ap.add_argument("--steps", type=int, default=4, help="steps per block")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["mlp", "small"])
     ap.add_argument("--variants", nargs="+", default=["ddp", "gradsync", "gradsync_thread", "naive"],

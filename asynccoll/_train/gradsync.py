@@ -208,12 +208,10 @@ class GradSync:
                         self._ready[i] = True
             bucket.pending = 0
         used = self._used
-        if all(used[i] for i in bucket.members):
-            bucket.flags.fill_(1)
-        else:
-            bucket.flags.copy_(
-                torch.tensor([1.0 if used[i] else 0.0 for i in bucket.members], dtype=bucket.flags.dtype)
-            )
+        bucket.flags.fill_(1)
+        for slot, i in enumerate(bucket.members):
+            if not used[i]:
+                bucket.flags[slot] = 0  # on the device's stream: no host copy, no sync
         self._next = bucket.index + 1
         bucket.work = self.comm.all_reduce(bucket.buffer)
 
