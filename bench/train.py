@@ -100,6 +100,10 @@ class _Variant:
             await asyncio.to_thread(loss.backward)
         else:
             loss.backward()
+        if self.name.startswith("gradsync_opt"):
+            await self.sync.wait(self.opt)  # optimizer stepped bucket by bucket
+            self.opt.zero_grad()
+            return
         if self.sync is not None:
             await self.sync.wait()
         elif self.name == "naive":
@@ -279,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["mlp", "small"])
     ap.add_argument("--variants", nargs="+", default=["ddp", "gradsync", "gradsync_thread", "naive"],
-                    help="ddp, gradsync, gradsync_thread, naive; gradsync:MB tries another bucket_mb")
+                    help="ddp, gradsync, gradsync_thread, gradsync_opt (wait(opt)), naive; "
+                    "gradsync:MB tries another bucket_mb")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--first-bucket-mb", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")

@@ -40,6 +40,8 @@ class Case:
     bucket_mb: float = 0.0005  # small: several buckets even for this model
     zero_grad_none: bool = True
     grad_views: bool = True
+    step_in_wait: bool = False # ``await sync.wait(opt)``: the optimizer stepped bucket by bucket
+    adam: bool = False         # AdamW instead of SGD with momentum
 
 
 class Net(torch.nn.Module):
@@ -91,9 +93,15 @@ async def groups(ctx: Any) -> Any:
         dist.destroy_process_group()
 
 
+def optimizer(case: Case, params: Any) -> torch.optim.Optimizer:
+    if case.adam:
+        return torch.optim.AdamW(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
 def train_ddp(model: Net, case: Case, rank: int) -> list[list[torch.Tensor]]:
     ddp = DDP(model, find_unused_parameters=case.unused)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    opt = optimizer(case, ddp.parameters())
     snapshots = []
     with ddp.join() if case.uneven else contextlib.nullcontext():
         for step in range(n_steps(case, rank)):
@@ -113,7 +121,7 @@ def train_ddp(model: Net, case: Case, rank: int) -> list[list[torch.Tensor]]:
 async def train_gradsync(comm: ac.Communicator, model: Net, case: Case) -> list[list[torch.Tensor]]:
     sync = ac.GradSync(comm, model, bucket_mb=case.bucket_mb, grad_views=case.grad_views)
     assert len(sync.bucket_sizes) > 1
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = optimizer(case, model.parameters())
     snapshots = []
     try:
         joined = sync.join() if case.uneven else contextlib.nullcontext()
@@ -128,8 +136,11 @@ async def train_gradsync(comm: ac.Communicator, model: Net, case: Case) -> list[
                             await asyncio.to_thread(loss.backward)
                         else:
                             loss.backward()
-                await sync.wait()
-                opt.step()
+                if case.step_in_wait:
+                    await sync.wait(opt)
+                else:
+                    await sync.wait()
+                    opt.step()
                 opt.zero_grad(set_to_none=case.zero_grad_none)
                 snapshots.append([p.detach().clone() for p in model.parameters()])
         snapshots.append([p.detach().clone() for p in model.parameters()])
@@ -178,6 +189,8 @@ CASES = {
     "zero_grad_keep": Case(unused=True, zero_grad_none=False),
     "zero_grad_keep_no_views": Case(unused=True, zero_grad_none=False, grad_views=False, accumulate=2),
     "no_views_uneven": Case(uneven=1, grad_views=False),
+    "step_in_wait": Case(step_in_wait=True, unused=True),
+    "step_in_wait_adamw_uneven": Case(step_in_wait=True, adam=True, uneven=1),
     "uneven_one_rank_empty": Case(steps=0, uneven=3, accumulate=2),
 }
 

@@ -216,7 +216,7 @@ class GradSync:
         bucket.work = self.comm.all_reduce(bucket.buffer)
 
     # ------------------------------------------------------------------ public
-    async def wait(self) -> None:
+    async def wait(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Finish this step's synchronisation: every bucket reduced, written into ``.grad``.
 
         Buckets not issued during backward (parameters without gradient on this rank)
@@ -224,6 +224,14 @@ class GradSync:
         once after each backward that was not under :meth:`no_sync`, before the
         optimizer step. A rank whose backward produced no gradient at all still calls
         it, so that its peers' all-reduces are matched.
+
+        ``optimizer`` (optional): step it bucket by bucket, each bucket's parameters
+        as soon as that bucket is reduced, while the later buckets are still in
+        flight (then the parameters it holds outside any bucket). Same numbers as
+        ``await sync.wait(); optimizer.step()`` for optimizers that update each
+        parameter from its own gradient and state (SGD, Adam, AdamW, ...), but not
+        for code that needs every gradient before the step (clipping by the global
+        norm: use the plain form). The optimizer's step hooks run once per bucket.
         """
         with self._lock:
             self._check_open()
@@ -248,6 +256,10 @@ class GradSync:
                 await work  # type: ignore[misc]
                 work.wait_stream()  # type: ignore[attr-defined]
                 self._unpack(bucket)
+                if optimizer is not None:
+                    _step_some(optimizer, {id(p) for p in bucket.params}, inside=True)
+            if optimizer is not None:
+                _step_some(optimizer, {id(p) for p in self.params}, inside=False)
         finally:
             with self._lock:
                 self._end_step()
@@ -372,6 +384,26 @@ class GradSync:
             f"<asynccoll.GradSync params={len(self.params)} buckets={len(self._buckets)} "
             f"op={self.op.name} steps={self.steps}{' closed' if self._closed else ''}>"
         )
+
+
+def _step_some(optimizer: torch.optim.Optimizer, ids: set[int], inside: bool) -> None:
+    """``optimizer.step()`` over the parameters whose id is (``inside``) or is not in ``ids``."""
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    try:
+        keep = []
+        for g, params in zip(groups, saved):
+            g["params"] = [p for p in params if (id(p) in ids) is inside]
+            if g["params"]:
+                keep.append(g)
+        if not keep:
+            return
+        optimizer.param_groups = keep
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups
+        for g, params in zip(groups, saved):
+            g["params"] = params
 
 
 def _hook(ref: weakref.ref[GradSync], i: int) -> Any:
