@@ -323,3 +323,39 @@ async def bad_arguments(comm: ac.Communicator) -> int:
 
 def test_bad_arguments_raise_invalid_argument() -> None:
     assert run_ranks(bad_arguments, world_size=2, timeout=60) == [7, 7]
+
+
+# ------------------------------------------------------------------ bucket rebuild
+class RegisteredBackwards(torch.nn.Module):
+    """Layers registered in the reverse of their use: reverse registration order is wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l3 = torch.nn.Linear(8, 8)
+        self.l2 = torch.nn.Linear(8, 8)
+        self.l1 = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
+async def rebuild(comm: ac.Communicator) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = RegisteredBackwards()
+    sync = ac.GradSync(comm, model, bucket_mb=1e-9)  # one parameter per bucket
+    before = sync.bucket_order
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(comm.rank))
+    for _ in range(3):
+        model(x).square().sum().backward()
+        await sync.wait()
+    sync.close()
+    return {"before": before, "after": sync.bucket_order}
+
+
+def test_buckets_rebuilt_in_ready_order_after_first_step() -> None:
+    results = run_ranks(rebuild, world_size=2, timeout=60)
+    assert results[0] == results[1]
+    # Parameters: l3.weight, l3.bias, l2.weight, l2.bias, l1.weight, l1.bias.
+    assert results[0]["before"] == [[5], [4], [3], [2], [1], [0]]   # reverse registration: l1 first
+    after = [b[0] for b in results[0]["after"]]
+    assert sorted(after[:2]) == [0, 1] and sorted(after[2:4]) == [2, 3], after  # l3, then l2, then l1

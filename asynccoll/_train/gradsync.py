@@ -130,6 +130,9 @@ class GradSync:
         self._buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * n
         self._build(list(reversed(range(n))))
+        # The order in which gradients arrive in the first synchronised step; the
+        # buckets are then rebuilt in rank 0's order (None once done).
+        self._seen: list[int] | None = []
         self._next = 0                  # the next bucket to issue (fixed order)
         self._step_open = False         # a synchronised step has begun (hooks fired or wait())
         self._no_sync = 0
@@ -150,10 +153,40 @@ class GradSync:
         members = _buckets.assign(
             self.params, order, int(self.first_bucket_mb * MIB), int(self.bucket_mb * MIB)
         )
+        old = self._buckets
         self._buckets = [Bucket(b, m, self.params) for b, m in enumerate(members)]
         for b, bucket in enumerate(self._buckets):
             for slot, i in enumerate(bucket.members):
                 self._where[i] = (b, slot)
+        if old:  # the used flags of the last reduction live on (join shadows them)
+            for bucket in old:
+                for slot, i in enumerate(bucket.members):
+                    b, new_slot = self._where[i]
+                    self._buckets[b].flags[new_slot] = bucket.flags[slot]
+
+    @property
+    def bucket_order(self) -> list[list[int]]:
+        """Parameter indices (into ``params``) of each bucket, in the order they are reduced."""
+        return [list(b.members) for b in self._buckets]
+
+    async def _agree_order(self) -> None:
+        """After the first synchronised step: rebuild the buckets in rank 0's ready order.
+
+        Every rank calls this at the end of the same step (a shadowed one too), and
+        one broadcast of the order keeps the buckets identical on every rank.
+        """
+        with self._lock:
+            seen, self._seen = self._seen or [], None
+        n = len(self.params)
+        picked = set(seen)
+        order = seen + [i for i in reversed(range(n)) if i not in picked]
+        proposal = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+        work = self.comm.broadcast(proposal, 0)
+        await work
+        agreed = proposal.tolist()
+        with self._lock:
+            if agreed != [i for b in self._buckets for i in b.members]:
+                self._build(agreed)
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -179,6 +212,8 @@ class GradSync:
                 raise err
             if not self._step_open:
                 self._open_step()
+            if self._seen is not None:
+                self._seen.append(i)
             b, slot = self._where[i]
             bucket = self._buckets[b]
             with torch.no_grad():
@@ -260,6 +295,8 @@ class GradSync:
                     _step_some(optimizer, {id(p) for p in bucket.params}, inside=True)
             if optimizer is not None:
                 _step_some(optimizer, {id(p) for p in self.params}, inside=False)
+            if self._seen is not None:
+                await self._agree_order()
         finally:
             with self._lock:
                 self._end_step()
@@ -330,6 +367,8 @@ class GradSync:
                 works.append(self.comm.all_reduce(shadow))
         for work in works:
             await work
+        if self._seen is not None:
+            await self._agree_order()
         self.steps += 1
 
     def _end_join(self) -> None:
