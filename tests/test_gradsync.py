@@ -209,9 +209,10 @@ def test_parameters_equal_ddp(name: str, world_size: int) -> None:
         assert all(r["worst"] == 0.0 for r in results), results
 
 
+@pytest.mark.parametrize("thread", [False, True], ids=["loop-backward", "thread-backward"])
 @pytest.mark.parametrize("loop", LOOPS)
-def test_thread_and_loop_backward_under_each_loop(loop: str) -> None:
-    case = Case(uneven=1, thread=True, accumulate=2)
+def test_thread_and_loop_backward_under_each_loop(loop: str, thread: bool) -> None:
+    case = Case(uneven=1, thread=thread, accumulate=2, unused=True)
     results = run_ranks(compare_with_ddp, world_size=2, backend=None, timeout=90, loop=loop, args=(case,))
     assert [r["steps"] for r in results] == [4, 5]
 

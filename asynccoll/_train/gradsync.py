@@ -17,7 +17,9 @@ communicator's ops may be issued from any thread. State shared between the hooks
 which buckets are issued: fixed, and the same on every rank. Other collectives on the
 same communicator must not be issued concurrently from another task while backward
 runs in a thread (their order relative to the buckets would then differ between
-ranks); give such tasks a communicator of their own.
+ranks); give such tasks a communicator of their own. Nor should backward run inside
+a ``comm.coalescing()`` block of the same communicator (the buckets would be held
+in the batch until the block exits).
 
 Numerics follow torch DDP: with ``ReduceOp.AVG`` each gradient is multiplied by
 ``1 / world_size`` while it is copied into the bucket and the bucket is summed; a
