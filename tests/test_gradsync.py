@@ -360,3 +360,37 @@ def test_buckets_rebuilt_in_ready_order_after_first_step() -> None:
     assert results[0]["before"] == [[5], [4], [3], [2], [1], [0]]   # reverse registration: l1 first
     after = [b[0] for b in results[0]["after"]]
     assert sorted(after[:2]) == [0, 1] and sorted(after[2:4]) == [2, 3], after  # l3, then l2, then l1
+
+
+# ------------------------------------------------------------------ faults
+async def peer_dies_mid_training(comm: ac.Communicator, thread: bool) -> str:
+    from asynccoll.testing import crash
+
+    torch.manual_seed(0)
+    model = Net(unused=False)
+    sync = ac.GradSync(comm, model, bucket_mb=0.0005)
+    with pytest.raises(ac.CommAborted):
+        for step in range(100):
+            if comm.rank == 1 and step == 3:
+                crash("exit")
+            x, y = batch(comm.rank, step, 0)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if thread:
+                await asyncio.to_thread(loss.backward)   # a hook may raise there: the comm is aborted
+            else:
+                loss.backward()
+            await sync.wait()                            # or here: PeerFailure
+            model.zero_grad()
+    # The GradSync fails fast afterwards too, and closes.
+    model.zero_grad()
+    with pytest.raises(ac.CommAborted):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        await sync.wait()
+    sync.close()
+    return comm.state
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["loop-backward", "thread-backward"])
+def test_peer_death_raises_instead_of_hanging(thread: bool) -> None:
+    results = run_ranks(peer_dies_mid_training, world_size=2, timeout=60, args=(thread,), lost=(1,))
+    assert results[0] == "aborted"
