@@ -271,6 +271,19 @@ async def behaviour(comm: ac.Communicator) -> dict[str, Any]:
     loss_of(x).backward()
     await sync.wait()
 
+    # wait(opt): every bucket's parameters stepped once, and the optimizer's other ones too.
+    for p in params:
+        p.grad = None
+    extra = torch.nn.Parameter(torch.ones(3))
+    extra.grad = torch.ones(3)
+    opt = torch.optim.SGD([*params, extra], lr=0.5)
+    before = [p.detach().clone() for p in params]
+    loss_of(x).backward()
+    await sync.wait(opt)
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.detach(), b - 0.5 * p.grad)
+    out["extra_stepped"] = extra.detach().tolist() == [0.5, 0.5, 0.5]
+
     # close(): the hooks are gone, backward communicates nothing.
     sync.close()
     sync.close()
@@ -292,6 +305,7 @@ def test_buckets_issued_during_backward_misuse_and_close() -> None:
         assert r["unused_grad_none"] is True
         assert r["twice"] is True
         assert r["issued_after_close"] == 0
+        assert r["extra_stepped"] is True
 
 
 async def bad_arguments(comm: ac.Communicator) -> int:
@@ -394,3 +408,15 @@ async def peer_dies_mid_training(comm: ac.Communicator, thread: bool) -> str:
 def test_peer_death_raises_instead_of_hanging(thread: bool) -> None:
     results = run_ranks(peer_dies_mid_training, world_size=2, timeout=60, args=(thread,), lost=(1,))
     assert results[0] == "aborted"
+
+
+def test_bucket_assignment() -> None:
+    from asynccoll._train.buckets import assign
+
+    kib = [torch.zeros(256) for _ in range(8)]                 # 1 KiB each (float32)
+    # Growing limits: 1 KiB, then 2, 4, ... up to the cap (3 KiB here).
+    assert assign(kib, list(range(8)), 1024, 3072) == [[0], [1, 2], [3, 4, 5], [6, 7]]
+    # The walk follows ``order``; dtypes never share a bucket; buckets sorted by their first member.
+    mixed = [torch.zeros(256), torch.zeros(512, dtype=torch.bfloat16), torch.zeros(256), torch.zeros(256)]
+    assert assign(mixed, [3, 2, 1, 0], 2048, 2048) == [[3, 2], [1], [0]]
+    assert assign(mixed, [3, 2, 1, 0], 1 << 20, 1 << 20) == [[3, 2, 0], [1]]
