@@ -16,9 +16,9 @@ from ._core.errors import InvalidArgument as InvalidArgument
 from ._core.errors import PeerFailure as PeerFailure
 from ._core.ops import ReduceOp as ReduceOp
 from ._core.work import Work as Work
-from ._train import GradSync as GradSync
 from ._init import init as init
 from ._init import wrap as wrap
+from ._train import GradSync as GradSync
 
 __version__ = "0.1.0"
 
