@@ -18,6 +18,7 @@ from ._core.ops import ReduceOp as ReduceOp
 from ._core.work import Work as Work
 from ._init import init as init
 from ._init import wrap as wrap
+from ._train import GradSync as GradSync
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "CommAborted",
     "CommClosed",
     "Communicator",
+    "GradSync",
     "InvalidArgument",
     "PeerFailure",
     "ReduceOp",

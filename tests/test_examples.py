@@ -61,3 +61,18 @@ def test_fault_tolerant_survivors_shrink_and_finish() -> None:
     final, first = float(losses[1]), float(losses[2])
     assert final < first / 10, out
     assert re.search(r"step\s+\d+\s+loss\s+\S+\s+\(2 ranks\)", out), out  # training went on with 2
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_train_gradsync_join_uneven_ranks_end_identical() -> None:
+    out = run_example("train.py")
+    assert "parameters identical on all 2 ranks: True" in out, out
+    assert re.search(r"rank 0: 40 batches, shadowed 3 steps", out), out   # uneven: rank 0 joined early
+    assert re.search(r"rank 1: 43 batches, shadowed 0 steps", out), out
+    assert "final model from rank 1 (the last to finish)" in out, out
+    assert "43 synchronised steps" in out, out
+    evals = [float(v) for v in re.findall(r"eval  step\s+\d+: held-out loss (\S+)", out)]
+    assert len(evals) == 4, out                                            # the concurrent eval task ran
+    assert evals[-1] < evals[0], out
+    first, last = re.search(r"rank 0: .*first loss (\S+), last loss (\S+),", out).groups()  # type: ignore[union-attr]
+    assert float(last) < float(first), out

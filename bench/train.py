@@ -1,0 +1,313 @@
+"""Training-step benchmark: GradSync vs torch DDP vs the naive coalesced loop, same processes.
+
+    python -m bench.train [--quick] [--json bench/results/train.json] [--plot bench/results/train.png]
+
+Two Gloo ranks on this machine (CPU). Each rank builds a torch.distributed group
+and an asynccoll communicator on one TCPStore, and one copy of each model per
+variant (same initial weights, same batches):
+
+* ``ddp``: ``DistributedDataParallel`` (defaults: 25 MiB buckets, 1 MiB first);
+* ``gradsync``: ``loss.backward(); await sync.wait()`` with ``ac.GradSync``;
+* ``gradsync_thread``: the same with ``await asyncio.to_thread(loss.backward)``;
+* ``naive``: ``loss.backward()`` then every ``p.grad`` all-reduced (AVG) in one
+  ``comm.coalescing()`` block, as a new user would write it.
+
+A step is forward, backward, gradient sync, ``SGD(momentum=0.9).step()`` and
+``zero_grad()``. Variants run in blocks of ``--steps`` steps, alternating
+(``ddp, gradsync, ..., ddp, gradsync, ...``, the order rotated every round) so
+that the machine's noise hits all alike; reported: the median step time of each
+variant over all its blocks' steps, and its ratio to DDP's. At the end every
+variant must hold the same parameters (they trained on the same data): checked.
+
+Models: ``mlp``: 6 x Linear(1024, 1024) + ReLU, batch 32; ``small``: 100 x
+Linear(128, 128) + ReLU, batch 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+MODELS = {"mlp": (6, 1024), "small": (100, 128)}
+BATCH = 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(layers: int, width: int) -> Any:
+    import torch
+
+    mods: list[Any] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods)
+
+
+def _batch(rank: int, step: int, width: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(rank * 1_000_003 + step)
+    return torch.randn(BATCH, width, generator=g), torch.randn(BATCH, width, generator=g)
+
+
+class _Variant:
+    """One model copy, its optimizer and its way of synchronising gradients."""
+
+    def __init__(self, name: str, base: Any, comm: Any, bucket_mb: float, first_bucket_mb: float) -> None:
+        import copy
+
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import asynccoll as ac
+
+        self.name = name
+        self.model = copy.deepcopy(base)
+        self.comm = comm
+        self.forward = self.model
+        self.sync: Any = None
+        if name == "ddp":
+            self.forward = DDP(self.model)
+        elif name.startswith("gradsync"):
+            if ":" in name:  # tuning: "gradsync:4" is GradSync with bucket_mb=4
+                bucket_mb = float(name.split(":", 1)[1])
+            self.sync = ac.GradSync(comm, self.model, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        self.params = list(self.model.parameters())
+        self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9)
+        self.times: list[float] = []
+
+    async def step(self, x: Any, y: Any) -> None:
+        import torch
+
+        import asynccoll as ac
+
+        loss = torch.nn.functional.mse_loss(self.forward(x), y)
+        if self.name.startswith("gradsync_thread"):
+            await asyncio.to_thread(loss.backward)
+        else:
+            loss.backward()
+        if self.name.startswith("gradsync_opt"):
+            await self.sync.wait(self.opt)  # optimizer stepped bucket by bucket
+            self.opt.zero_grad()
+            return
+        if self.sync is not None:
+            await self.sync.wait()
+        elif self.name == "naive":
+            async with self.comm.coalescing():
+                for p in self.params:
+                    self.comm.all_reduce(p.grad, ac.ReduceOp.AVG)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+async def _bench_model(comm: Any, dist: Any, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    layers, width = MODELS[model]
+    torch.manual_seed(0)
+    base = _model(layers, width)
+    variants = [_Variant(n, base, comm, args.bucket_mb, args.first_bucket_mb) for n in args.variants]
+    step_no = {v.name: 0 for v in variants}
+    for v in variants:  # warm-up (DDP rebuilds its buckets after its first step)
+        for _ in range(args.warmup):
+            await v.step(*_batch(comm.rank, step_no[v.name], width))
+            step_no[v.name] += 1
+    for rnd in range(args.rounds):
+        k = rnd % len(variants)
+        for v in variants[k:] + variants[:k]:
+            await comm.barrier()
+            for _ in range(args.steps):
+                x, y = _batch(comm.rank, step_no[v.name], width)
+                t0 = time.perf_counter()
+                await v.step(x, y)
+                v.times.append(time.perf_counter() - t0)
+                step_no[v.name] += 1
+    # Same data, same number of steps: every variant must end with the same parameters.
+    ref = variants[0]
+    worst = 0.0
+    for v in variants[1:]:
+        for a, b in zip(v.params, ref.params):
+            worst = max(worst, float((a.detach() - b.detach()).abs().max()))
+    if worst > 1e-4:
+        raise AssertionError(f"{model}: variants disagree after training (max |diff| {worst})")
+    ddp_med = statistics.median(next(v.times for v in variants if v.name == "ddp"))
+    rows = {}
+    for v in variants:
+        med = statistics.median(v.times)
+        rows[v.name] = {
+            "median_ms": med * 1e3,
+            "p10_ms": sorted(v.times)[len(v.times) // 10] * 1e3,
+            "mean_ms": statistics.fmean(v.times) * 1e3,
+            "ratio_vs_ddp": med / ddp_med,
+            "steps": len(v.times),
+            "times_ms": [t * 1e3 for t in v.times],
+        }
+    sync = next((v.sync for v in variants if v.sync is not None), None)
+    for v in variants:
+        if v.sync is not None:
+            v.sync.close()
+    return {
+        "model": model, "layers": layers, "width": width, "batch": BATCH,
+        "params_mb": sum(p.numel() for p in base.parameters()) * 4 / 2**20,
+        "gradsync_buckets_mb": [b / 2**20 for b in sync.bucket_sizes] if sync is not None else None,
+        "max_param_diff": worst, "variants": rows,
+    }
+
+
+async def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    import asynccoll as ac
+
+    torch.set_num_threads(args.threads)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
+    comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
+    try:
+        return [await _bench_model(comm, dist, m, args) for m in args.models]
+    finally:
+        await comm.close()
+        dist.destroy_process_group()
+
+
+def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, conn: Any) -> None:
+    try:
+        if args.loop == "uvloop":
+            import uvloop
+
+            result = uvloop.run(_rank_main(rank, world_size, port, args))
+        else:
+            result = asyncio.run(_rank_main(rank, world_size, port, args))
+        conn.send(("ok", result))
+    except BaseException as exc:
+        import traceback
+
+        conn.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from exc
+
+
+def run(args: argparse.Namespace, world_size: int = 2) -> dict[str, Any]:
+    """Spawn the ranks, run the benchmark, return rank 0's results."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    pipes, procs = [], []
+    for r in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank, args=(r, world_size, port, args, child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    results = []
+    try:
+        for conn in pipes:
+            if not conn.poll(3600):
+                raise TimeoutError("benchmark rank did not finish in an hour")
+            status, payload = conn.recv()
+            if status != "ok":
+                raise RuntimeError(f"benchmark rank failed:\n{payload}")
+            results.append(payload)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+    return {"world_size": world_size, "cpus": os.cpu_count(), "config": config, "models": results[0]}
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = []
+    for m in res["models"]:
+        buckets = ", ".join(f"{b:.1f}" for b in m["gradsync_buckets_mb"] or [])
+        lines.append(
+            f"{m['model']}: {m['layers']} x Linear({m['width']}), {m['params_mb']:.1f} MiB of parameters, "
+            f"batch {m['batch']}; GradSync buckets (MiB): {buckets}"
+        )
+        lines.append(f"  {'variant':<16} {'median ms':>10} {'p10 ms':>8} {'vs DDP':>7} {'steps':>6}")
+        for name, row in m["variants"].items():
+            lines.append(
+                f"  {name:<16} {row['median_ms']:>10.2f} {row['p10_ms']:>8.2f} "
+                f"{row['ratio_vs_ddp']:>7.3f} {row['steps']:>6}"
+            )
+        lines.append(f"  final parameters agree across variants (max |diff| {m['max_param_diff']:.1e})")
+    return "\n".join(lines)
+
+
+def _plot(res: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = res["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        names = list(m["variants"])
+        data = [m["variants"][n]["times_ms"] for n in names]
+        ax.boxplot(data, showfliers=False)
+        ax.set_xticks(range(1, len(names) + 1), names, rotation=15)
+        for i, n in enumerate(names, start=1):
+            ax.annotate(f"{m['variants'][n]['ratio_vs_ddp']:.2f}x", (i, m["variants"][n]["median_ms"]),
+                        textcoords="offset points", xytext=(14, 0), fontsize=8)
+        ax.set_title(f"{m['model']}: {m['layers']} x Linear({m['width']}), batch {m['batch']}")
+        ax.set_ylabel("step time (ms)")
+    fig.suptitle(f"Training step, {res['world_size']} Gloo ranks, CPU (median ratio vs DDP)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: few rounds")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds of alternating blocks")
+    ap.add_argument("--steps", type=int, default=4, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["mlp", "small"])
+    ap.add_argument("--variants", nargs="+", default=["ddp", "gradsync", "gradsync_thread", "naive"],
+                    help="ddp, gradsync, gradsync_thread, gradsync_opt (wait(opt)), naive; "
+                    "gradsync:MB tries another bucket_mb")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--first-bucket-mb", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    ap.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    ap.add_argument("--json", default="bench/results/train.json")
+    ap.add_argument("--plot", default="bench/results/train.png")
+    args = ap.parse_args(argv)
+    if "ddp" not in args.variants:
+        ap.error("--variants must include ddp (the reference)")
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 3, 1
+    res = run(args)
+    print(_table(res))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {path}")
+    if _plot(res, Path(args.plot)):
+        print(f"wrote {args.plot}")
+    else:
+        print("matplotlib is not installed: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
