@@ -16,7 +16,7 @@ def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except (OSError, ValueError):  # closed or broken: nothing more can be written
             pass
 
 

@@ -238,7 +238,7 @@ def main(rank: int, conn: Any, host: str, port: int, parent_pid: int, stack_path
             if msg[0] == "dump":
                 try:
                     send(("stacks", format_tasks(_current_loop)))
-                except Exception:
+                except (OSError, ValueError):  # the pipe is gone: the parent stopped asking
                     pass
             elif msg[0] == "exit":
                 os._exit(0)
