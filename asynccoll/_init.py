@@ -182,7 +182,8 @@ async def _build(
     detect = heartbeat is not None or use_nccl
     interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
 
-    async def rebuild(new_rank: int, new_size: int, suffix: str) -> Communicator:
+    async def rebuild(new_rank: int, new_size: int, suffix: str, failed: bool = False) -> Communicator:
+        # failed: the shrink follows a failure (for a backend-level shrink's abort flag).
         return await _build(
             backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
             store=rdv.prefixed(prefix + suffix), device=device, timeout=timeout, check=check,

@@ -1,17 +1,32 @@
-"""``comm.shrink()``: the survivors agree through the store, then build a new communicator.
+"""``comm.shrink()``: the survivors settle the excluded set, then build a new communicator.
 
-Agreement: every survivor proposes the ranks it wants excluded; the union of all
-proposals (plus any rank that never proposes within the grace period) is the
-excluded set; each survivor then publishes its final set, and all finals must be
-equal. Ranks are renumbered in order. The new communicator lives under a new
-store prefix; the old one stays aborted.
+Fast path: after a failure, the census already recorded the failed ranks under
+the communicator's ``failure`` key (first writer wins, see ``faults``), so every
+survivor knows the same set. A survivor that shrinks without ``exclude``, or
+with a subset of that record, excludes exactly the record and goes straight to
+building the new communicator: no agreement round. It still writes its proposal
+and final set, so a survivor that takes the slow path agrees with it at once.
+
+Slow path (no record, or ranks beyond it): every survivor proposes the ranks it
+wants excluded; the union of all proposals (plus any rank that never proposes
+within the grace period) is the excluded set; each survivor then publishes its
+final set, and all finals must be equal.
+
+Ranks are renumbered in order. The new communicator lives under a new store
+prefix; the old one stays aborted.
+
+The seam for backends: the new communicator is built by the communicator's
+``rebuild(new_rank, new_size, suffix, failed=...)`` closure (``asynccoll.init``),
+where ``failed`` says the shrink follows a failure (a backend with a native
+shrink, such as NCCL's ``ncclCommShrink``, uses its abort flag then and its
+default flag for a planned shrink of a healthy communicator).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
 from .objects import poll_keys
@@ -84,13 +99,34 @@ async def shrink(comm: Communicator, exclude: Iterable[int] | None) -> Communica
     if comm._shrunk:
         raise InvalidArgument("this communicator was already shrunk; shrink the new one")
     comm._shrunk = True
+    failed = comm.state == "aborted"  # after a failure (or a user's abort), not a planned shrink
     if comm.state == "ok":
         comm.abort("shrinking the communicator")
     loop = asyncio.get_running_loop()
+    liveness = comm._liveness
+    service = liveness._service if liveness is not None else None
+    if service is not None:
+        service.hold()  # keep answering the survivors' census while this rank rebuilds
+    try:
+        agreed = await loop.run_in_executor(None, _settle, comm, excluded)
+        survivors = [r for r in range(comm.world_size) if r not in agreed]
+        suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
+        # rebuild(new_rank, new_size, suffix, failed): see the module docstring.
+        return await cast(Any, rebuild)(survivors.index(comm.rank), len(survivors), suffix, failed)
+    finally:
+        if service is not None:
+            service.release()
+
+
+def _settle(comm: Communicator, excluded: set[int]) -> set[int]:
+    """The excluded set: the census record when it covers ``excluded``, else agreement."""
+    store, rank = comm._store, comm.rank
+    liveness = comm._liveness
+    recorded = liveness.record() if liveness is not None else None
+    if recorded is not None and excluded <= set(recorded) and rank not in recorded:
+        union = set(recorded)
+        text = _encode(union)
+        store.multi_set([f"shrink/propose/{rank}", f"shrink/final/{rank}"], [text, text])
+        return union
     grace = min(10.0, comm.timeout / 2)
-    agreed = await loop.run_in_executor(
-        None, agree, comm._store, comm.rank, comm.world_size, excluded, comm.timeout, grace
-    )
-    survivors = [r for r in range(comm.world_size) if r not in agreed]
-    suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
-    return await rebuild(survivors.index(comm.rank), len(survivors), suffix)
+    return agree(store, rank, comm.world_size, excluded, comm.timeout, grace)
