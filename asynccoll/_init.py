@@ -184,9 +184,13 @@ async def _build(
 
     async def rebuild(new_rank: int, new_size: int, suffix: str, failed: bool = False) -> Communicator:
         # failed: the shrink follows a failure (for a backend-level shrink's abort flag).
+        # A store connection of its own: a group construction that waits for a
+        # survivor who died meanwhile must not hold the connection that the
+        # liveness service and shrink's watch use (a client serialises requests).
+        store = await _off_loop(rdv.prefixed(prefix + suffix).clone, timeout, "store")
         return await _build(
             backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
-            store=rdv.prefixed(prefix + suffix), device=device, timeout=timeout, check=check,
+            store=store, device=device, timeout=timeout, check=check,
             trace_dir=trace_dir, heartbeat=heartbeat,
         )
 

@@ -364,13 +364,26 @@ class Liveness:
         """Record ``ranks`` as the failure unless a census recorded one first; the record."""
         return decode_ranks(self._store.compare_set("failure", "", encode_ranks(ranks)))
 
-    def census(self) -> tuple[int, ...]:
-        """The ranks that failed, as every survivor names them (see the module docstring).
+    @property
+    def census(self) -> Callable[[], tuple[int, ...]]:
+        """``census()``: the ranks that failed, as every survivor names them.
 
-        Called after a transport error proved that some peer failed. Only the first
-        call works; later ones (another thread, the same failure) reuse the answer.
-        Store errors make it return what is known so far.
+        Called after a transport error proved that some peer failed (see the module
+        docstring). Only the first call works; later ones (another thread, the same
+        failure) reuse the answer. Store errors make it return what is known so far.
+
+        The callable holds this object weakly: a backend keeps it, and must not keep
+        a dropped communicator's membership (and its heartbeats) alive.
         """
+        ref = weakref.ref(self)
+
+        def census() -> tuple[int, ...]:
+            me = ref()
+            return me._census_once() if me is not None else ()
+
+        return census
+
+    def _census_once(self) -> tuple[int, ...]:
         with self._census_lock:
             if self._census is None:
                 self._census = self._take_census()
@@ -407,10 +420,13 @@ class Liveness:
         rank's inbox by its parked connection, a moving heartbeat, a goodbye.
         ``eliminate``: some peer is known to have failed, so when every rank but
         one answered and that one's request stays unread ``ELIMINATE_AFTER``
-        seconds, it is named without waiting for ``bound``.
+        seconds, it is named without waiting for ``bound``; a rank that closed or
+        aborted on its own (its sockets close too) is then not a failure either.
+        Without it (shrink watching its survivors) only the process's own signs count.
         """
         bound = self.bound if bound is None else bound
-        store, root, svc = self._store, self._root, self._service
+        left = self._left if eliminate else (lambda r: False)
+        root, svc = self._root, self._service
         inboxes = self.peer_inboxes() if svc is not None and svc.inbox is not None else {}
         reply = f"asynccoll/reply/{svc.uid if svc else os.getpid()}/{next(_COUNT)}"
         owner_of = {}
@@ -434,13 +450,13 @@ class Liveness:
             now = time.monotonic()
             if now >= next_hb:
                 for r in silent:
-                    if self._read(r) != hb[r] or self._left(r):
+                    if self._read(r) != hb[r] or left(r):
                         alive.add(r)
                 next_hb = now + self.interval / 2
                 continue
             if eliminate and len(silent) == 1 and silent[0] in inboxes:
                 x = silent[0]
-                if root.queue_len(inboxes[x][0]) > 0 and not self._left(x):
+                if root.queue_len(inboxes[x][0]) > 0 and not left(x):
                     alone_since = alone_since if alone_since is not None else now
                     if now - alone_since >= ELIMINATE_AFTER:
                         return (x,)
@@ -450,7 +466,7 @@ class Liveness:
                 return tuple(
                     r for r in silent
                     if not (r in inboxes and root.queue_len(inboxes[r][0]) == 0)
-                    and self._read(r) == hb[r] and not self._left(r)
+                    and self._read(r) == hb[r] and not left(r)
                 )
             time.sleep(_POLL)
 

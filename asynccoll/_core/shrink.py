@@ -29,6 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, cast
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
+from .faults import decode_ranks, encode_ranks
 from .objects import poll_keys
 
 
@@ -109,13 +110,70 @@ async def shrink(comm: Communicator, exclude: Iterable[int] | None) -> Communica
         service.hold()  # keep answering the survivors' census while this rank rebuilds
     try:
         agreed = await loop.run_in_executor(None, _settle, comm, excluded)
-        survivors = [r for r in range(comm.world_size) if r not in agreed]
-        suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
-        # rebuild(new_rank, new_size, suffix, failed): see the module docstring.
-        return await cast(Any, rebuild)(survivors.index(comm.rank), len(survivors), suffix, failed)
+        return await _build(comm, cast(Any, rebuild), agreed, failed)
     finally:
         if service is not None:
             service.release()
+
+
+#: While the new communicator is being built: when to start probing the other
+#: survivors, and how often (a build normally takes a few milliseconds).
+_WATCH_AFTER = 0.1
+_WATCH_EVERY = 0.2
+
+
+async def _build(comm: Communicator, rebuild: Any, agreed: set[int], failed: bool) -> Communicator:
+    """Build the survivors' communicator; if a survivor dies meanwhile, start over without it.
+
+    A backend's group construction waits for every member (until ``timeout``), so
+    a survivor that dies before joining would hold everyone there. While it
+    builds, each survivor probes the others' processes (``Liveness.probe``); a dead
+    one is recorded under ``shrink/retry/<suffix>`` (first writer wins), every
+    survivor sees the record, drops its build and builds again without that rank.
+    """
+    loop = asyncio.get_running_loop()
+    excluded = set(agreed)
+    liveness = comm._liveness
+    store = comm._store
+    while True:
+        survivors = [r for r in range(comm.world_size) if r not in excluded]
+        if comm.rank not in survivors:
+            raise InvalidArgument(f"rank {comm.rank} was excluded by the other survivors")
+        suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
+        # rebuild(new_rank, new_size, suffix, failed): see the module docstring.
+        build = asyncio.ensure_future(rebuild(survivors.index(comm.rank), len(survivors), suffix, failed))
+        if liveness is None:
+            return await build
+        others = [r for r in survivors if r != comm.rank]
+        key = f"shrink/retry/{suffix}"
+        probe: asyncio.Future[Any] | None = None
+        start = loop.time()
+        lost: tuple[int, ...] = ()
+        try:
+            while not lost:
+                done, _ = await asyncio.wait({build}, timeout=0.02)
+                if done:
+                    return build.result()
+                if await loop.run_in_executor(None, store.check, [key]):
+                    lost = decode_ranks(await loop.run_in_executor(None, store.get, key))
+                elif probe is not None and probe.done():
+                    dead = probe.result()
+                    probe = None
+                    if dead:
+                        raw = await loop.run_in_executor(None, store.compare_set, key, "", encode_ranks(dead))
+                        lost = decode_ranks(raw)
+                elif probe is None and loop.time() - start >= _WATCH_AFTER:
+                    start = loop.time() + _WATCH_EVERY - _WATCH_AFTER
+                    probe = loop.run_in_executor(None, _probe, liveness, others)
+        finally:
+            if probe is not None:
+                probe.cancel()
+        build.cancel()  # its executor thread ends at the backend's own timeout
+        excluded |= set(lost)
+
+
+def _probe(liveness: Any, ranks: list[int]) -> tuple[int, ...]:
+    return liveness.probe(ranks, eliminate=False)
 
 
 def _settle(comm: Communicator, excluded: set[int]) -> set[int]:
