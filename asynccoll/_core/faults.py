@@ -189,28 +189,36 @@ class _Service:
         while True:
             self._wake.wait(self._next_wait())
             self._wake.clear()
-            with _Service._lock:
-                members = self._live_members()
-                if not members and self._holds <= 0 and not self._news:
-                    self._closing = True
-                    if _Service._services.get(self._key) is self:
-                        del _Service._services[self._key]
-            if self._closing:
+            if not self._round():
                 self._shutdown()
                 return
-            while self._news:
-                mid, raw = self._news.popleft()
-                ref = self._members.get(mid)
-                member = ref() if ref is not None else None
-                if member is not None:
-                    member._deliver(raw)
-            now = time.monotonic()
-            for m in members:
-                if m._due <= now or m._urgent:
-                    m._due = now + m.interval
-                    if not m._tick():
-                        self._members.pop(m._id, None)
-            del members
+
+    def _round(self) -> bool:
+        """Deliver news and beat for every member that is due. False: the service ends.
+
+        A method of its own so that no member outlives it in a local variable of
+        the loop (a dropped communicator's membership must end when it is collected).
+        """
+        with _Service._lock:
+            members = self._live_members()
+            if not members and self._holds <= 0 and not self._news:
+                self._closing = True
+                if _Service._services.get(self._key) is self:
+                    del _Service._services[self._key]
+                return False
+        while self._news:
+            mid, raw = self._news.popleft()
+            ref = self._members.get(mid)
+            member = ref() if ref is not None else None
+            if member is not None:
+                member._deliver(raw)
+        now = time.monotonic()
+        for m in members:
+            if m._due <= now or m._urgent:
+                m._due = now + m.interval
+                if not m._tick():
+                    self._members.pop(m._id, None)
+        return True
 
     def _next_wait(self) -> float:
         dues = [m._due for m in self._live_members()]
