@@ -172,7 +172,7 @@ async def dropped_comm_stops_beating(ctx: RankContext) -> dict:
     """Two communicators share one beater and one answerer; a communicator dropped
     without close() stops beating once collected, and the threads end with the last."""
     before = _service_threads()
-    kw = dict(rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60, heartbeat=0.05)
+    kw = {"rank": ctx.rank, "world_size": ctx.world_size, "store": ctx.store, "timeout": 60, "heartbeat": 0.05}
     a = await ac.init("gloo", **kw)
     b = await ac.init("gloo", **kw)
     during = _service_threads()

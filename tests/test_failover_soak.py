@@ -3,9 +3,11 @@
 The issue asks for 30 minutes of default (0.25 s) heartbeats on a loaded machine;
 this is the scaled version: 0.05 s beats (a 0.15 s detection bound, five times
 tighter than the default's 0.75 s) for about 160 intervals, with a busy process
-per core, all-reduces in flight, and every rank running census probes back to
-back (the elimination path included), so each answerer serves two requesters at
-once. Any rank named dead, by detection or by a probe, fails the test.
+per core, all-reduces in flight, and rank 0 running census probes back to back
+with elimination on (as after a transport error), thousands of them. Any rank
+named dead, by detection or by a probe, fails the test. (The ranks share this
+machine, so the census reads the process table; the timing-based elimination
+for peers on other machines is not exercised here, see ``ELIMINATE_AFTER``.)
 """
 
 from __future__ import annotations
@@ -43,20 +45,25 @@ async def soak(ctx: RankContext) -> dict:
                 named.append(dead)
 
     thread = threading.Thread(target=prober, daemon=True)
-    thread.start()
+    if ctx.rank == 0:
+        thread.start()
     t = torch.ones(4096)
     end = time.monotonic() + SECONDS
     ops = 0
     try:
-        while time.monotonic() < end and comm.state == "ok":
+        while comm.state == "ok":
+            # Rank 0's clock decides, so every rank runs the same number of ops.
+            t[0] = float(ctx.rank == 0 and time.monotonic() < end)
             await comm.all_reduce(t)
             ops += 1
+            if t[0] == 0:
+                break
             await asyncio.sleep(0.001)
     finally:
         stop.set()
-        thread.join(5)
+        if thread.is_alive():
+            thread.join(5)
     state, error = comm.state, repr(comm.error)
-    await comm.barrier() if state == "ok" else None
     await comm.close()
     return {"state": state, "error": error, "named": named, "probes": probes[0], "ops": ops}
 
@@ -71,4 +78,5 @@ def test_no_false_positive_under_cpu_hog() -> None:
             hog.wait(10)
     for res in results:
         assert res["state"] == "ok" and res["named"] == [], res
-        assert res["probes"] > 10 and res["ops"] > 10, res
+        assert res["ops"] > 10, res
+    assert results[0]["probes"] > 10, results[0]
