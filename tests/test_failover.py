@@ -203,3 +203,29 @@ def test_dropped_communicator_stops_beating_and_threads_end() -> None:
         assert res["during"] == ["asynccoll-liveness", "asynccoll-liveness-answerer"], res
         assert res["moving"] and res["stopped"], res
         assert res["after"] == [] and res["services"] == 0, res
+
+
+async def shrink_reuses_the_census(comm: ac.Communicator) -> dict:
+    """After a death, every survivor shrinks on the census record: no agreement round."""
+    import asynccoll._core.shrink as shrink_mod
+
+    def no_agreement(*args: object) -> set:
+        raise AssertionError("shrink ran an agreement round although the census recorded the failure")
+
+    shrink_mod.agree = no_agreement  # type: ignore[assignment]
+    await comm.barrier()
+    if comm.rank == 2:
+        crash_later(0.2, how="sigkill")
+    with pytest.raises(ac.PeerFailure):
+        await _churn(comm)
+    new = await comm.shrink()
+    t = torch.ones(2)
+    await new.all_reduce(t)
+    await new.close()
+    assert comm._liveness is not None
+    return {"record": list(comm._liveness.record() or ()), "sum": float(t[0])}
+
+
+def test_shrink_after_a_death_runs_no_agreement_round() -> None:
+    results = run_ranks(shrink_reuses_the_census, world_size=3, backend="gloo", timeout=60, lost=(2,))
+    assert results[0] == results[1] == {"record": [2], "sum": 2.0}
