@@ -182,8 +182,11 @@ async def _build(
     detect = heartbeat is not None or use_nccl
     interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
 
-    async def rebuild(new_rank: int, new_size: int, suffix: str, failed: bool = False) -> Communicator:
-        # failed: the shrink follows a failure (for a backend-level shrink's abort flag).
+    async def rebuild(
+        new_rank: int, new_size: int, suffix: str, failed: bool = False, excluded: tuple[int, ...] = ()
+    ) -> Communicator:
+        # For a backend-level shrink (see _core/shrink.py): ``excluded`` are the old
+        # ranks left out, ``failed`` says it follows a failure (its abort flag).
         # A store connection of its own: a group construction that waits for a
         # survivor who died meanwhile must not hold the connection that the
         # liveness service and shrink's watch use (a client serialises requests).

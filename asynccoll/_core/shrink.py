@@ -16,10 +16,12 @@ Ranks are renumbered in order. The new communicator lives under a new store
 prefix; the old one stays aborted.
 
 The seam for backends: the new communicator is built by the communicator's
-``rebuild(new_rank, new_size, suffix, failed=...)`` closure (``asynccoll.init``),
-where ``failed`` says the shrink follows a failure (a backend with a native
-shrink, such as NCCL's ``ncclCommShrink``, uses its abort flag then and its
-default flag for a planned shrink of a healthy communicator).
+``rebuild(new_rank, new_size, suffix, failed=, excluded=)`` closure
+(``asynccoll.init``): ``excluded`` are the old ranks left out, ``failed`` says the
+shrink follows a failure. A backend with a native shrink (NCCL's
+``ncclCommShrink``) shrinks the old backend there instead of building a new one,
+with its abort flag when ``failed`` and its default flag for a planned shrink
+of a healthy communicator.
 """
 
 from __future__ import annotations
@@ -140,8 +142,10 @@ async def _build(comm: Communicator, rebuild: Any, agreed: set[int], failed: boo
         if comm.rank not in survivors:
             raise InvalidArgument(f"rank {comm.rank} was excluded by the other survivors")
         suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
-        # rebuild(new_rank, new_size, suffix, failed): see the module docstring.
-        build = asyncio.ensure_future(rebuild(survivors.index(comm.rank), len(survivors), suffix, failed))
+        # rebuild(new_rank, new_size, suffix, failed=, excluded=): see the module docstring.
+        build = asyncio.ensure_future(
+            rebuild(survivors.index(comm.rank), len(survivors), suffix, failed=failed, excluded=tuple(sorted(excluded)))
+        )
         if liveness is None:
             return await build
         others = [r for r in survivors if r != comm.rank]
