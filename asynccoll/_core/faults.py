@@ -32,8 +32,9 @@ What it is for:
   same ranks and ``shrink()`` can build on them without another agreement round.
 * **detection** (``detect=True``; the default for NCCL, which hangs on a dead
   peer instead of failing) — a rank whose counter has not moved for ``misses``
-  intervals, and that then shows no sign of life to a census probe for as long
-  again, is declared failed, and ``on_failure`` receives a ``PeerFailure``;
+  intervals, and that then shows no sign of life to a census probe (at once
+  for a gone or stopped process on this machine, else for as long again), is
+  declared failed, and ``on_failure`` receives a ``PeerFailure``;
 * **abort news** — ``publish_abort()`` writes the reason under ``aborted`` and
   pushes it into every peer's inbox; their services turn it into a local abort at
   once (the ``aborted`` key is also read at each beat, as a fallback).
@@ -147,16 +148,20 @@ class _Peer(NamedTuple):
     pid: int
     start: str
 
-    def gone(self) -> bool:
-        """The process no longer exists (exited, killed, a zombie, or its pid reused).
-
-        Only meaningful for a peer on this machine (``machine == _MACHINE``).
-        """
+    def state(self) -> str:
+        """``"gone"`` (exited, killed, a zombie, or its pid reused), ``"stopped"``
+        (SIGSTOP), or ``"running"``. Only meaningful for a peer on this machine
+        (``machine == _MACHINE``)."""
         stat = _read_text(f"/proc/{self.pid}/stat")
         if stat is None:
-            return True
+            return "gone"
         fields = stat.rsplit(")", 1)[1].split()
-        return fields[0] in ("Z", "X", "x") or fields[19] != self.start
+        if fields[0] in ("Z", "X", "x") or fields[19] != self.start:
+            return "gone"
+        return "stopped" if fields[0] == "T" else "running"
+
+    def gone(self) -> bool:
+        return self.state() == "gone"
 
 
 class _Service:
@@ -486,7 +491,9 @@ class Liveness:
         except Exception:  # the store is unreachable: say what is known
             return known
 
-    def probe(self, ranks: list[int], *, eliminate: bool, bound: float | None = None) -> tuple[int, ...]:
+    def probe(
+        self, ranks: list[int], *, eliminate: bool, bound: float | None = None, stopped_failed: bool = False
+    ) -> tuple[int, ...]:
         """Which of ``ranks`` failed (blocking; at most ``bound`` seconds).
 
         Proof of death: the rank's process is gone from this machine's process
@@ -499,7 +506,9 @@ class Liveness:
         machine with its request unread for ``ELIMINATE_AFTER`` seconds, it is
         named at once; a rank that closed or aborted on its own (its sockets close
         too) is then not a failure either. Without it (shrink watching its
-        survivors) only the process's own signs count.
+        survivors) only the process's own signs count. ``stopped_failed``: a peer
+        on this machine that is stopped (SIGSTOP) counts as failed at once
+        (heartbeat detection, which already saw it silent for a bound).
         """
         bound = self.bound if bound is None else bound
         left = self._left if eliminate else (lambda r: False)
@@ -523,7 +532,8 @@ class Liveness:
                 who = owner_of.get(root.queue_pop(reply, False).decode())
                 if who is not None:
                     alive.add(who)
-            gone.update(r for r, peer in local.items() if r not in alive and peer.gone())
+            dead_states = ("gone", "stopped") if stopped_failed else ("gone",)
+            gone.update(r for r, peer in local.items() if r not in alive and peer.state() in dead_states)
             silent = [r for r in ranks if r not in alive and r not in gone]
             if not silent:
                 return tuple(sorted(gone))
@@ -611,10 +621,11 @@ class Liveness:
             return False
         # Confirm through the census before declaring: a live process whose beats
         # were late (CPU starvation, the GIL held by user code) still takes the
-        # request at once in its answerer's C++ store call. A dead or frozen one
-        # stays silent for another bound.
+        # request at once in its answerer's C++ store call. A dead or stopped
+        # process on this machine is failed at once; elsewhere it stays silent
+        # for another bound.
         suspects = stale
-        stale = list(self.probe(suspects, eliminate=False))
+        stale = list(self.probe(suspects, eliminate=False, stopped_failed=True))
         if not stale:
             for r in suspects:  # alive: count its silence afresh
                 self._last[r] = (self._last[r][0], time.monotonic())
