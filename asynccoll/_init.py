@@ -254,10 +254,12 @@ def init(
     ``timeout`` seconds raise ``CollectiveTimeout``; nothing blocks the event loop.
 
     ``heartbeat`` (an asynccoll extension): seconds between liveness beats through
-    the store. ``None`` (default): NCCL detects dead peers with 1 s beats; Gloo,
-    which reports a dead peer's closed connection by itself, beats every 0.25 s
-    only to name the failed rank (a census of up to 3 beats after the failure). A number turns detection on for every backend (a peer
-    silent for 3 beats raises ``PeerFailure``); ``0`` turns heartbeats off.
+    the store. ``None`` (default): NCCL detects dead peers with 1 s beats; Gloo
+    reports a dead peer's closed connection by itself, and an immediate census
+    names the failed rank (the 0.25 s beats only back it up where no answer
+    settles it). A number turns detection on for every backend (a peer silent
+    for 3 beats, and then to a census, raises ``PeerFailure``); ``0`` turns
+    heartbeats and the census off.
     """
     return _Init(
         dict(
