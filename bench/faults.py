@@ -12,7 +12,7 @@ reported. Times across processes are wall-clock (``time.time()``) on one machine
   a signal handler (``signal.signal``, the handler runs on the main thread between
   bytecodes): time until the last task has caught ``CommAborted`` (goal: <= 5 ms).
 * **peer death**, 3 ranks all-reducing in a loop; rank 2 records ``time.time()`` in
-  the store and then dies:
+  the store and then dies (``two_killed``: 4 ranks, ranks 2 and 3 die together):
   - asynccoll, Gloo default (``heartbeat=None``): killed with ``os._exit``; Gloo
     reports the closed connection, the census names the rank (goal: death ->
     ``PeerFailure([2])`` on every survivor <= 0.1 s);
@@ -42,6 +42,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+# This checkout's asynccoll, in this process and (through sys.path) in the ranks.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HOST = "127.0.0.1"
 VICTIM = 2                 # the rank that dies in the 3-rank scenarios
@@ -138,7 +141,7 @@ def _doom(store: Any, how: str, delay: float = 0.3) -> None:
 
     def later() -> None:
         time.sleep(delay)
-        store.set("died_at", repr(time.time()))
+        store.compare_set("died_at", "", repr(time.time()))  # the first death, with two
         sys.stdout.flush()
         if how == "exit":
             os._exit(1)
@@ -147,18 +150,20 @@ def _doom(store: Any, how: str, delay: float = 0.3) -> None:
     threading.Thread(target=later, daemon=True).start()
 
 
-async def _asynccoll_death(rank: int, store: Any, how: str, heartbeat: float | None) -> dict[str, Any]:
+async def _asynccoll_death(rank: int, store: Any, params: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import asynccoll as ac
 
+    how, heartbeat = params["how"], params["heartbeat"]
     marks = _instrument()
-    comm = await ac.init("gloo", rank=rank, world_size=3, store=store, timeout=30, heartbeat=heartbeat)
+    world, victims = params.get("world", 3), params.get("victims", [VICTIM])
+    comm = await ac.init("gloo", rank=rank, world_size=world, store=store, timeout=30, heartbeat=heartbeat)
     t = torch.ones(256)
     for _ in range(WARMUP):
         await comm.all_reduce(t)
     await comm.barrier()
-    if rank == VICTIM:
+    if rank in victims:
         _doom(store, how)
     try:
         while True:
@@ -170,7 +175,8 @@ async def _asynccoll_death(rank: int, store: Any, how: str, heartbeat: float | N
     one = torch.ones(4)
     await new.all_reduce(one)
     resumed = time.time()
-    assert new.world_size == 2 and one.tolist() == [2.0] * 4, one
+    size = world - len(victims)
+    assert new.world_size == size and one.tolist() == [float(size)] * 4, one
     died = float(store.get("died_at"))
     await new.close()
     # The old communicator is left to process exit: its Gloo group still holds the op
@@ -247,7 +253,7 @@ def _rank(scenario: str, rank: int, port: int, prefix: str, params: dict[str, An
         if scenario == "abort":
             result: Any = asyncio.run(_abort(rank, store, params["reps"], params["waiters"]))
         elif scenario == "asynccoll":
-            result = asyncio.run(_asynccoll_death(rank, store, params["how"], params["heartbeat"]))
+            result = asyncio.run(_asynccoll_death(rank, store, params))
         else:
             result = _torch_death(rank, store, params["how"], params["timeout"])
         conn.send(("ok", result))
@@ -314,7 +320,10 @@ class Launcher:
 
 # --------------------------------------------------------------- driver
 WAITERS = 1000
-SCENARIOS = ("asynccoll_gloo_killed", "asynccoll_heartbeat_frozen", "torch_gloo_killed", "torch_gloo_frozen")
+SCENARIOS = (
+    "asynccoll_gloo_killed", "asynccoll_gloo_two_killed", "asynccoll_heartbeat_frozen",
+    "torch_gloo_killed", "torch_gloo_frozen",
+)
 
 
 def _stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -337,6 +346,9 @@ def run(quick: bool = False, only: tuple[str, ...] = ()) -> dict[str, Any]:
 
     scenarios: dict[str, tuple[str, dict[str, Any], int]] = {
         "asynccoll_gloo_killed": ("asynccoll", {"how": "exit", "heartbeat": None}, reps),
+        "asynccoll_gloo_two_killed": (
+            "asynccoll", {"how": "exit", "heartbeat": None, "world": 4, "victims": [2, 3]}, reps,
+        ),
         "asynccoll_heartbeat_frozen": ("asynccoll", {"how": "stop", "heartbeat": HEARTBEAT}, reps),
         "torch_gloo_killed": ("torch", {"how": "exit", "timeout": 60.0}, reps),
         "torch_gloo_frozen": ("torch", {"how": "stop", "timeout": TORCH_FROZEN_TIMEOUT}, 1 if quick else 2),
@@ -347,7 +359,9 @@ def run(quick: bool = False, only: tuple[str, ...] = ()) -> dict[str, Any]:
             continue
         runs = []
         for _ in range(n):
-            survivors = [r for r in launcher.run(kind, 3, params, lost=(VICTIM,)) if r is not None]
+            victims = tuple(params.get("victims", [VICTIM]))
+            results = launcher.run(kind, params.get("world", 3), params, lost=victims)
+            survivors = [r for r in results if r is not None]
             # Per repetition: the survivor that got there last (every survivor has recovered).
             last = {k: max(s[k] for s in survivors) for k in survivors[0] if k.endswith("_ms")}
             last["ranks"] = sorted({r for s in survivors for r in s.get("ranks", [])})
@@ -373,8 +387,8 @@ def _table(res: dict[str, Any]) -> str:
         for where, row in res["abort"].items():
             lines.append(f"{where:>14} {_ms(row, 'abort_call_ms')} {_ms(row, 'last_waiter_ms')}")
         lines.append("")
-    lines.append("peer death (3 ranks, rank 2 dies): ms after death, slowest survivor of each run, median / worst of "
-                 f"{res['reps']} runs")
+    lines.append("peer death (3 ranks, rank 2 dies; two_killed: 4 ranks, ranks 2 and 3 die): ms after the (first) "
+                 f"death, slowest survivor of each run, median / worst of {res['reps']} runs")
     lines.append("goals: detected <= 100 ms (PeerFailure naming the rank), resumed (first all_reduce on the shrunk "
                  "comm) <= 500 ms")
     lines.append(f"asynccoll: Gloo default (census on the transport error), heartbeat={res['heartbeat_s']} s for the "
