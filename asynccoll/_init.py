@@ -379,10 +379,18 @@ async def _connect(
     detect = heartbeat is not None or use_nccl
     interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
 
-    async def rebuild(new_rank: int, new_size: int, suffix: str) -> Communicator:
+    async def rebuild(
+        new_rank: int, new_size: int, suffix: str, failed: bool = False, excluded: tuple[int, ...] = ()
+    ) -> Communicator:
+        # For a backend-level shrink (see _core/shrink.py): ``excluded`` are the old
+        # ranks left out, ``failed`` says it follows a failure (its abort flag).
+        # A store connection of its own: a group construction that waits for a
+        # survivor who died meanwhile must not hold the connection that the
+        # liveness service and shrink's watch use (a client serialises requests).
+        store = await _off_loop(rdv.prefixed(prefix + suffix).clone, timeout, "store")
         new = await _build(
             backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
-            store=rdv.prefixed(prefix + suffix), device=device, timeout=timeout, check=check,
+            store=store, device=device, timeout=timeout, check=check,
             trace_dir=trace_dir, heartbeat=heartbeat,
         )
         if rdv.key is not None:
@@ -446,10 +454,12 @@ def init(
     ``timeout`` seconds raise ``CollectiveTimeout``; nothing blocks the event loop.
 
     ``heartbeat`` (an asynccoll extension): seconds between liveness beats through
-    the store. ``None`` (default): NCCL detects dead peers with 1 s beats; Gloo,
-    which reports a dead peer's closed connection by itself, beats every 0.25 s
-    only to name the failed rank (a census of up to 3 beats after the failure). A number turns detection on for every backend (a peer
-    silent for 3 beats raises ``PeerFailure``); ``0`` turns heartbeats off.
+    the store. ``None`` (default): NCCL detects dead peers with 1 s beats; Gloo
+    reports a dead peer's closed connection by itself, and an immediate census
+    names the failed rank (the 0.25 s beats only back it up where no answer
+    settles it). A number turns detection on for every backend (a peer silent
+    for 3 beats, and then to a census, raises ``PeerFailure``); ``0`` turns
+    heartbeats and the census off.
     """
     return _Init(
         dict(

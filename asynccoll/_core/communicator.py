@@ -18,6 +18,7 @@ from .faults import Liveness
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
 from .ops import OpKind, OpSpec, ReduceOp
+from .shrink import Recovery
 from .shrink import shrink as _shrink
 from .work import Waker, Work
 
@@ -430,7 +431,17 @@ class Communicator:
         communicator under a new prefix with ranks renumbered in order. A healthy
         communicator is aborted first. Each communicator can be shrunk once.
         """
-        return await _shrink(self, exclude)
+        if self._shrunk:
+            raise InvalidArgument("this communicator was already shrunk; shrink the new one")
+        recovery = Recovery(
+            rank=self.rank, world_size=self.world_size, timeout=self.timeout, backend=self.backend,
+            state=self.state, failed_ranks=self.failed_ranks, store=self._store, liveness=self._liveness,
+            rebuild=self._rebuild, abort=self.abort, claim=self._claim_shrink,
+        )
+        return await _shrink(recovery, exclude)
+
+    def _claim_shrink(self) -> None:
+        self._shrunk = True
 
     async def __aenter__(self) -> Communicator:
         return self

@@ -1,19 +1,40 @@
-"""``comm.shrink()``: the survivors agree through the store, then build a new communicator.
+"""``comm.shrink()``: the survivors settle the excluded set, then build a new communicator.
 
-Agreement: every survivor proposes the ranks it wants excluded; the union of all
-proposals (plus any rank that never proposes within the grace period) is the
-excluded set; each survivor then publishes its final set, and all finals must be
-equal. Ranks are renumbered in order. The new communicator lives under a new
-store prefix; the old one stays aborted.
+Fast path: after a failure, the census already recorded the failed ranks under
+the communicator's ``failure`` key (first writer wins, see ``faults``), so every
+survivor knows the same set. A survivor that shrinks without ``exclude``, or
+with a subset of that record, excludes exactly the record and goes straight to
+building the new communicator: no agreement round. It still writes its proposal
+and final set, so a survivor that takes the slow path agrees with it at once.
+
+Slow path (no record, or ranks beyond it): every survivor proposes the ranks it
+wants excluded; the union of all proposals (plus any rank that never proposes
+within the grace period) is the excluded set; each survivor then publishes its
+final set, and all finals must be equal.
+
+Ranks are renumbered in order. The new communicator lives under a new store
+prefix; the old one stays aborted.
+
+The seam for backends: the new communicator is built by the communicator's
+``rebuild(new_rank, new_size, suffix, failed=, excluded=)`` closure
+(``asynccoll.init``): ``excluded`` are the old ranks left out, ``failed`` says the
+shrink follows a failure. A backend with a native shrink (NCCL's
+``ncclCommShrink``) shrinks the old backend there instead of building a new one,
+with its abort flag when ``failed`` and its default flag for a planned shrink
+of a healthy communicator.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
+
+import anyio
+import anyio.to_thread
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
+from .faults import decode_ranks, encode_ranks
 from .objects import poll_keys
 
 
@@ -62,12 +83,30 @@ if TYPE_CHECKING:
     from .communicator import Communicator
 
 
-async def shrink(comm: Communicator, exclude: Iterable[int] | None) -> Communicator:
-    """See ``Communicator.shrink``."""
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What shrink needs of a communicator (``Communicator.shrink`` hands it over)."""
+
+    rank: int
+    world_size: int
+    timeout: float
+    backend: str
+    state: str
+    failed_ranks: tuple[int, ...]
+    store: Any
+    liveness: Any
+    rebuild: Any
+    abort: Callable[[str], None]
+    #: Marks the communicator shrunk (once valid arguments are known).
+    claim: Callable[[], None]
+
+
+async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
+    """See ``Communicator.shrink`` (which checks and marks it shrunk once)."""
     if comm.state == "closed":
         raise CommClosed("cannot shrink a closed communicator")
-    rebuild = comm._rebuild
-    if rebuild is None or comm._store is None:
+    rebuild = comm.rebuild
+    if rebuild is None or comm.store is None:
         raise InvalidArgument(f"shrink needs a communicator made by asynccoll.init(), not {comm.backend!r}")
     if exclude is None:
         excluded = set(comm.failed_ranks)
@@ -81,16 +120,102 @@ async def shrink(comm: Communicator, exclude: Iterable[int] | None) -> Communica
         raise InvalidArgument(f"exclude: ranks {bad} out of range for world_size {comm.world_size}")
     if comm.rank in excluded:
         raise InvalidArgument(f"rank {comm.rank} cannot shrink a communicator that excludes itself")
-    if comm._shrunk:
-        raise InvalidArgument("this communicator was already shrunk; shrink the new one")
-    comm._shrunk = True
+    comm.claim()
+    failed = comm.state == "aborted"  # after a failure (or a user's abort), not a planned shrink
     if comm.state == "ok":
         comm.abort("shrinking the communicator")
-    loop = asyncio.get_running_loop()
+    liveness = comm.liveness
+    service = liveness._service if liveness is not None else None
+    if service is not None:
+        service.hold()  # keep answering the survivors' census while this rank rebuilds
+    try:
+        agreed = await anyio.to_thread.run_sync(_settle, comm, excluded, abandon_on_cancel=True)
+        return await _build(comm, cast(Any, rebuild), agreed, failed)
+    finally:
+        if service is not None:
+            service.release()
+
+
+#: While the new communicator is being built: when to start probing the other
+#: survivors, and how often (a build normally takes a few milliseconds).
+_WATCH_AFTER = 0.1
+_WATCH_EVERY = 0.2
+
+
+async def _build(comm: Recovery, rebuild: Any, agreed: set[int], failed: bool) -> Communicator:
+    """Build the survivors' communicator; if a survivor dies meanwhile, start over without it.
+
+    A backend's group construction waits for every member (until ``timeout``), so
+    a survivor that dies before joining would hold everyone there. While it
+    builds, each survivor probes the others' processes (``Liveness.probe``); a dead
+    one is recorded under ``shrink/retry/<suffix>`` (first writer wins), every
+    survivor sees the record, drops its build and builds again without that rank.
+    """
+    excluded = set(agreed)
+    liveness = comm.liveness
+    store = comm.store
+    while True:
+        survivors = [r for r in range(comm.world_size) if r not in excluded]
+        if comm.rank not in survivors:
+            raise InvalidArgument(f"rank {comm.rank} was excluded by the other survivors")
+        suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
+        # rebuild(new_rank, new_size, suffix, failed=, excluded=): see the module docstring.
+        args = (survivors.index(comm.rank), len(survivors), suffix)
+        kwargs = {"failed": failed, "excluded": tuple(sorted(excluded))}
+        if liveness is None:
+            return cast("Communicator", await rebuild(*args, **kwargs))
+        others = [r for r in survivors if r != comm.rank]
+        built: list[Communicator] = []
+        lost: list[tuple[int, ...]] = []
+        async with anyio.create_task_group() as tg:
+
+            async def build() -> None:
+                built.append(await rebuild(*args, **kwargs))
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                lost.append(await _watch(store, f"shrink/retry/{suffix}", liveness, others))
+                tg.cancel_scope.cancel()  # the build's thread ends at the backend's own timeout
+
+            tg.start_soon(build)
+            tg.start_soon(watch)
+        if built:
+            return built[0]
+        excluded |= set(lost[0])
+
+
+async def _watch(store: Any, key: str, liveness: Any, others: list[int]) -> tuple[int, ...]:
+    """The survivors that died while this build runs (recorded under ``key`` by the
+    first survivor to see it; every survivor then reads the same record)."""
+    start = anyio.current_time()
+    next_probe = start + _WATCH_AFTER
+    while True:
+        await anyio.sleep(0.02)
+        if await anyio.to_thread.run_sync(store.check, [key], abandon_on_cancel=True):
+            return decode_ranks(await anyio.to_thread.run_sync(store.get, key, abandon_on_cancel=True))
+        if anyio.current_time() >= next_probe:
+            dead = await anyio.to_thread.run_sync(_probe, liveness, others, abandon_on_cancel=True)
+            if dead:
+                raw = await anyio.to_thread.run_sync(
+                    store.compare_set, key, "", encode_ranks(dead), abandon_on_cancel=True
+                )
+                return decode_ranks(raw)
+            next_probe = anyio.current_time() + _WATCH_EVERY
+
+
+def _probe(liveness: Any, ranks: list[int]) -> tuple[int, ...]:
+    return tuple(liveness.probe(ranks, eliminate=False))
+
+
+def _settle(comm: Recovery, excluded: set[int]) -> set[int]:
+    """The excluded set: the census record when it covers ``excluded``, else agreement."""
+    store, rank = comm.store, comm.rank
+    liveness = comm.liveness
+    recorded = liveness.record() if liveness is not None else None
+    if recorded is not None and excluded <= set(recorded) and rank not in recorded:
+        union = set(recorded)
+        text = _encode(union)
+        store.multi_set([f"shrink/propose/{rank}", f"shrink/final/{rank}"], [text, text])
+        return union
     grace = min(10.0, comm.timeout / 2)
-    agreed = await loop.run_in_executor(
-        None, agree, comm._store, comm.rank, comm.world_size, excluded, comm.timeout, grace
-    )
-    survivors = [r for r in range(comm.world_size) if r not in agreed]
-    suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
-    return await rebuild(survivors.index(comm.rank), len(survivors), suffix)
+    return agree(store, rank, comm.world_size, excluded, comm.timeout, grace)
