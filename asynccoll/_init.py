@@ -159,13 +159,15 @@ async def _build(
     if heartbeat is not None and (isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or heartbeat < 0):
         raise InvalidArgument(f"heartbeat must be None or a number of seconds >= 0, got {heartbeat!r}")
     timeout = float(timeout)
-    use_nccl = backend == "nccl"
+    use_nccl = False
     if backend in ("nccl", "auto"):
+        # "auto" serves CUDA tensors with NCCL whenever CUDA, nccl4py, cuda-bindings
+        # and libnccl are all usable here; "nccl" insists on them.
         missing = _nccl_missing()
-        if missing is not None:
-            if backend == "nccl":
-                raise BackendUnavailable(missing)
-            use_nccl = False
+        if missing is None:
+            use_nccl = True
+        elif backend == "nccl":
+            raise BackendUnavailable(missing)
     rdv = await rendezvous(
         rank=rank, world_size=world_size, master_addr=master_addr,
         master_port=master_port, store=store, timeout=timeout,

@@ -1,0 +1,459 @@
+"""The NCCL backend: one non-blocking nccl4py communicator, one launcher thread.
+
+How one op travels (``submit`` runs on the caller's thread and stays cheap):
+
+1. ``submit`` records a *ready* event on the caller's current stream (the op must
+   see everything the caller queued before the call), protects the tensors from
+   the caching allocator (``record_stream`` on the comm stream), numbers the job
+   (its *gate* number, see ``cuda.py``) and queues it.
+2. The launcher thread takes jobs in submit order: the communicator's own comm
+   stream waits for the ready event, the NCCL call(s) are enqueued (a batch or a
+   P2P op inside one ``ncclGroupStart/End``), then ``ncclCommGetAsyncError`` is
+   polled until the communicator leaves ``ncclInProgress``. Only then do the done
+   event and the gate signal go on the comm stream: a non-blocking communicator
+   may defer the kernel launch, and nothing may touch its stream before.
+3. One :class:`streams.EventWatcher` thread waits for done events in order and
+   settles the Works (then returns the events to the pool); never on the loop.
+
+``work.wait_stream(s)`` never blocks: it enqueues a gate wait on ``s`` at once.
+Works are settled only through ``settle._succeed`` / ``settle._fail``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..._core.backend import Backend
+from ..._core.errors import CollectiveTimeout, CommAborted, InvalidArgument, PeerFailure
+from ..._core.ops import OpSpec
+from ..._core.work import Work
+from . import encode
+from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError
+from .lifecycle import abort_quietly, wait_ready
+from .settle import _succeed, fail_all
+
+_QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
+_STOP = object()
+
+
+class _Job:
+    """One launch: a single op, or a coalesced batch run as one NCCL group."""
+
+    __slots__ = ("specs", "works", "ready", "done", "state", "n", "timeout")
+
+    def __init__(self, specs: Sequence[OpSpec], works: Sequence[Work], ready: Any, done: Any, n: int) -> None:
+        self.specs = specs
+        self.works = works
+        self.ready = ready
+        self.done = done
+        self.state = _QUEUED
+        self.n = n
+        self.timeout = max((s.timeout for s in specs), default=0.0) or 60.0
+
+
+class NcclBackend(Backend):
+    """Runs OpSpecs on one non-blocking nccl4py communicator, on one CUDA device."""
+
+    name = "nccl"
+    device_type = "cuda"
+
+    def __init__(
+        self, comm: Any, *, rank: int, world_size: int, device: torch.device, lib: Any, runtime: Any,
+        watcher: Any = None, health_interval: float = 0.1, abort_timeout: float = 2.0, close_timeout: float = 10.0,
+    ) -> None:
+        import streams
+
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self._comm = comm
+        self._lib = lib
+        self._rt = runtime
+        self._watcher = watcher or streams.EventWatcher(f"nccl{device.index}")
+        self._health_interval = health_interval
+        self._abort_timeout = abort_timeout
+        self._close_timeout = close_timeout
+        # Serialises every NCCL call on the communicator against abort(): the
+        # launcher never starts a call on a communicator that abort() has freed.
+        self._nccl_lock = threading.Lock()
+        self._lock = threading.Lock()  # _inflight, _stuck, _closed, _aborted, job numbers
+        self._inflight: collections.deque[_Job] = collections.deque()
+        # Jobs whose NCCL calls were issued but never completed (timeout, async error):
+        # their tensors stay referenced until the communicator is aborted.
+        self._stuck: list[_Job] = []
+        self._aborted = False
+        self._closed = False
+        self._broken = False  # an NCCL error was seen: close() aborts instead of finalizing
+        self._abort_done: threading.Event | None = None
+        self._barrier_buf: torch.Tensor | None = None
+        self._next = 0  # gate number of the last job submitted
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._launcher = threading.Thread(target=self._run, name=f"asynccoll-nccl-launcher-{device.index}", daemon=True)
+        self._launcher.start()
+
+    def __repr__(self) -> str:
+        state = "aborted" if self._aborted else "closed" if self._closed else "ok"
+        return f"<NcclBackend rank={self.rank}/{self.world_size} {self.device} {state}>"
+
+    # --------------------------------------------------------------- submit
+    def submit(self, spec: OpSpec, work: Work) -> None:
+        self.submit_batch((spec,), (work,))
+
+    def submit_batch(self, specs: Sequence[OpSpec], works: Sequence[Work]) -> None:
+        """Queue ``specs`` as one launch: one NCCL group, one completion event."""
+        if not specs:
+            return
+        if self._aborted or self._closed:
+            raise CommAborted(f"NCCL backend is {'aborted' if self._aborted else 'closed'}")
+        tensors: list[torch.Tensor] = []
+        for spec in specs:
+            encode.check(spec, self.device, tensors)
+        rt = self._rt
+        ready = rt.events.acquire()
+        ready.record(rt.caller_stream(tensors[0] if tensors else None))
+        for t in tensors:
+            rt.protect(t)
+        with self._lock:  # numbers follow queue order
+            self._next += 1
+            job = _Job(list(specs), list(works), ready, rt.events.acquire(), self._next)
+            self._queue.put(job)
+        hook = functools.partial(self._wait_stream, job)
+        for work in works:
+            work._stream_hook = hook
+
+    # --------------------------------------------------------------- launcher
+    def _run(self) -> None:
+        try:
+            self._rt.bind_thread()
+        except Exception:  # noqa: S110 - a bad device shows up as the first op's error
+            pass
+        get = self._queue.get
+        while True:
+            try:
+                job = get(timeout=self._health_interval) if self._inflight else get()
+            except queue.Empty:
+                self._health_check()
+                continue
+            if job is _STOP or self._aborted:
+                return
+            if self._broken:  # never call into a communicator that reported an error
+                self._fail_job(job, CommAborted("the NCCL communicator failed earlier"), issued=False)
+                continue
+            try:
+                self._launch(job)
+            except Exception as exc:  # e.g. a CUDA error on the comm stream
+                self._fail_job(job, self._translate(exc, job), issued=True)
+
+    def _launch(self, job: _Job) -> None:
+        rt = self._rt
+        rt.comm_stream.wait_event(job.ready)
+        # A stream wait already enqueued is not affected by re-recording the event.
+        rt.events.release(job.ready)
+        job.ready = None
+        post: list[Callable[[], object]] = []
+        handle = rt.handle(rt.comm_stream)
+        grouped = encode.needs_group(job.specs)
+        with self._nccl_lock:
+            if self._aborted:
+                return
+            try:
+                if grouped:
+                    self._lib.group_start()
+                for spec in job.specs:
+                    encode.enqueue(spec, self._comm, self._lib, handle, self.rank, self.world_size, post, self._scratch)
+            except Exception as exc:
+                if grouped:  # close the half-built group without launching it here alone
+                    self._discard_group()
+                self._fail_job(job, self._translate(exc, job), issued=False)
+                return
+            if grouped:
+                try:
+                    self._lib.group_end()
+                except Exception as exc:  # NCCL refused the group: nothing was launched
+                    self._fail_job(job, self._translate(exc, job), issued=False)
+                    return
+        status = self._poll(time.monotonic() + job.timeout)
+        if status is None:  # aborted meanwhile
+            return
+        if status == IN_PROGRESS:
+            w = job.works[0]
+            self._fail_job(job, CollectiveTimeout(
+                f"{w.op} (seq {w.seq}): NCCL stayed in ncclInProgress for {job.timeout} s", seq=w.seq, op=w.op),
+                issued=True)
+            return
+        if status != SUCCESS:
+            self._fail_job(job, self._async_failure(status), issued=True)
+            return
+        if post:  # local copies and integer-AVG fix-ups, after the NCCL kernels
+            with rt.on_comm_stream():
+                for fn in post:
+                    fn()
+        job.done.record(rt.comm_stream)
+        rt.gate_signal(job.n)
+        # _inflight keeps the job, hence its tensors, referenced until the done event
+        # fires (CuPy memory is not covered by record_stream).
+        with self._lock:
+            self._inflight.append(job)
+        job.state = _LAUNCHED
+        try:
+            self._watcher.watch(job.done, self._completed, job, on_fail=functools.partial(self._watch_failed, job))
+        except Exception as exc:  # watcher closed by abort/close
+            self._watch_failed(job, exc)
+
+    def _scratch(self) -> torch.Tensor:
+        buf = self._barrier_buf
+        if buf is None:
+            buf = self._barrier_buf = self._rt.scratch()
+        return buf
+
+    def _discard_group(self) -> None:
+        try:
+            self._lib.group_discard()
+        except Exception:  # the group state is lost anyway; the comm is marked broken
+            self._broken = True
+
+    def _poll(self, deadline: float) -> int | None:
+        """Poll ``get_async_error`` until it leaves InProgress; None once aborted."""
+        delay = 0.0
+        while True:
+            with self._nccl_lock:
+                if self._aborted:
+                    return None
+                try:
+                    status = int(self._comm.get_async_error())
+                except Exception:  # NcclInvalid: the communicator is unusable
+                    status = INTERNAL_ERROR
+            if status != IN_PROGRESS or time.monotonic() > deadline:
+                return status
+            time.sleep(delay)
+            delay = min(max(delay * 2, 1e-5), 1e-3)
+
+    def _health_check(self) -> None:
+        with self._nccl_lock:
+            if self._aborted:
+                return
+            try:
+                status = int(self._comm.get_async_error())
+            except Exception:  # NcclInvalid: the communicator is unusable
+                status = INTERNAL_ERROR
+        if status not in (SUCCESS, IN_PROGRESS):
+            with self._lock:
+                jobs = list(self._inflight)
+                self._inflight.clear()
+            for job in jobs:
+                self._fail_job(job, self._async_failure(status), issued=True)
+
+    # ------------------------------------------------------------ completion
+    def _completed(self, job: _Job) -> None:
+        """Watcher thread: the done event fired."""
+        with self._lock:
+            try:
+                self._inflight.remove(job)
+            except ValueError:
+                return  # already failed by the health check
+        job.specs = ()  # the Works' wait_stream hooks keep the job: drop its tensors
+        if self._aborted:  # never report success after abort (the op may have been cut short)
+            return
+        for work in job.works:
+            _succeed(work)
+        self._rt.events.release(job.done)  # only now: nothing queries it any more
+
+    def _watch_failed(self, job: _Job, exc: BaseException) -> None:
+        with self._lock:
+            if job in self._inflight:
+                self._inflight.remove(job)
+        if self._aborted:
+            return
+        err = CommAborted(f"waiting for NCCL completion failed: {exc}")
+        err.__cause__ = exc
+        self._fail_job(job, err, issued=True)
+
+    def _fail_job(self, job: _Job, exc: BaseException, *, issued: bool) -> None:
+        """Fail a launch; ``issued``: NCCL may still run its kernels, keep the tensors."""
+        self._broken = True
+        job.state = _FAILED
+        with self._lock:
+            if issued and not self._aborted:
+                self._stuck.append(job)
+            else:
+                job.specs = ()
+        if not issued:
+            try:  # let wait_stream waiters pass: the op will never run
+                self._rt.gate_signal(job.n)
+            except Exception:  # noqa: S110 - abort() releases the gate from the host
+                pass
+        if not self._aborted:
+            fail_all(job.works, exc)
+
+    def _wait_stream(self, job: _Job, stream: Any) -> None:
+        """``work.wait_stream``: make ``stream`` wait for the op, never blocking the host."""
+        if self._aborted or (job.works and job.works[0].done()):
+            return  # settled (or the gate was released by abort)
+        self._rt.gate_wait(self._rt.target_stream(stream), job.n)
+
+    # ------------------------------------------------------------------ errors
+    def _async_failure(self, status: int) -> CommAborted:
+        text = self._lib.error_string(status)
+        last = ""
+        with self._nccl_lock:
+            if not self._aborted:
+                try:
+                    last = str(self._comm.get_last_error() or "")
+                except Exception:  # noqa: S110 - the status code alone is reported
+                    pass
+        msg = f"NCCL reported error {status} ({text}) on rank {self.rank}" + (f": {last}" if last else "")
+        exc: CommAborted = PeerFailure(msg) if status in _PEER_ERRORS else CommAborted(msg)
+        exc.__cause__ = NcclError(status, text)
+        return exc
+
+    def _translate(self, exc: BaseException, job: _Job) -> BaseException:
+        if isinstance(exc, (CommAborted, CollectiveTimeout, InvalidArgument)):
+            return exc
+        status = getattr(exc, "status", None)
+        w = job.works[0]
+        new: CommAborted
+        if isinstance(status, int) and status in _PEER_ERRORS:
+            new = PeerFailure(f"{w.op} (seq {w.seq}): a peer failed: {exc}")
+        else:
+            new = CommAborted(f"{w.op} (seq {w.seq}) failed in NCCL: {exc}")
+        new.__cause__ = exc
+        return new
+
+    # ------------------------------------------------------------ lifecycle
+    def abort(self) -> None:
+        """Abort the NCCL communicator: bounded (``abort_timeout``), idempotent."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            last = self._next
+        while True:  # drop queued jobs (and their tensors); the launcher never runs them
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not _STOP:
+                job.specs = ()
+        self._queue.put(_STOP)
+        self._rt.release_gate(last)  # nothing stays blocked on wait_stream
+        self._watcher.close(timeout=0, drain=False)
+        if self._closed or self._comm is None:
+            self._drop_inflight()
+            return
+        done = self._abort_done = threading.Event()
+        threading.Thread(target=self._abort_comm, args=(done,), name="asynccoll-nccl-abort", daemon=True).start()
+        done.wait(self._abort_timeout)
+
+    def _drop_inflight(self) -> None:
+        with self._lock:
+            for job in list(self._inflight) + self._stuck:
+                job.specs = ()
+            self._inflight.clear()
+            self._stuck.clear()
+
+    def _abort_comm(self, done: threading.Event) -> None:
+        # The launcher holds _nccl_lock only around single non-blocking calls and
+        # re-checks _aborted under it, so normally the lock comes at once. If a
+        # call hangs inside NCCL, ncclCommAbort is what unblocks it: abort anyway.
+        got = self._nccl_lock.acquire(timeout=self._abort_timeout / 2)
+        try:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                abort_quietly(comm)
+        finally:
+            if got:
+                self._nccl_lock.release()
+            # Kernels are terminated: the tensors of issued-but-unfinished ops may go.
+            self._drop_inflight()
+            done.set()
+
+    def close(self) -> None:
+        """Finalize (polled, bounded) and destroy the communicator; stop the threads.
+
+        After an NCCL error, or if finalize does not complete within
+        ``close_timeout``, the communicator is aborted instead (NCCL's advice).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(_STOP)
+        if self._launcher is not threading.current_thread():
+            self._launcher.join(5.0)
+        self._watcher.close(timeout=5.0, drain=not self._aborted)
+        self._barrier_buf = None
+        if self._aborted:
+            if self._abort_done is not None:
+                self._abort_done.wait(self._abort_timeout)
+            return
+        comm = self._comm
+        if comm is None:
+            return
+        if not self._broken and self._finalize(comm):
+            self._rt.close(True)
+            return
+        with self._lock:
+            self._aborted = True
+        self._rt.release_gate(self._next)
+        done = self._abort_done = threading.Event()
+        threading.Thread(target=self._abort_comm, args=(done,), name="asynccoll-nccl-abort", daemon=True).start()
+        done.wait(self._abort_timeout)
+
+    def _finalize(self, comm: Any) -> bool:
+        try:
+            with self._nccl_lock:
+                comm.finalize()
+            if self._poll(time.monotonic() + self._close_timeout) != SUCCESS:
+                return False
+            with self._nccl_lock:
+                self._comm = None
+                comm.destroy()
+            return True
+        except Exception:  # NCCLError from finalize/destroy: fall back to abort
+            return False
+
+    def shrink(self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0) -> NcclBackend:
+        """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking).
+
+        Every surviving rank must call it; excluded ranks must not. ``abort_pending``
+        (default: whether ops are queued or in flight here) shrinks with
+        ``CommShrinkFlag.ABORT``, which first terminates the parent's outstanding
+        ops; otherwise ``DEFAULT``, which needs them quiesced. Survivors are
+        renumbered in order; the new backend gets its own comm stream. Needs the
+        parent communicator alive (after ``abort()`` build a new one with
+        ``create``). Run it off the event loop.
+        """
+        if self._aborted or self._comm is None:
+            raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")
+        drop = sorted(set(int(r) for r in exclude))
+        if self.rank in drop:
+            raise InvalidArgument(f"rank {self.rank} cannot shrink a communicator it is excluded from")
+        if any(not 0 <= r < self.world_size for r in drop) or len(drop) >= self.world_size:
+            raise InvalidArgument(f"cannot exclude {drop} from a communicator of {self.world_size} ranks")
+        if abort_pending is None:
+            abort_pending = bool(self._inflight) or not self._queue.empty() or self._broken
+        deadline = time.monotonic() + timeout
+        with self._nccl_lock:
+            new = self._lib.shrink(self._comm, drop, abort_pending)
+        # Non-blocking: both the parent and the child must leave ncclInProgress.
+        status = self._poll(deadline)
+        if status not in (SUCCESS, None):
+            abort_quietly(new)
+            raise self._async_failure(status)
+        wait_ready(new, self._lib, deadline, "NCCL shrink")
+        rank = self.rank - sum(1 for r in drop if r < self.rank)
+        return NcclBackend(
+            new, rank=rank, world_size=self.world_size - len(drop), device=self.device,
+            lib=self._lib, runtime=self._rt.sibling(), health_interval=self._health_interval,
+            abort_timeout=self._abort_timeout, close_timeout=self._close_timeout,
+        )
+
+
+backend_class = NcclBackend
