@@ -121,6 +121,7 @@ class _CommState:
         self.p2p: collections.Counter[tuple[int, int]] = collections.Counter()
         self.calls: list[str] = []
         self.block: Latch | None = None
+        self.fail: dict[str, BaseException] = {}
         m = mock.create_autospec(_REAL, instance=True, spec_set=True)
         for name in _SIG:
             getattr(m, name).side_effect = functools.partial(self.call, name)
@@ -145,6 +146,8 @@ class _CommState:
                 return None  # nccl4py: a null communicator makes these no-ops
             if not self.valid:
                 raise _nc.NcclInvalid(f"Cannot {name}: Communicator not initialized")
+            if name in self.fail:
+                raise self.fail.pop(name)
             fn = getattr(self, "_" + name, None)
             if fn is None:
                 raise NotImplementedError(f"nccl4py Communicator.{name} is not simulated")
@@ -159,7 +162,7 @@ class _CommState:
             self.sim.gpu.error(f"{what}: a host tensor was passed to NCCL (not a simulated CUDA tensor)")
         if not t.is_contiguous():
             self.sim.gpu.error(f"{what}: a non-contiguous tensor was passed to NCCL")
-        return t
+        return _plain(t)  # like a device pointer: does not keep the caller's tensor alive
 
     def _stream(self, stream: Any) -> SimStream:
         if isinstance(stream, bool):
@@ -372,6 +375,10 @@ class SimNccl:
     def set_error(self, comm: Any, code: int) -> None:
         with self.gpu._cv:
             self.state(comm).error = int(code)
+
+    def fail_call(self, comm: Any, name: str, exc: BaseException) -> None:
+        """The next call of method ``name`` on ``comm`` raises ``exc`` (e.g. ``NcclInvalid``)."""
+        self.state(comm).fail[name] = exc
 
     def block_calls(self, comm: Any, latch: Latch | None) -> None:
         """Every NCCL call on ``comm`` blocks inside the library until ``latch`` opens."""

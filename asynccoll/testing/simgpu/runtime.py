@@ -117,6 +117,27 @@ class SimCluster:
         store = dist.HashStore()
         return run_threads(world_size, lambda r: self.create(Rdv(store, r, world_size), timeout=timeout))
 
+    def run_comms(self, world_size: int, fn: Callable[[Any], Awaitable[Any]], *, backend: str = "nccl",
+                  timeout: float = 20.0) -> list[Any]:
+        """``async with asynccoll.init(backend, ...) as comm: await fn(comm)`` on every rank.
+
+        Ranks are threads with their own event loops; rendezvous through one HashStore;
+        NCCL is built on this simulator (``patch_init``); heartbeats are off.
+        """
+        import torch.distributed as dist
+
+        from ... import _init
+
+        store = dist.HashStore()
+
+        async def rank_main(r: int) -> Any:
+            async with _init.init(backend, rank=r, world_size=world_size, store=store, timeout=timeout,
+                                  heartbeat=0) as comm:
+                return await fn(comm)
+
+        with self.patch_init():
+            return run_threads(world_size, rank_main, timeout=timeout * 3)
+
     @contextlib.contextmanager
     def patch_init(self) -> Iterator[None]:
         """Make ``asynccoll.init`` see CUDA + nccl4py and build NCCL on the simulator."""
