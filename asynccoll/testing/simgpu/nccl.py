@@ -48,6 +48,7 @@ _REAL = _nc.Communicator
 _SIG = {name: inspect.signature(getattr(_REAL, name)) for name in dir(_REAL)
         if not name.startswith("_") and callable(getattr(_REAL, name, None))}
 _COLL = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
+_DATA = (*_COLL, "send", "recv", "alltoall", "gather", "scatter")
 
 
 class _Op:
@@ -151,7 +152,11 @@ class _CommState:
             fn = getattr(self, "_" + name, None)
             if fn is None:
                 raise NotImplementedError(f"nccl4py Communicator.{name} is not simulated")
-            return fn(**a)
+            try:
+                return fn(**a)
+            finally:
+                if name in _DATA:  # the mock's call records would keep the tensors alive
+                    self.mock.reset_mock()
 
     # ------------------------------------------------------------- buffers
     def _buffer(self, t: Any, what: str) -> torch.Tensor:
