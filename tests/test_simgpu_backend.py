@@ -63,6 +63,8 @@ def test_op_waits_for_the_callers_stream_and_wait_stream_orders_a_later_kernel()
             w.wait_stream(side)
             with gpu.use_stream(side):
                 t.mul_(10)  # a kernel on `side`: must run after the all_reduce
+            nccl_comm = comm._backends["cuda"]._comm
+            await asyncio.to_thread(until, lambda: sim.nccl.pushed(nccl_comm) == 1)  # on the comm stream
             gpu.idle()
             assert not w.done() and gpu.host(t).tolist() == [0.0] * 4  # held behind the long kernel
             hold.open()

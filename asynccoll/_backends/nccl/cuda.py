@@ -77,13 +77,13 @@ class CudaRuntime:
 
     # ------------------------------------------------------------------ gate
     def _gate(self) -> int:
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # type: ignore[import-untyped]
 
         with self._gate_lock:
             if self._gate_dev == 0:
                 with torch.cuda.device(self.index):
                     torch.cuda.current_stream(self.index)  # the primary context is current
-                    flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
+                    flags = int(cu.CU_MEMHOSTALLOC_DEVICEMAP) | int(cu.CU_MEMHOSTALLOC_PORTABLE)
                     err, host = cu.cuMemHostAlloc(_GATE_BYTES, flags)
                     _check(err, "cuMemHostAlloc")
                     ctypes.c_uint32.from_address(int(host)).value = 0
@@ -94,24 +94,24 @@ class CudaRuntime:
 
     def gate_wait(self, stream: Any, n: int) -> None:
         """Enqueue on ``stream``: wait until job ``n`` passed the comm stream. Never blocks."""
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # type: ignore[import-untyped]
 
         dev = self._gate()
         with torch.cuda.device(self.index):
             (err,) = cu.cuStreamWaitValue32(
                 int(stream.cuda_stream), dev, n & 0xFFFFFFFF,
-                cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+                int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
             )
         _check(err, "cuStreamWaitValue32")
 
     def gate_signal(self, n: int) -> None:
         """Enqueue on the comm stream: job ``n`` is over (launcher thread only)."""
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # type: ignore[import-untyped]
 
         dev = self._gate()
         (err,) = cu.cuStreamWriteValue32(
             int(self.comm_stream.cuda_stream), dev, n & 0xFFFFFFFF,
-            cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT,
+            int(cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
         )
         _check(err, "cuStreamWriteValue32")
         self._gate_last = n
@@ -124,7 +124,7 @@ class CudaRuntime:
 
     def close(self, clean: bool) -> None:
         """Free the gate memory, only when no stream can still wait on it (``clean``)."""
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # type: ignore[import-untyped]
 
         with self._gate_lock:
             host, self._gate_host, self._gate_dev = self._gate_host, 0, 0

@@ -46,16 +46,16 @@ def _key(t: torch.Tensor) -> int:
 class SimTensor(torch.Tensor):
     """A CPU tensor that the code under test sees as a CUDA tensor on ``cuda:0``."""
 
-    @property  # type: ignore[override]
-    def is_cuda(self) -> bool:
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
-    @property  # type: ignore[override]
-    def is_cpu(self) -> bool:
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
         return False
 
-    @property  # type: ignore[override]
-    def device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("cuda", 0)
 
     def record_stream(self, stream: Any) -> None:  # type: ignore[override]
@@ -234,7 +234,6 @@ class SimGPU:
         self._recorded: dict[int, set[SimStream]] = collections.defaultdict(set)
         self._alloc: dict[int, SimStream] = {}
         self.ran: list[str] = []  # names of kernels, in the order the device ran them
-        self.hooks: list[Callable[[], None]] = []  # polled by the device thread (nccl.py)
         self.push_checks: list[Callable[[SimStream, _Item], None]] = []  # see nccl.py
         _current_gpu = self
         self._thread = threading.Thread(target=self._run, name="simgpu-device", daemon=True)
@@ -350,16 +349,12 @@ class SimGPU:
         self._cv.notify_all()
 
     def _runnable(self) -> bool:
-        for hook in self.hooks:
-            hook()
         return any(s.q and s.q[0].ready() for s in self._streams.values())
 
     def _run(self) -> None:
         with self._cv:
             while not self._closed:
                 progressed = False
-                for hook in self.hooks:
-                    hook()
                 for s in list(self._streams.values()):
                     while s.q and s.q[0].ready():
                         item = s.q.popleft()

@@ -36,7 +36,7 @@ import types
 from typing import Any
 from unittest import mock
 
-import nccl.bindings.nccl as _b
+import nccl.bindings.nccl as _b  # type: ignore[import-untyped]
 import nccl.core as _nc
 import torch
 from nccl.core.interop.torch import _to_nccl_dtype
@@ -57,17 +57,17 @@ class _Op:
     def __init__(self, kind: str, comm: _CommState, **kw: Any) -> None:
         self.kind = kind
         self.comm = comm
-        self.send = kw.get("send")
-        self.recv = kw.get("recv")
-        self.op = kw.get("op")
-        self.root = kw.get("root")
-        self.peer = kw.get("peer")
+        self.send: Any = kw.get("send")
+        self.recv: Any = kw.get("recv")
+        self.op: Any = kw.get("op")
+        self.root: Any = kw.get("root")
+        self.peer: Any = kw.get("peer")
         self.key: Any = None
         self.done = False
         self.launch: _Launch | None = None
         buf = self.send if self.send is not None else self.recv
         self.count = int(buf.numel()) if buf is not None else 0
-        self.dtype = buf.dtype if buf is not None else None
+        self.dtype: Any = buf.dtype if buf is not None else None
 
 
 class _Launch:
@@ -78,6 +78,7 @@ class _Launch:
         self.ops = ops
         self.stream = stream
         self.at_head = False
+        self.pushed = False  # on its stream (ncclInProgress cleared)
         self.aborted = False
         self.drained = False
         for op in ops:
@@ -397,6 +398,11 @@ class SimNccl:
                     la.drained = True
             self.gpu._cv.notify_all()
 
+    def pushed(self, comm: Any) -> int:
+        """How many launches of ``comm`` are on their stream (left ncclInProgress)."""
+        with self.gpu._cv:
+            return sum(1 for la in self.state(comm).launches if la.pushed)
+
     def live(self) -> list[_CommState]:
         """Communicators neither destroyed nor aborted (leaks)."""
         return [c for c in self.comms if c.valid]
@@ -475,6 +481,7 @@ class SimNccl:
         keys = [_key(t) for op in la.ops for t in (op.send, op.recv) if t is not None]
         item = _Item("nccl", functools.partial(self._ready, la), lambda: None, keys)
         item.launch = la
+        la.pushed = True
         self.gpu._push(la.stream, item)
 
     def _check_push(self, stream: SimStream, item: _Item) -> None:

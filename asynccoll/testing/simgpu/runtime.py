@@ -49,7 +49,7 @@ class SimCudaRuntime:
         return int(stream.cuda_stream)
 
     def protect(self, tensor: torch.Tensor) -> None:
-        tensor.record_stream(self.comm_stream)
+        tensor.record_stream(self.comm_stream)  # type: ignore[arg-type]
 
     def on_comm_stream(self) -> Any:
         return self.gpu.use_stream(self.comm_stream)
