@@ -405,3 +405,23 @@ def test_backend_class_is_exported() -> None:
     assert nccl.backend_class is nccl.NcclBackend
     assert issubclass(nccl.NcclBackend, ac._core.backend.Backend) if hasattr(ac, "_core") else True
     assert streams.EventWatcher is not None
+
+
+def test_cuda_runtime_gives_every_communicator_its_own_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No CUDA here: the streams package is replaced by recorders; the point is that
+    # CudaRuntime never takes the process-wide comm_stream shared by all communicators.
+    made: list[object] = []
+
+    class Set:
+        def get(self, index: int) -> object:
+            made.append(object())
+            return made[-1]
+
+    def shared(*a: Any) -> Any:
+        raise AssertionError("CudaRuntime used the process-wide streams.comm_stream")
+
+    monkeypatch.setattr(streams, "StreamSet", Set)
+    monkeypatch.setattr(streams, "comm_stream", shared)
+    monkeypatch.setattr(streams, "EventPool", lambda index: None)
+    a, b = nccl.CudaRuntime(0), nccl.CudaRuntime(0)
+    assert a.comm_stream is not b.comm_stream and a.sibling().comm_stream not in (a.comm_stream, b.comm_stream)

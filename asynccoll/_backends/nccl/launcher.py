@@ -36,11 +36,11 @@ from ..._core.ops import OpSpec
 from ..._core.work import Work
 from . import encode
 from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError
-from .lifecycle import abort_quietly, wait_ready
+from . import lifecycle
+from .lifecycle import STOP as _STOP
 from .settle import _succeed, fail_all
 
 _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
-_STOP = object()
 
 
 class _Job:
@@ -329,50 +329,7 @@ class NcclBackend(Backend):
     # ------------------------------------------------------------ lifecycle
     def abort(self) -> None:
         """Abort the NCCL communicator: bounded (``abort_timeout``), idempotent."""
-        with self._lock:
-            if self._aborted:
-                return
-            self._aborted = True
-            last = self._next
-        while True:  # drop queued jobs (and their tensors); the launcher never runs them
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not _STOP:
-                job.specs = ()
-        self._queue.put(_STOP)
-        self._rt.release_gate(last)  # nothing stays blocked on wait_stream
-        self._watcher.close(timeout=0, drain=False)
-        if self._closed or self._comm is None:
-            self._drop_inflight()
-            return
-        done = self._abort_done = threading.Event()
-        threading.Thread(target=self._abort_comm, args=(done,), name="asynccoll-nccl-abort", daemon=True).start()
-        done.wait(self._abort_timeout)
-
-    def _drop_inflight(self) -> None:
-        with self._lock:
-            for job in list(self._inflight) + self._stuck:
-                job.specs = ()
-            self._inflight.clear()
-            self._stuck.clear()
-
-    def _abort_comm(self, done: threading.Event) -> None:
-        # The launcher holds _nccl_lock only around single non-blocking calls and
-        # re-checks _aborted under it, so normally the lock comes at once. If a
-        # call hangs inside NCCL, ncclCommAbort is what unblocks it: abort anyway.
-        got = self._nccl_lock.acquire(timeout=self._abort_timeout / 2)
-        try:
-            comm, self._comm = self._comm, None
-            if comm is not None:
-                abort_quietly(comm)
-        finally:
-            if got:
-                self._nccl_lock.release()
-            # Kernels are terminated: the tensors of issued-but-unfinished ops may go.
-            self._drop_inflight()
-            done.set()
+        lifecycle.abort_backend(self)
 
     def close(self) -> None:
         """Finalize (polled, bounded) and destroy the communicator; stop the threads.
@@ -380,80 +337,14 @@ class NcclBackend(Backend):
         After an NCCL error, or if finalize does not complete within
         ``close_timeout``, the communicator is aborted instead (NCCL's advice).
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._queue.put(_STOP)
-        if self._launcher is not threading.current_thread():
-            self._launcher.join(5.0)
-        self._watcher.close(timeout=5.0, drain=not self._aborted)
-        self._barrier_buf = None
-        if self._aborted:
-            if self._abort_done is not None:
-                self._abort_done.wait(self._abort_timeout)
-            return
-        comm = self._comm
-        if comm is None:
-            return
-        if not self._broken and self._finalize(comm):
-            self._rt.close(True)
-            return
-        with self._lock:
-            self._aborted = True
-        self._rt.release_gate(self._next)
-        done = self._abort_done = threading.Event()
-        threading.Thread(target=self._abort_comm, args=(done,), name="asynccoll-nccl-abort", daemon=True).start()
-        done.wait(self._abort_timeout)
-
-    def _finalize(self, comm: Any) -> bool:
-        try:
-            with self._nccl_lock:
-                comm.finalize()
-            if self._poll(time.monotonic() + self._close_timeout) != SUCCESS:
-                return False
-            with self._nccl_lock:
-                self._comm = None
-                comm.destroy()
-            return True
-        except Exception:  # NCCLError from finalize/destroy: fall back to abort
-            return False
+        lifecycle.close_backend(self)
 
     def shrink(self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0) -> NcclBackend:
         """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking).
 
-        Every surviving rank must call it; excluded ranks must not. ``abort_pending``
-        (default: whether ops are queued or in flight here) shrinks with
-        ``CommShrinkFlag.ABORT``, which first terminates the parent's outstanding
-        ops; otherwise ``DEFAULT``, which needs them quiesced. Survivors are
-        renumbered in order; the new backend gets its own comm stream. Needs the
-        parent communicator alive (after ``abort()`` build a new one with
-        ``create``). Run it off the event loop.
+        See :func:`lifecycle.shrink_backend`. Every surviving rank calls it; run it
+        off the event loop.
         """
-        if self._aborted or self._comm is None:
-            raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")
-        drop = sorted(set(int(r) for r in exclude))
-        if self.rank in drop:
-            raise InvalidArgument(f"rank {self.rank} cannot shrink a communicator it is excluded from")
-        if any(not 0 <= r < self.world_size for r in drop) or len(drop) >= self.world_size:
-            raise InvalidArgument(f"cannot exclude {drop} from a communicator of {self.world_size} ranks")
-        if abort_pending is None:
-            abort_pending = bool(self._inflight) or not self._queue.empty() or self._broken
-        deadline = time.monotonic() + timeout
-        with self._nccl_lock:
-            new = self._lib.shrink(self._comm, drop, abort_pending)
-        # Non-blocking: both the parent and the child must leave ncclInProgress.
-        status = self._poll(deadline)
-        if status not in (SUCCESS, None):
-            abort_quietly(new)
-            raise self._async_failure(status)
-        wait_ready(new, self._lib, deadline, "NCCL shrink")
-        rank = self.rank - sum(1 for r in drop if r < self.rank)
-        return NcclBackend(
-            new, rank=rank, world_size=self.world_size - len(drop), device=self.device,
-            lib=self._lib, runtime=self._rt.sibling(), health_interval=self._health_interval,
-            abort_timeout=self._abort_timeout, close_timeout=self._close_timeout,
-        )
-
+        return lifecycle.shrink_backend(self, exclude, abort_pending, timeout)
 
 backend_class = NcclBackend

@@ -1,15 +1,17 @@
 """Communicator lifecycle: device choice, bootstrap (unique id through the store),
-polled non-blocking init, bounded abort, and :func:`create`."""
+polled non-blocking init and :func:`create`; a backend's abort, close (finalize,
+destroy) and shrink."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -21,6 +23,12 @@ from ..._core.errors import (
     PeerFailure,
 )
 from .lib import _PEER_ERRORS, IN_PROGRESS, SUCCESS, NcclError, NcclLib, missing
+
+if TYPE_CHECKING:
+    from .launcher import NcclBackend
+
+#: Queued to a backend's launcher: stop.
+STOP = object()
 
 
 def wait_ready(comm: Any, lib: Any, deadline: float, what: str, cancel: threading.Event | None = None) -> None:
@@ -175,3 +183,139 @@ def _cuda_runtime(index: int) -> Any:
     from .cuda import CudaRuntime
 
     return CudaRuntime(index)
+
+
+# ------------------------------------------------------------- a backend's end
+def abort_backend(be: NcclBackend) -> None:
+    """Abort the NCCL communicator: bounded (``abort_timeout``), idempotent."""
+    with be._lock:
+        if be._aborted:
+            return
+        be._aborted = True
+        last = be._next
+    while True:  # drop queued jobs (and their tensors); the launcher never runs them
+        try:
+            job = be._queue.get_nowait()
+        except queue.Empty:
+            break
+        if job is not STOP:
+            job.specs = ()
+    be._queue.put(STOP)
+    be._rt.release_gate(last)  # nothing stays blocked on wait_stream
+    be._watcher.close(timeout=0, drain=False)
+    if be._closed or be._comm is None:
+        drop_inflight(be)
+        return
+    done = be._abort_done = threading.Event()
+    threading.Thread(target=_abort_comm, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
+    done.wait(be._abort_timeout)
+
+
+def drop_inflight(be: NcclBackend) -> None:
+    """Forget the jobs whose kernels abort terminated (their tensors may be freed now)."""
+    with be._lock:
+        for job in list(be._inflight) + be._stuck:
+            job.specs = ()
+        be._inflight.clear()
+        be._stuck.clear()
+
+
+def _abort_comm(be: NcclBackend, done: threading.Event) -> None:
+    # The launcher holds _nccl_lock only around single non-blocking calls and
+    # re-checks _aborted under it, so normally the lock comes at once. If a
+    # call hangs inside NCCL, ncclCommAbort is what unblocks it: abort anyway.
+    got = be._nccl_lock.acquire(timeout=be._abort_timeout / 2)
+    try:
+        comm, be._comm = be._comm, None
+        if comm is not None:
+            abort_quietly(comm)
+    finally:
+        if got:
+            be._nccl_lock.release()
+        # Kernels are terminated: the tensors of issued-but-unfinished ops may go.
+        drop_inflight(be)
+        done.set()
+
+
+def close_backend(be: NcclBackend) -> None:
+    """Finalize (polled, bounded) and destroy the communicator; stop the threads.
+
+    After an NCCL error, or if finalize does not complete within
+    ``close_timeout``, the communicator is aborted instead (NCCL's advice).
+    """
+    with be._lock:
+        if be._closed:
+            return
+        be._closed = True
+    be._queue.put(STOP)
+    if be._launcher is not threading.current_thread():
+        be._launcher.join(5.0)
+    be._watcher.close(timeout=5.0, drain=not be._aborted)
+    be._barrier_buf = None
+    if be._aborted:
+        if be._abort_done is not None:
+            be._abort_done.wait(be._abort_timeout)
+        return
+    comm = be._comm
+    if comm is None:
+        return
+    if not be._broken and _finalize(be, comm):
+        be._rt.close(True)
+        return
+    with be._lock:
+        be._aborted = True
+    be._rt.release_gate(be._next)
+    done = be._abort_done = threading.Event()
+    threading.Thread(target=_abort_comm, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
+    done.wait(be._abort_timeout)
+
+
+def _finalize(be: NcclBackend, comm: Any) -> bool:
+    try:
+        with be._nccl_lock:
+            comm.finalize()
+        if be._poll(time.monotonic() + be._close_timeout) != SUCCESS:
+            return False
+        with be._nccl_lock:
+            be._comm = None
+            comm.destroy()
+        return True
+    except Exception:  # NCCLError from finalize/destroy: fall back to abort
+        return False
+
+
+def shrink_backend(be: NcclBackend, exclude: Sequence[int], abort_pending: bool | None, timeout: float) -> NcclBackend:
+    """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking).
+
+    Every surviving rank must call it; excluded ranks must not. ``abort_pending``
+    (default: whether ops are queued or in flight here) shrinks with
+    ``CommShrinkFlag.ABORT``, which first terminates the parent's outstanding
+    ops; otherwise ``DEFAULT``, which needs them quiesced. Survivors are
+    renumbered in order; the new backend gets its own comm stream. Needs the
+    parent communicator alive (after ``abort()`` build a new one with
+    ``create``). Run it off the event loop.
+    """
+    if be._aborted or be._comm is None:
+        raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")
+    drop = sorted(set(int(r) for r in exclude))
+    if be.rank in drop:
+        raise InvalidArgument(f"rank {be.rank} cannot shrink a communicator it is excluded from")
+    if any(not 0 <= r < be.world_size for r in drop) or len(drop) >= be.world_size:
+        raise InvalidArgument(f"cannot exclude {drop} from a communicator of {be.world_size} ranks")
+    if abort_pending is None:
+        abort_pending = bool(be._inflight) or not be._queue.empty() or be._broken
+    deadline = time.monotonic() + timeout
+    with be._nccl_lock:
+        new = be._lib.shrink(be._comm, drop, abort_pending)
+    # Non-blocking: both the parent and the child must leave ncclInProgress.
+    status = be._poll(deadline)
+    if status not in (SUCCESS, None):
+        abort_quietly(new)
+        raise be._async_failure(status)
+    wait_ready(new, be._lib, deadline, "NCCL shrink")
+    rank = be.rank - sum(1 for r in drop if r < be.rank)
+    return type(be)(
+        new, rank=rank, world_size=be.world_size - len(drop), device=be.device,
+        lib=be._lib, runtime=be._rt.sibling(), health_interval=be._health_interval,
+        abort_timeout=be._abort_timeout, close_timeout=be._close_timeout,
+    )
