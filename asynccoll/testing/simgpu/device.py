@@ -16,6 +16,8 @@ The allocator check: a SimTensor's storage counts the SimTensor objects viewing
 it; when the last one dies the block is "freed". If an item still pending on a
 stream other than the allocation stream uses it, and that stream was not named
 by ``record_stream``, the problem is recorded in :attr:`SimGPU.errors`.
+
+One SimGPU is active at a time (the latest created; SimTensors report to it).
 """
 
 from __future__ import annotations
