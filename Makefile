@@ -5,7 +5,7 @@ VENV    ?= .venv
 TORCH   ?= torch==2.13.0
 BIN      = $(VENV)/bin
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench venv clean gpu-test
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,19 @@ test: venv
 
 bench: venv
 	$(BIN)/python -m bench
+
+# On a CUDA machine: a CUDA torch build, the nccl extra, then the real-GPU tests
+# (tests/test_nccl.py's GPU tests; they skip without CUDA) and the GPU benchmark.
+GPU_TORCH ?= torch
+GPU_VENV  ?= .venv-gpu
+gpu-test:
+	$(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip
+	$(GPU_VENV)/bin/pip install -q "$(GPU_TORCH)"
+	$(GPU_VENV)/bin/pip install -q -e ".[test,nccl]"
+	$(GPU_VENV)/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-test needs a CUDA GPU')"
+	$(GPU_VENV)/bin/python -m pytest -q -rs tests/test_nccl.py tests/test_streams.py tests/test_simgpu_backend.py
+	$(GPU_VENV)/bin/python bench/gpu.py
 
 clean:
 	rm -rf $(VENV) bench/results

@@ -152,14 +152,16 @@ _STORES = _StoreCache()
 # rank publishes only through the blocked client (a deadlock until the timeout).
 # One at a time, each process builds its n-th communicator before its (n+1)-th,
 # and the n-th pair with each other across ranks.
-_CREATION_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_CREATION_LOCKS: weakref.WeakKeyDictionary[Any, dict[int, threading.Lock]] = weakref.WeakKeyDictionary()
 _CREATION_GUARD = threading.Lock()
 
 
-async def _exclusive(store: Any, timeout: float) -> threading.Lock:
-    """Take the creation lock of ``store`` off the loop, within ``timeout``; the caller releases it."""
+async def _exclusive(store: Any, rank: int, timeout: float) -> threading.Lock:
+    """Take ``rank``'s creation lock of ``store`` off the loop, within ``timeout``; the
+    caller releases it. (Ranks run as threads of one process, as in the simulated-GPU
+    tests, each have their own: only one rank's creations may not interleave.)"""
     with _CREATION_GUARD:
-        lock = _CREATION_LOCKS.setdefault(store, threading.Lock())
+        lock = _CREATION_LOCKS.setdefault(store, {}).setdefault(rank, threading.Lock())
 
     def late(got: bool) -> None:  # cancelled while waiting: give it back once taken
         if got:
@@ -311,7 +313,7 @@ async def _nccl(rdv: Rendezvous, prefix: str, device: Any, timeout: float) -> Ba
 
 
 def _nccl_missing() -> str | None:
-    from ._backends.nccl_runtime import missing
+    from ._backends.nccl import missing
 
     return missing()
 
@@ -335,19 +337,21 @@ async def _build(
         raise InvalidArgument(f"check={check!r} is not supported by this version (only None)")
     if trace_dir is not None:
         raise InvalidArgument("trace_dir is not supported by this version")
-    use_nccl = backend == "nccl"
+    use_nccl = False
     if backend in ("nccl", "auto"):
+        # "auto" serves CUDA tensors with NCCL whenever CUDA, nccl4py, cuda-bindings
+        # and libnccl are all usable here; "nccl" insists on them.
         missing = _nccl_missing()
-        if missing is not None:
-            if backend == "nccl":
-                raise BackendUnavailable(missing)
-            use_nccl = False
+        if missing is None:
+            use_nccl = True
+        elif backend == "nccl":
+            raise BackendUnavailable(missing)
     rdv = await rendezvous(
         rank=rank, world_size=world_size, master_addr=master_addr,
         master_port=master_port, store=store, timeout=timeout,
     )
     try:
-        lock = await _exclusive(rdv.store, timeout)
+        lock = await _exclusive(rdv.store, rdv.rank, timeout)
         try:
             comm = await _connect(rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat)
         finally:

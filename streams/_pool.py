@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Any, Callable
 
 import torch
 
@@ -122,6 +123,7 @@ class EventPool:
         timing: bool = False,
         blocking: bool = True,
         max_free: int | None = None,
+        factory: Callable[[], Any] | None = None,
     ) -> None:
         """Create an empty pool.
 
@@ -130,6 +132,9 @@ class EventPool:
             timing: create events with ``enable_timing=True`` (slower to record).
             blocking: create events with blocking synchronisation (see the class docstring).
             max_free: keep at most this many free events; extra released ones are dropped.
+            factory: creates a new event (default: ``torch.cuda.Event`` on ``device``); a
+                simulated GPU (``asynccoll.testing.simgpu``) passes its own. With a factory,
+                ``device`` must be an ``int`` and no CUDA call is made.
         """
         self._device = device
         self._index: int | None = None
@@ -139,6 +144,11 @@ class EventPool:
         self._free: deque[torch.cuda.Event] = deque()
         self._lock = threading.Lock()
         self.created = 0
+        self._factory = factory
+        if factory is not None:
+            if not isinstance(device, int) or isinstance(device, bool):
+                raise ValueError(f"EventPool with a factory needs an int device, got {device!r}")
+            self._index = device
 
     @property
     def device(self) -> int:
@@ -158,6 +168,8 @@ class EventPool:
             if self._free:
                 return self._free.pop()
             self.created += 1
+        if self._factory is not None:
+            return self._factory()
         with torch.cuda.device(index):
             return torch.cuda.Event(enable_timing=self.timing, blocking=self.blocking)
 

@@ -264,16 +264,27 @@ def test_one_thread_per_watcher(watcher: streams.EventWatcher) -> None:
 
 
 def test_spin_catches_fast_events_and_sync_mode_blocks() -> None:
-    w = streams.EventWatcher("spin-sync", spin=0.1)
-    fast, slow = FakeEvent("fast"), FakeEvent("slow")
+    # No timers: the fast event completes on its 2nd query (inside a long spin), the
+    # slow one only once the watcher gives up spinning and calls synchronize().
+    class Fast(FakeEvent):
+        def query(self) -> bool:
+            if self.queries >= 1:
+                self.complete()
+            return super().query()
+
+    class Slow(FakeEvent):
+        def synchronize(self) -> None:
+            self.complete()
+            super().synchronize()
+
+    fast, slow = Fast("fast"), Slow("slow")
+    w = streams.EventWatcher("spin-sync", spin=1.0)  # long: robust to a descheduled thread
     got = threading.Event()
     w.watch(fast, lambda: None)
-    complete_later(0.01, fast)
     w.watch(slow, got.set)
-    complete_later(0.25, slow)  # longer than the spin: falls back to synchronize()
     assert got.wait(DEADLINE)
     assert fast.syncs == 0 and fast.queries >= 2
-    assert slow.syncs == 1
+    assert slow.syncs == 1 and slow.queries >= 2
     assert w.close(timeout=DEADLINE)
 
 

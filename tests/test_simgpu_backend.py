@@ -1,0 +1,381 @@
+"""The NCCL backend end to end on the simulated GPU: streams, wait_stream, allocator, faults, lifecycle.
+
+Everything but CUDA and libnccl is real (Communicator, NcclBackend, NcclLib,
+EventPool, EventWatcher). ``gpu.errors`` (allocator hazards, NCCL contract
+breaches such as kernels on a stream before ncclInProgress cleared) must stay
+empty in every test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from typing import Any
+
+import nccl.core as nc
+import pytest
+import torch
+
+import asynccoll as ac
+from asynccoll._backends import nccl
+from asynccoll._core.ops import OpKind, OpSpec
+from asynccoll._core.work import Work
+from asynccoll.testing.simgpu import SimCluster
+
+pytestmark = pytest.mark.timeout(120)
+WAIT = 20.0
+
+
+def until(pred: Any, timeout: float = WAIT) -> None:
+    ev = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if pred():
+            return
+        ev.wait(0.01)
+    raise AssertionError("condition not reached")
+
+
+def submit(be: Any, kind: OpKind, t: Any, timeout: float = 30.0, **kw: Any) -> Work:
+    w = Work(kind.value, 1)
+    be.submit(OpSpec(kind, t, timeout=timeout, **kw), w)
+    return w
+
+
+def close_all(*bes: Any) -> None:
+    for be in bes:
+        be.close()
+
+
+# ================================================================ stream ordering
+def test_op_waits_for_the_callers_stream_and_wait_stream_orders_a_later_kernel() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> list[float]:
+            r = comm.rank
+            user, side = gpu.stream(f"user{r}"), gpu.stream(f"side{r}")
+            t = gpu.tensor(torch.zeros(4), stream=user)
+            hold = gpu.latch()
+            gpu.kernel(user, lambda: t.as_subclass(torch.Tensor).fill_(r + 1), hold=hold, name=f"long{r}")
+            with gpu.use_stream(user):
+                w = comm.all_reduce(t)
+            w.wait_stream(side)
+            with gpu.use_stream(side):
+                t.mul_(10)  # a kernel on `side`: must run after the all_reduce
+            nccl_comm = comm._backends["cuda"]._comm
+            await asyncio.to_thread(until, lambda: sim.nccl.pushed(nccl_comm) == 1)  # on the comm stream
+            gpu.idle()
+            assert not w.done() and gpu.host(t).tolist() == [0.0] * 4  # held behind the long kernel
+            hold.open()
+            await asyncio.wait_for(w, WAIT)
+            side.synchronize()
+            return gpu.host(t).tolist()
+
+        assert sim.run_comms(2, body) == [[30.0] * 4] * 2
+        assert gpu.errors == []
+
+
+def test_wait_stream_never_blocks_while_the_op_is_queued() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+        (be,) = sim.backends(1)
+        try:
+            stuck = gpu.latch()
+            sim.nccl.block_calls(be._comm, stuck)  # the launcher sits inside an NCCL call
+            a, b = gpu.tensor([1.0]), gpu.tensor([2.0])
+            w1 = submit(be, OpKind.ALL_REDUCE, a)
+            w2 = submit(be, OpKind.ALL_REDUCE, b)  # queued behind w1
+            side = gpu.stream("side")
+            caller = threading.Thread(target=w2.wait_stream, args=(side,))
+            caller.start()
+            caller.join(5.0)
+            assert not caller.is_alive(), "wait_stream blocked the host while the op was queued"
+            with gpu.use_stream(side):
+                b.add_(100)
+            gpu.idle()
+            assert gpu.host(b).tolist() == [2.0]  # the side stream waits for the queued op
+            sim.nccl.block_calls(be._comm, None)
+            stuck.open()
+            w1.wait(WAIT)
+            w2.wait(WAIT)
+            side.synchronize()
+            assert gpu.host(b).tolist() == [102.0]
+        finally:
+            close_all(be)
+        assert gpu.errors == []
+
+
+def test_wait_stream_on_a_settled_work_and_by_handle() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+        (be,) = sim.backends(1)
+        t = gpu.tensor([1.0])
+        w = submit(be, OpKind.ALL_REDUCE, t)
+        s = gpu.stream("by-handle")
+        w.wait_stream(s.cuda_stream)  # an int handle (e.g. from CuPy)
+        w.wait(WAIT)
+        w.wait_stream(s)  # settled: nothing to wait for
+        s.synchronize()
+        close_all(be)
+        assert gpu.errors == []
+
+
+# ============================================================ allocator safety
+def test_tensors_of_an_aborted_op_are_protected_by_record_stream() -> None:
+    with SimCluster(abort_drains=False) as sim:
+        gpu = sim.gpu
+        be0, be1 = sim.backends(2)
+        t = gpu.tensor(torch.ones(8))
+        w = submit(be0, OpKind.ALL_REDUCE, t)  # rank 1 never joins: stuck on the comm stream
+        until(lambda: any(st.launches for st in sim.nccl.comms))
+        gpu.idle()
+        assert not w.done()
+        del t
+        gc.collect()
+        be0.abort()  # the backend drops its references; the kernel is still on the stream
+        gc.collect()
+        assert gpu.errors == []
+        sim.nccl.drain_aborted()
+        close_all(be0, be1)
+        assert gpu.errors == []
+
+
+def test_failed_op_keeps_its_tensors_until_abort() -> None:
+    with SimCluster(inprogress_polls=10**9) as sim:  # never leaves ncclInProgress
+        (be,) = sim.backends(1)
+        t = sim.gpu.tensor([1.0])
+        w = submit(be, OpKind.ALL_REDUCE, t, timeout=0.2)
+        with pytest.raises(ac.CollectiveTimeout):
+            w.wait(WAIT)
+        assert [j.specs[0].tensor for j in be._stuck] == [t]  # NCCL may still launch it
+        be.abort()
+        assert be._stuck == []
+        be.close()
+
+
+# ===================================================================== faults
+def test_abort_while_stuck_is_bounded_and_fails_the_work() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> str:
+            if comm.rank == 1:
+                sim.nccl.hang(comm._backends["cuda"]._comm)
+            t = gpu.tensor([1.0, 2.0])
+            w = comm.all_reduce(t)
+            gpu.idle()
+            await asyncio.sleep(0.05)
+            assert not w.done()
+            comm.abort("test")
+            with pytest.raises(ac.CommAborted):
+                await asyncio.wait_for(w, WAIT)
+            return comm.state
+
+        assert sim.run_comms(2, body) == ["aborted", "aborted"]
+        assert all(st.aborted for st in sim.nccl.comms) and sim.nccl.live() == []
+        assert gpu.errors == []
+
+
+def test_abort_while_the_launcher_is_inside_an_nccl_call() -> None:
+    with SimCluster() as sim:
+        (be,) = sim.backends(1)
+        stuck = sim.gpu.latch()
+        st = sim.nccl.state(be._comm)
+        sim.nccl.block_calls(be._comm, stuck)
+        w = submit(be, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
+        until(lambda: be._nccl_lock.locked())
+        be._abort_timeout = 0.5
+        be.abort()  # bounded although the lock is held
+        assert be._aborted and not w.done()  # the communicator failed it, never as a success
+        stuck.open()
+        until(lambda: st.aborted)
+        be.close()
+
+
+def test_dead_peer_is_peer_failure_with_the_nccl_code() -> None:
+    with SimCluster() as sim:
+        be0, be1 = sim.backends(2)
+        w = submit(be0, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
+        until(lambda: bool(sim.nccl.state(be0._comm).launches))
+        sim.nccl.kill(be1._comm)
+        with pytest.raises(ac.PeerFailure) as info:
+            w.wait(WAIT)
+        assert isinstance(info.value.__cause__, nccl.NcclError) and info.value.__cause__.status == nccl.REMOTE_ERROR
+        be0.abort()
+        be1.abort()
+        close_all(be0, be1)
+
+
+def test_async_error_fails_later_ops_without_calling_nccl() -> None:
+    with SimCluster() as sim:
+        (be,) = sim.backends(1)
+        st = sim.nccl.state(be._comm)
+        sim.nccl.set_error(be._comm, nccl.INVALID_ARGUMENT)
+        w = submit(be, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
+        with pytest.raises(ac.CommAborted):
+            w.wait(WAIT)
+        n = len(st.calls)
+        w2 = submit(be, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
+        with pytest.raises(ac.CommAborted):
+            w2.wait(WAIT)
+        assert [c for c in st.calls[n:] if c not in ("get_async_error", "get_last_error")] == []
+        be.close()
+        assert st.aborted  # close() aborts a communicator that reported an error
+
+
+def test_a_failed_call_inside_a_group_is_never_launched_alone() -> None:
+    with SimCluster() as sim:
+        (be,) = sim.backends(1)
+        st = sim.nccl.state(be._comm)
+        sim.nccl.fail_call(be._comm, "broadcast", nc.NcclInvalid("boom"))
+        a, b = sim.gpu.tensor([1.0]), sim.gpu.tensor([2.0])
+        works = [Work("all_reduce", 1), Work("broadcast", 2)]
+        be.submit_batch([OpSpec(OpKind.ALL_REDUCE, a, timeout=10), OpSpec(OpKind.BROADCAST, b, peer=0, timeout=10)], works)
+        for w in works:
+            with pytest.raises(ac.CommAborted):
+                w.wait(WAIT)
+        assert st.launches == []  # the all_reduce already in the group was discarded too
+        assert sim.nccl.module.group_end.call_args.kwargs == {"simulate": True}
+        be.close()
+
+
+# ============================================================ groups, lifecycle
+def test_coalesced_ops_are_one_nccl_group() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> list[Any]:
+            st = sim.nccl.state(comm._backends["cuda"]._comm)
+            a, b = gpu.tensor([1.0 + comm.rank]), gpu.tensor([10.0 * (comm.rank + 1)])
+            before = len(st.launches)
+            async with comm.coalescing():
+                comm.all_reduce(a)
+                comm.broadcast(b, 1)
+            assert len(st.launches) == before + 1 and len(st.launches[-1].ops) == 2
+            return [gpu.host(a).item(), gpu.host(b).item()]
+
+        assert sim.run_comms(2, body) == [[3.0, 20.0]] * 2
+        assert gpu.errors == []
+
+
+def test_init_close_cycles_leak_nothing() -> None:
+    with SimCluster() as sim:
+        before = threading.active_count()
+
+        async def body(comm: Any) -> float:
+            t = sim.gpu.tensor([1.0])
+            await comm.all_reduce(t)
+            await comm.barrier()
+            return sim.gpu.host(t).item()
+
+        for _ in range(3):
+            assert sim.run_comms(2, body) == [2.0, 2.0]
+        assert sim.nccl.live() == [] and all(st.destroyed for st in sim.nccl.comms)
+        assert all(rt.closed is True for rt in sim.runtimes)
+        until(lambda: threading.active_count() <= before + 1)
+        assert sim.gpu.errors == []
+
+
+def test_create_times_out_and_aborts_the_half_built_comm() -> None:
+    with SimCluster() as sim:
+        import torch.distributed as dist
+
+        from asynccoll.testing.simgpu import Rdv
+
+        with pytest.raises(ac.CollectiveTimeout):
+            asyncio.run(sim.create(Rdv(dist.HashStore(), 0, 2), timeout=0.3))  # rank 1 never comes
+        until(lambda: sim.nccl.comms and sim.nccl.live() == [])
+
+
+def test_every_communicator_is_non_blocking() -> None:
+    with SimCluster() as sim:
+        bes = sim.backends(2)
+        assert [st.blocking for st in sim.nccl.comms] == [False, False]
+        close_all(*bes)
+
+
+def test_two_communicators_on_one_device_use_their_own_streams() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+        a0, a1 = sim.backends(2)
+        b0, b1 = sim.backends(2)
+        streams_ = {id(be._rt.comm_stream) for be in (a0, a1, b0, b1)}
+        assert len(streams_) == 4
+        ts = {be: gpu.tensor([float(i + 1)]) for i, be in enumerate((a0, a1, b0, b1))}
+        works = []
+        for _ in range(5):  # both launchers run concurrently
+            for be in (a0, b0, a1, b1):
+                works.append(submit(be, OpKind.ALL_REDUCE, ts[be]))
+        for w in works:
+            w.wait(WAIT)
+        for be in (a0, a1, b0, b1):
+            st = sim.nccl.state(be._comm)
+            assert {id(la.stream) for la in st.launches} == {id(be._rt.comm_stream)}
+        assert [gpu.host(ts[be]).item() for be in (a0, a1)] == [3.0 * 2**4] * 2
+        assert [gpu.host(ts[be]).item() for be in (b0, b1)] == [7.0 * 2**4] * 2
+        close_all(a0, a1, b0, b1)
+        assert gpu.errors == []
+
+
+def test_auto_backend_mixes_cpu_gloo_and_cuda_nccl() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> list[Any]:
+            assert comm._backends["cuda"].name == "nccl" and comm._backends["cpu"].name == "gloo"
+            c = torch.tensor([1.0 + comm.rank])
+            g = gpu.tensor([10.0 * (comm.rank + 1)])
+            wc, wg = comm.all_reduce(c), comm.all_reduce(g)
+            await wc
+            await wg
+            return [c.item(), gpu.host(g).item()]
+
+        assert sim.run_comms(2, body, backend="auto") == [[3.0, 30.0]] * 2
+        assert gpu.errors == []
+
+
+# ====================================================================== shrink
+@pytest.mark.parametrize("abort_pending", [False, True])
+def test_shrink_excludes_ranks_renumbers_and_passes_the_flag(abort_pending: bool) -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+        bes = sim.backends(3)
+        new: dict[int, Any] = {}
+
+        def survivor(r: int) -> None:
+            new[r] = bes[r].shrink([1], abort_pending)
+
+        threads = [threading.Thread(target=survivor, args=(r,)) for r in (0, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert [(new[r].rank, new[r].world_size) for r in (0, 2)] == [(0, 2), (1, 2)]
+        flag = nc.CommShrinkFlag.ABORT if abort_pending else nc.CommShrinkFlag.DEFAULT
+        for r in (0, 2):
+            args = sim.nccl.state(bes[r]._comm).mock.shrink.call_args.args
+            assert list(args[0]) == [1] and args[1].blocking is False and args[2] is flag
+            assert new[r]._rt.comm_stream is not bes[r]._rt.comm_stream
+        ts = [gpu.tensor([1.0]), gpu.tensor([5.0])]
+        ws = [submit(new[r], OpKind.ALL_REDUCE, t) for r, t in zip((0, 2), ts)]
+        for w in ws:
+            w.wait(WAIT)
+        assert [gpu.host(t).item() for t in ts] == [6.0, 6.0]
+        with pytest.raises(ac.InvalidArgument):
+            bes[1].shrink([1])
+        close_all(new[0], new[2], *bes)
+        assert gpu.errors == []
+
+
+def test_shrink_defaults_to_abort_when_ops_are_in_flight() -> None:
+    with SimCluster() as sim:
+        bes = sim.backends(2)
+        submit(bes[0], OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))  # rank 1 never joins
+        until(lambda: bool(sim.nccl.state(bes[0]._comm).launches))
+        solo = bes[0].shrink([1])
+        assert sim.nccl.state(bes[0]._comm).mock.shrink.call_args.args[2] is nc.CommShrinkFlag.ABORT
+        assert (solo.rank, solo.world_size) == (0, 1)
+        bes[0].abort()
+        close_all(solo, *bes)
+        assert sim.gpu.errors == []
