@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ._backends.torch_pg import TorchGroupBackend
 from ._core.backend import Backend
 from ._core.communicator import Communicator
+from ._core.diagnostics import Diagnostics
 from ._core.errors import BackendUnavailable, CollectiveTimeout, InvalidArgument
 
 _BACKENDS = ("auto", "gloo", "nccl")
@@ -152,10 +153,10 @@ async def _build(
         raise InvalidArgument(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if check is not None:
-        raise InvalidArgument(f"check={check!r} is not supported by this version (only None)")
-    if trace_dir is not None:
-        raise InvalidArgument("trace_dir is not supported by this version")
+    if check not in (None, "fingerprint"):
+        raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
+    if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
+        raise InvalidArgument(f"trace_dir must be a path, got {type(trace_dir).__name__}")
     if heartbeat is not None and (isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or heartbeat < 0):
         raise InvalidArgument(f"heartbeat must be None or a number of seconds >= 0, got {heartbeat!r}")
     timeout = float(timeout)
@@ -177,6 +178,7 @@ async def _build(
     if use_nccl:
         backends["cuda"] = await _nccl(rdv, prefix, device, timeout)
     dev = getattr(backends.get("cuda"), "device", None) or torch.device("cpu")
+    diagnostics = await _diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
     # for; otherwise a slower census-only beat that names ranks Gloo lost.
     detect = heartbeat is not None or use_nccl
@@ -201,6 +203,30 @@ async def _build(
         heartbeat=interval or None,
         detect_failures=detect,
         rebuild=rebuild,
+        diagnostics=diagnostics,
+    )
+
+
+async def _diagnostics(
+    rdv: Rendezvous, prefix: str, backends: dict[str | None, Backend], name: str,
+    check: str | None, trace_dir: Any, timeout: float,
+) -> Diagnostics:
+    """The communicator's diagnostics (API.md §6); with ``check``, wraps ``backends`` in place."""
+    checker = None
+    if check == "fingerprint" and rdv.world_size > 1:
+        from ._core.fingerprint import FingerprintChecker, store_host
+
+        store = rdv.prefixed(prefix)
+        host = store_host(rdv.store)
+        checker = await _off_loop(
+            lambda: FingerprintChecker.connect(store, rdv.rank, rdv.world_size, timeout, host),
+            timeout, "fingerprint channel",
+        )
+        for key, be in list(backends.items()):
+            backends[key] = checker.wrap(be)
+    return Diagnostics(
+        rank=rdv.rank, world_size=rdv.world_size, backend=name,
+        trace_dir=os.fspath(trace_dir) if trace_dir is not None else None, checker=checker,
     )
 
 

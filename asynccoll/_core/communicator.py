@@ -13,6 +13,8 @@ import torch
 from . import validate
 from .backend import Backend
 from .deadlines import DeadlineTimer
+from .diagnostics import Diagnostics
+from .diagnostics import now as _now
 from .errors import (
     AsyncCollError,
     CollectiveTimeout,
@@ -82,6 +84,7 @@ class Communicator:
         heartbeat: float | None = None,
         detect_failures: bool = False,
         rebuild: Callable[[int, int, str], Awaitable[Communicator]] | None = None,
+        diagnostics: Diagnostics | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -124,6 +127,9 @@ class Communicator:
         self._batch_var: contextvars.ContextVar[Batch | None] = contextvars.ContextVar(
             "asynccoll_batch", default=None
         )
+        # DIAG hook: flight recorder (always), fingerprint check and trace files.
+        self._diag = diagnostics or Diagnostics(rank=rank, world_size=world_size, backend=backend_name)
+        self._recorder = self._diag.recorder
 
     # ------------------------------------------------------------------ state
     @property
@@ -205,7 +211,9 @@ class Communicator:
             work = self._new_work(_OP_NAMES[spec.kind], value, keep)
             batch = self._batch_var.get()
             if batch is not None and batch.add(backend, spec, work):
+                self._recorder.issued(work.seq, work.op, spec, _now(), batch.works[0].seq)  # DIAG hook
                 return work  # issued, with its deadline, when the batch exits
+            self._recorder.issued(work.seq, work.op, spec, _now())  # DIAG hook
             try:
                 backend.submit(spec, work)
             except BaseException:
@@ -220,11 +228,13 @@ class Communicator:
         """Undo ``_new_work`` for an op the backend refused synchronously."""
         work._on_settle = None
         self._pending.pop(work.seq, None)
+        self._recorder.discard(work.seq)  # DIAG hook
         if self._seq == work.seq:
             self._seq -= 1
 
     def _settled(self, work: Work) -> None:
         self._pending.pop(work.seq, None)  # its deadline entry goes stale (lazy deletion)
+        self._diag.ended(work)  # DIAG hook
         if work._state == _FAILED and self._state == _OK:  # failed: the transport is suspect
             self._abort(work._value)
 
@@ -338,17 +348,22 @@ class Communicator:
     def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> Work:
         """Gather a picklable object from every rank. Work result: list, by rank."""
         payload = dumps(obj)
-        return self._object_op("all_gather_object", timeout, lambda ch, seq, t: ch.all_gather(seq, payload, t))
+        return self._object_op(
+            "all_gather_object", timeout, lambda ch, seq, t: ch.all_gather(seq, payload, t)
+        )
 
     def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None) -> Work:
         """Send a picklable object from ``src`` to every rank. Work result: the object."""
         src = validate.rank(src, self.world_size, "src")
         payload = dumps(obj) if self.rank == src else None
         return self._object_op(
-            "broadcast_object", timeout, lambda ch, seq, t: ch.broadcast(seq, payload, src, t)
+            "broadcast_object", timeout, lambda ch, seq, t: ch.broadcast(seq, payload, src, t), src
         )
 
-    def _object_op(self, op: str, timeout: float | None, fn: Callable[[ObjectChannel, int, float], Any]) -> Work:
+    def _object_op(
+        self, op: str, timeout: float | None, fn: Callable[[ObjectChannel, int, float], Any],
+        root: int = -1,
+    ) -> Work:
         channel = self._objects
         if channel is None:
             raise InvalidArgument(
@@ -357,18 +372,26 @@ class Communicator:
         limit = validate.timeout(timeout, self.timeout)
         with self._lock:
             work = self._new_work(op, None, None)
+            self._recorder.issued(work.seq, op, None, _now(), root=root)  # DIAG hook
             self._deadlines.add(work.seq, limit)
-        seq = work.seq
+            seq = work.seq
 
-        def done(value: Any, exc: BaseException | None) -> None:
-            if exc is None:
-                work._set_result(value)
-            else:
-                err = CommAborted(f"{op} (seq {seq}) failed: {exc}")
-                err.__cause__ = exc
-                work._set_exception(err)
+            def done(value: Any, exc: BaseException | None) -> None:
+                if exc is None:
+                    work._set_result(value)
+                else:
+                    err = CommAborted(f"{op} (seq {seq}) failed: {exc}")
+                    err.__cause__ = exc
+                    work._set_exception(err)
 
-        channel.run(lambda: fn(channel, seq, limit), done)
+            def run() -> None:
+                channel.run(lambda: fn(channel, seq, limit), done)
+
+            checker = self._diag.checker
+            if checker is None:
+                run()
+            else:  # DIAG hook: held until every rank's fingerprint agrees
+                checker.gate_object(op, root, work, run)
         return work
 
     # ------------------------------------------------------------------ faults
@@ -395,6 +418,7 @@ class Communicator:
             self._pending.clear()
         for work in pending:
             work._set_exception(_fresh_abort_error(error))
+        self._diag.aborted(error)  # DIAG hook: flight record to trace_dir
         self._deadlines.stop(join_timeout=0)
         if self._liveness is not None:
             # Tell the peers (a no-op when the news came from a peer: that thread is done).
@@ -431,12 +455,23 @@ class Communicator:
         loop = asyncio.get_running_loop()
         for backend in self._backends.values():
             await loop.run_in_executor(None, backend.close)
+        await loop.run_in_executor(None, self._diag.closed)  # DIAG hook: timeline to trace_dir
 
     def __del__(self) -> None:
         # No close(): stop the timer thread so it does not outlive the object.
         deadlines = getattr(self, "_deadlines", None)
         if deadlines is not None:
             deadlines.stop(join_timeout=0)
+
+    # ---------------------------------------------------------- diagnostics
+    def flight_record(self) -> list[dict[str, Any]]:
+        """The last operations (API.md §6), oldest first, as dicts: ``seq``, ``op``,
+        ``dtype``, ``shape``, ``numel``, ``root`` or ``peer``, ``reduce_op``, ``batch``
+        (first seq of its coalesced batch), ``state`` (``"issued"``, ``"done"``,
+        ``"failed"``, ``"timed out"``, ``"aborted"``, ``"mismatch"``), ``issued_at`` and
+        ``ended_at`` (``time.time()`` seconds), and ``error`` for failures. Bounded: the
+        last 4096 ops."""
+        return self._diag.flight_record()  # DIAG hook
 
     # ----------------------------------------------------------- coalescing
     def coalescing(self, wait: bool = True) -> CoalescingGroup:

@@ -1,0 +1,554 @@
+"""``check="fingerprint"``: every operation is compared across ranks before it reaches the backend.
+
+Why before: Gloo does not survive most mismatches. An all_reduce of different sizes
+SIGABRTs the process, a dtype, reduce-op or broadcast-size mismatch returns garbage,
+and ops issued in a different order hang. So each op is *held* until the peers'
+fingerprints for it have arrived and agree; only then is it submitted.
+
+Fingerprints travel on a side channel of their own: a full mesh of small TCP
+connections set up at ``init`` (addresses and a per-rank token exchanged through
+the communicator's store), one reader thread per communicator. The issuing thread
+writes its fingerprint to the peers at once (a non-blocking send; a full socket
+buffer spills into an outbox drained by the reader thread). In the common case a
+rank that issues an op *last* already holds every peer's fingerprint and submits
+in the issuing call; the others submit from the reader thread as soon as the last
+fingerprint arrives. The cost is one one-way message plus a thread wake-up on the
+critical path of the rank that issued first (see ``bench/check.py``).
+
+What is compared (``FIELDS``), per matching unit:
+
+* collectives, object collectives and coalesced batches share one counter: the
+  k-th of them on every rank must have the same op, dtype, shape, root and reduce
+  op (a batch: the same list of members, compared as a whole);
+* point-to-point ops are matched per direction and peer, as Gloo matches them: the
+  k-th send from a to b against b's k-th recv from a (dtype and element count).
+
+A difference fails the op with :class:`CollectiveMismatch` on every rank (each rank
+sees every fingerprint of the units it takes part in, so each reaches the same
+verdict), which aborts the communicator; later ops raise ``CommAborted`` caused by
+it. A peer whose channel closes before sending a fingerprint that an op waits for
+fails that op with ``PeerFailure`` naming it. The op's deadline still bounds the
+wait for a peer that is alive but never issues the op.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from .backend import Backend
+from .errors import CollectiveMismatch, PeerFailure
+from .objects import poll_keys
+from .ops import OpKind, OpSpec
+from .work import Work
+
+FIELDS = ("op", "dtype", "shape", "root", "reduce_op")
+_SEP, _MEM, _FRAME = "\x1f", "\x1e", "\x1d"
+_LEN = struct.Struct("!I")
+_P2P = (OpKind.SEND, OpKind.RECV)
+_DTYPES: dict[Any, str] = {}
+
+
+def _dt(t: Any) -> str:
+    name = _DTYPES.get(t.dtype)
+    if name is None:
+        name = _DTYPES[t.dtype] = str(t.dtype).replace("torch.", "")
+    return name
+
+
+def fingerprint(spec: OpSpec) -> str:
+    """The compared description of one tensor op (fields: ``FIELDS``, joined)."""
+    kind = spec.kind
+    t = spec.tensor
+    if kind is OpKind.ALL_REDUCE:
+        return f"all_reduce{_SEP}{_dt(t)}{_SEP}{tuple(t.shape)}{_SEP}{_SEP}{spec.reduce_op.name}"
+    if kind in _P2P:
+        return f"p2p{_SEP}{_dt(t)}{_SEP}{t.numel()} elements{_SEP}{_SEP}"
+    if kind is OpKind.BARRIER:
+        return f"barrier{_SEP}{_SEP}{_SEP}{_SEP}"
+    if kind in (OpKind.REDUCE_SCATTER, OpKind.SCATTER):
+        t = spec.output  # the part every rank has
+    root = spec.peer if kind in (OpKind.BROADCAST, OpKind.REDUCE, OpKind.GATHER, OpKind.SCATTER) else ""
+    reduce = spec.reduce_op.name if kind in (OpKind.REDUCE, OpKind.REDUCE_SCATTER) else ""
+    return f"{kind.value}{_SEP}{_dt(t)}{_SEP}{tuple(t.shape)}{_SEP}{root}{_SEP}{reduce}"
+
+
+def object_fingerprint(op: str, root: int) -> str:
+    return f"{op}{_SEP}{_SEP}{_SEP}{'' if root < 0 else root}{_SEP}"
+
+
+def decode(fp: str) -> list[dict[str, str]]:
+    """A fingerprint back into field dicts, one per member (one unless a batch)."""
+    return [dict(zip(FIELDS, m.split(_SEP))) for m in fp.split(_MEM)]
+
+
+# ---------------------------------------------------------------- mismatch text
+def _clean(member: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in member.items() if v}
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+
+
+def _by_value(values: dict[int, str]) -> str:
+    groups: dict[str, list[int]] = {}
+    for r in sorted(values):
+        groups.setdefault(values[r], []).append(r)
+    return ", ".join(f"{v or '-'} on {_ranks(rs)}" for v, rs in groups.items())
+
+
+def _diff(members: dict[int, dict[str, str]]) -> tuple[list[str], list[str]]:
+    parts, fields = [], []
+    for field in FIELDS:
+        values = {r: m.get(field, "") for r, m in members.items()}
+        if len(set(values.values())) > 1:
+            fields.append(field)
+            parts.append(f"{field} {_by_value(values)}")
+    return parts, fields
+
+
+def mismatch(seqs: dict[int, int], fps: dict[int, str], *, me: int, what: str | None = None) -> CollectiveMismatch:
+    """The error for one unit whose fingerprints differ (``seqs``/``fps`` by rank)."""
+    decoded = {r: decode(fp) for r, fp in fps.items()}
+    seq = seqs[me]
+    mine = decoded[me]
+    name = what or (mine[0]["op"] if len(mine) == 1 else f"coalesced batch of {len(mine)}")
+    counts = {r: len(d) for r, d in decoded.items()}
+    fields: list[str] = []
+    if len(set(counts.values())) > 1:
+        parts = ["members " + _by_value({r: str(n) for r, n in counts.items()})]
+        fields = ["members"]
+    else:
+        parts = []
+        for i in range(len(mine)):
+            sub, f = _diff({r: d[i] for r, d in decoded.items()})
+            if sub and len(mine) > 1:
+                sub = [f"member {i} ({mine[i]['op']}): " + "; ".join(sub)]
+            parts += sub
+            fields += [x for x in f if x not in fields]
+    if len(set(seqs.values())) > 1:
+        parts.append("(seq " + _by_value({r: str(s) for r, s in seqs.items()}) + ")")
+    message = f"seq {seq} {name}: " + "; ".join(parts)
+    details = {
+        r: {"seq": seqs[r], **(_clean(d[0]) if len(d) == 1 else {"op": "coalesced", "members": [_clean(m) for m in d]})}
+        for r, d in sorted(decoded.items())
+    }
+    return CollectiveMismatch(message, seq=seq, details=details, fields=tuple(fields))
+
+
+# ---------------------------------------------------------------- the checker
+class _Entry:
+    """One held unit: its requirements (tag, index, peers, fingerprint), how to submit it."""
+
+    __slots__ = ("reqs", "submit", "works", "seq", "what")
+
+    def __init__(self, reqs: list[tuple[str, int, tuple[int, ...], str]], submit: Callable[[], None],
+                 works: Sequence[Work], seq: int, what: str | None) -> None:
+        self.reqs = reqs
+        self.submit = submit
+        self.works = works
+        self.seq = seq
+        self.what = what
+
+
+# What a peer sends for each of my requirement tags: my collective k needs their
+# collective k; my send k to q needs q's recv k from me; my recv needs q's send.
+_NEEDS = {"C": "C", "S": "R", "R": "S"}
+
+
+class FingerprintChecker:
+    """The side channel and the held ops of one communicator (module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, outgoing: dict[int, socket.socket],
+                 incoming: dict[int, socket.socket]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._peers = tuple(sorted(outgoing))
+        self._out = outgoing
+        self._in = incoming
+        self._lock = threading.Lock()
+        self._coll = 0
+        self._sends: dict[int, int] = collections.defaultdict(int)
+        self._recvs: dict[int, int] = collections.defaultdict(int)
+        self._inbox: dict[tuple[int, str, int], tuple[int, str]] = {}
+        self._queues: dict[Any, collections.deque[_Entry]] = {}
+        self._outbox: dict[int, collections.deque[bytes]] = {q: collections.deque() for q in outgoing}
+        self._gone: set[int] = set()
+        self._closed = False
+        # Verdicts reached in an issuing thread (which holds the communicator's
+        # lock): failed by the reader thread, since failing aborts the communicator.
+        self._fail_later: list[tuple[Sequence[Work], BaseException]] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name=f"asynccoll-fingerprints-r{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ setup
+    @classmethod
+    def connect(cls, store: Any, rank: int, world_size: int, timeout: float,
+                host: str | None = None) -> FingerprintChecker:
+        """Build the mesh through ``store`` (blocking, bounded by ``timeout``; run off the loop)."""
+        addr = _local_address(host)
+        deadline = time.monotonic() + timeout
+        listener = socket.create_server((addr, 0), backlog=max(world_size, 8))
+        token = secrets.token_hex(16)
+        outgoing: dict[int, socket.socket] = {}
+        incoming: dict[int, socket.socket] = {}
+        try:
+            store.set(f"fp/addr/{rank}", f"{addr}|{listener.getsockname()[1]}|{token}")
+            keys = [f"fp/addr/{r}" for r in range(world_size) if r != rank]
+            if not poll_keys(store, keys, deadline):
+                raise TimeoutError(f"fingerprint channel: peers did not publish addresses within {timeout} s")
+            for key, raw in zip(keys, store.multi_get(keys)):
+                peer = int(key.rsplit("/", 1)[1])
+                peer_addr, port, peer_token = raw.decode().split("|")
+                s = socket.create_connection((peer_addr, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.sendall(f"{peer_token}|{rank}\n".encode())
+                s.setblocking(False)
+                outgoing[peer] = s
+            while len(incoming) < world_size - 1:
+                listener.settimeout(max(0.01, deadline - time.monotonic()))
+                conn, _ = listener.accept()
+                conn.settimeout(max(0.1, deadline - time.monotonic()))
+                hello = b""
+                while not hello.endswith(b"\n") and len(hello) < 128:
+                    chunk = conn.recv(128 - len(hello))
+                    if not chunk:
+                        break
+                    hello += chunk
+                got, _, peer_s = hello.decode(errors="replace").strip().partition("|")
+                if got != token or not peer_s.isdigit() or int(peer_s) in incoming:
+                    conn.close()  # not one of our peers
+                    continue
+                incoming[int(peer_s)] = conn
+        except BaseException:
+            for s in [*outgoing.values(), *incoming.values()]:
+                s.close()
+            raise
+        finally:
+            listener.close()
+        return cls(rank, world_size, outgoing, incoming)
+
+    def wrap(self, backend: Backend) -> Backend:
+        """``backend`` with every submission held until its fingerprints agree."""
+        return CheckedBackend(backend, self)
+
+    # ------------------------------------------------------------ issue side
+    def gate_op(self, spec: OpSpec, work: Work, submit: Callable[[], None]) -> None:
+        kind = spec.kind
+        if kind is OpKind.SEND or kind is OpKind.RECV:
+            self._gate_p2p(kind is OpKind.SEND, spec.peer, fingerprint(spec), submit, [work], work.seq)
+        else:
+            self._gate(fingerprint(spec), (), submit, [work], work.seq, None)
+
+    def gate_batch(self, specs: Sequence[OpSpec], works: Sequence[Work], submit: Callable[[], None]) -> None:
+        coll = [fingerprint(s) for s in specs if s.kind not in _P2P]
+        p2p = [(s.kind is OpKind.SEND, s.peer, fingerprint(s), w.seq) for s, w in zip(specs, works) if s.kind in _P2P]
+        self._gate(_MEM.join(coll) if coll else None, p2p, submit, works, works[0].seq, None)
+
+    def gate_object(self, op: str, root: int, work: Work, submit: Callable[[], None]) -> None:
+        self._gate(object_fingerprint(op, root), (), submit, [work], work.seq, None)
+
+    def _gate_p2p(self, is_send: bool, peer: int, fp: str, submit: Callable[[], None],
+                  works: Sequence[Work], seq: int) -> None:
+        with self._lock:
+            req = self._p2p_req(is_send, peer, fp, seq)
+            self._enqueue(("S" if is_send else "R", peer), _Entry([req], submit, works, seq, None))
+
+    def _p2p_req(self, is_send: bool, peer: int, fp: str, seq: int) -> tuple[str, int, tuple[int, ...], str]:
+        counters, tag = (self._sends, "S") if is_send else (self._recvs, "R")
+        k = counters[peer] = counters[peer] + 1
+        self._send((peer,), _frame(tag, k, seq, fp))
+        return (tag, k, (peer,), fp)
+
+    def _gate(self, fp: str | None, p2p: Any, submit: Callable[[], None], works: Sequence[Work],
+              seq: int, what: str | None) -> None:
+        with self._lock:
+            reqs = []
+            if fp is not None:
+                k = self._coll = self._coll + 1
+                self._send(self._peers, _frame("C", k, seq, fp))
+                reqs.append(("C", k, self._peers, fp))
+            for is_send, peer, pfp, pseq in p2p:
+                reqs.append(self._p2p_req(is_send, peer, pfp, pseq))
+            self._enqueue("C", _Entry(reqs, submit, works, seq, what))
+
+    def _enqueue(self, key: Any, entry: _Entry) -> None:
+        """Queue ``entry`` (lock held); submit it here when it is first and already agreed."""
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = collections.deque()
+        queue.append(entry)
+        if len(queue) == 1:
+            verdict = self._verify(entry)
+            if verdict is True:
+                queue.popleft()
+                entry.submit()  # an error here propagates to the caller, as without the check
+            elif verdict is not None:
+                queue.popleft()
+                self._fail_later.append((entry.works, verdict))
+                self._wake()
+
+    # ------------------------------------------------------------ verdicts
+    def _verify(self, entry: _Entry) -> bool | BaseException | None:
+        """True: agreed (inbox entries consumed); None: still waiting; else the error."""
+        inbox = self._inbox
+        for tag, k, peers, _fp in entry.reqs:
+            need = _NEEDS[tag]
+            for p in peers:
+                if (p, need, k) not in inbox:
+                    if p in self._gone:
+                        return PeerFailure(
+                            f"seq {entry.seq}: rank {p} closed its fingerprint channel before issuing "
+                            f"the matching operation", [p],
+                        )
+                    return None
+        error: BaseException | None = None
+        for tag, k, peers, fp in entry.reqs:
+            need = _NEEDS[tag]
+            theirs = {p: inbox[(p, need, k)] for p in peers}
+            if error is None and any(f != fp for _s, f in theirs.values()):
+                seqs = {self.rank: entry.seq, **{p: s for p, (s, _f) in theirs.items()}}
+                fps = {self.rank: fp, **{p: f for p, (_s, f) in theirs.items()}}
+                what = None
+                if tag != "C":
+                    (p,) = peers
+                    src, dst = (self.rank, p) if tag == "S" else (p, self.rank)
+                    what = f"send/recv from rank {src} to rank {dst}"
+                error = mismatch(seqs, fps, me=self.rank, what=entry.what or what)
+            for p in peers:
+                del inbox[(p, need, k)]
+        return True if error is None else error
+
+    def _drain(self) -> list[tuple[Sequence[Work], BaseException]]:
+        """Submit or fail every queue head that can be decided (lock held)."""
+        failures, self._fail_later = self._fail_later, []
+        for queue in self._queues.values():
+            while queue:
+                entry = queue[0]
+                verdict = self._verify(entry)
+                if verdict is None:
+                    break
+                queue.popleft()
+                if verdict is True:
+                    try:
+                        entry.submit()
+                    except Exception as exc:  # reported on the Work: its caller is gone
+                        failures.append((entry.works, exc))
+                else:
+                    failures.append((entry.works, verdict))
+        return failures
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """Held ops and the ranks whose fingerprints they wait for (for trace files)."""
+        with self._lock:
+            out = []
+            for queue in self._queues.values():
+                for entry in queue:
+                    missing = sorted(
+                        {p for tag, k, peers, _ in entry.reqs for p in peers if (p, _NEEDS[tag], k) not in self._inbox}
+                    )
+                    out.append({"seq": entry.seq, "ops": [w.op for w in entry.works], "waiting_for": missing})
+            return out
+
+    # ------------------------------------------------------------ wire
+    def _send(self, peers: Sequence[int], frame: bytes) -> None:
+        """Write ``frame`` to ``peers`` without blocking (lock held)."""
+        for q in peers:
+            if q in self._gone:
+                continue
+            box = self._outbox[q]
+            if box:
+                box.append(frame)
+                continue
+            try:
+                n = self._out[q].send(frame)
+            except BlockingIOError:
+                n = 0
+            except OSError:  # the peer is gone; what it still needed no longer matters
+                self._gone.add(q)
+                continue
+            if n < len(frame):
+                box.append(frame[n:])
+                self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):  # already woken, or closing
+            pass
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        for p, s in self._in.items():
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ, p)
+        bufs = {p: bytearray() for p in self._in}
+        writing: set[int] = set()
+        try:
+            while not self._closed:
+                for key, _mask in sel.select():
+                    peer = key.data
+                    if peer is None:
+                        try:
+                            self._wake_r.recv(4096)
+                        except BlockingIOError:
+                            pass
+                    elif isinstance(peer, tuple):
+                        self._flush(peer[1])
+                    else:
+                        self._read(sel, peer, bufs[peer])
+                if self._closed:
+                    break
+                with self._lock:
+                    want = {q for q, box in self._outbox.items() if box and q not in self._gone}
+                for q in want - writing:
+                    sel.register(self._out[q], selectors.EVENT_WRITE, ("out", q))
+                for q in writing - want:
+                    sel.unregister(self._out[q])
+                writing = want
+                with self._lock:
+                    failures = self._drain()
+                _fail(failures)
+        finally:
+            sel.close()
+            for s in [*self._in.values(), *self._out.values(), self._wake_r, self._wake_w]:
+                s.close()
+
+    def _read(self, sel: selectors.BaseSelector, peer: int, buf: bytearray) -> None:
+        try:
+            data = self._in[peer].recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        frames = []
+        if data:
+            buf += data
+            while len(buf) >= 4:
+                (n,) = _LEN.unpack_from(buf)
+                if len(buf) < 4 + n:
+                    break
+                frames.append(bytes(buf[4:4 + n]).decode())
+                del buf[:4 + n]
+        with self._lock:
+            for frame in frames:
+                tag, k, seq, fp = frame.split(_FRAME, 3)
+                self._inbox[(peer, tag, int(k))] = (int(seq), fp)
+            if not data:
+                self._gone.add(peer)
+        if not data:
+            sel.unregister(self._in[peer])
+
+    def _flush(self, q: int) -> None:
+        with self._lock:
+            box = self._outbox[q]
+            while box:
+                try:
+                    n = self._out[q].send(box[0])
+                except BlockingIOError:
+                    return
+                except OSError:
+                    self._gone.add(q)
+                    box.clear()
+                    return
+                if n < len(box[0]):
+                    box[0] = box[0][n:]
+                    return
+                box.popleft()
+
+    def close(self) -> None:
+        """Stop the reader thread and drop held ops (their Works were failed by the
+        communicator). Idempotent, never blocks."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queues.clear()
+        self._wake()
+
+
+def _frame(tag: str, k: int, seq: int, fp: str) -> bytes:
+    payload = f"{tag}{_FRAME}{k}{_FRAME}{seq}{_FRAME}{fp}".encode()
+    return _LEN.pack(len(payload)) + payload
+
+
+def _fail(failures: list[tuple[Sequence[Work], BaseException]]) -> None:
+    """Fail each unit's Works (outside every lock: failing aborts the communicator)."""
+    for works, exc in failures:
+        for i, work in enumerate(works):
+            if i == 0:
+                work._set_exception(exc)
+            else:
+                cls, args = exc.__reduce__()[:2]  # a fresh copy per Work
+                work._set_exception(cls(*args))
+
+
+def _local_address(host: str | None) -> str:
+    """This machine's address on the route to ``host`` (the store's), or loopback."""
+    if not host or host in ("localhost", "127.0.0.1", "::1", "::ffff:127.0.0.1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet is sent: this only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def store_host(store: Any) -> str | None:
+    """The host of the TCPStore under ``store`` (through PrefixStores), if any."""
+    for _ in range(16):
+        host = getattr(store, "host", None)
+        if isinstance(host, str):
+            return host
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            return None
+    return None
+
+
+class CheckedBackend(Backend):
+    """A backend whose submissions wait for the fingerprint check (see ``FingerprintChecker``)."""
+
+    def __init__(self, inner: Backend, checker: FingerprintChecker) -> None:
+        self._inner = inner
+        self._checker = checker
+        self.name = inner.name
+        self.device_type = inner.device_type
+
+    def __getattr__(self, name: str) -> Any:  # device, census, ... of the real backend
+        return getattr(self._inner, name)
+
+    @property
+    def census(self) -> Any:
+        return getattr(self._inner, "census", None)
+
+    @census.setter
+    def census(self, fn: Any) -> None:
+        self._inner.census = fn  # type: ignore[attr-defined]
+
+    def submit(self, spec: OpSpec, work: Work) -> None:
+        inner = self._inner
+        self._checker.gate_op(spec, work, lambda: inner.submit(spec, work))
+
+    def submit_batch(self, specs: Sequence[OpSpec], works: Sequence[Work]) -> None:
+        inner = self._inner
+        self._checker.gate_batch(specs, works, lambda: inner.submit_batch(specs, works))
+
+    def abort(self) -> None:
+        self._checker.close()
+        self._inner.abort()
+
+    def close(self) -> None:
+        self._checker.close()
+        self._inner.close()
