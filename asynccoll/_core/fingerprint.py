@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import secrets
-import selectors
+import select
 import socket
 import struct
 import threading
@@ -43,7 +43,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from .backend import Backend
-from .errors import CollectiveMismatch, PeerFailure
+from .errors import CollectiveMismatch, CommAborted, PeerFailure
 from .objects import poll_keys
 from .ops import OpKind, OpSpec
 from .work import Work
@@ -51,6 +51,7 @@ from .work import Work
 FIELDS = ("op", "dtype", "shape", "root", "reduce_op")
 _SEP, _MEM, _FRAME = "\x1f", "\x1e", "\x1d"
 _LEN = struct.Struct("!I")
+_HELLO = struct.Struct("!16sI")  # the listener's token, the connecting rank
 _P2P = (OpKind.SEND, OpKind.RECV)
 _DTYPES: dict[Any, str] = {}
 
@@ -111,6 +112,8 @@ def _diff(members: dict[int, dict[str, str]]) -> tuple[list[str], list[str]]:
         if len(set(values.values())) > 1:
             fields.append(field)
             parts.append(f"{field} {_by_value(values)}")
+            if field == "op":
+                break  # different ops: their other fields say nothing more
     return parts, fields
 
 
@@ -182,6 +185,8 @@ class FingerprintChecker:
         self._outbox: dict[int, collections.deque[bytes]] = {q: collections.deque() for q in outgoing}
         self._gone: set[int] = set()
         self._closed = False
+        self._spill = False  # some outbox holds bytes the socket did not take
+        self._broken = False  # a verdict failed: submit nothing more (the abort follows)
         # Verdicts reached in an issuing thread (which holds the communicator's
         # lock): failed by the reader thread, since failing aborts the communicator.
         self._fail_later: list[tuple[Sequence[Work], BaseException]] = []
@@ -211,24 +216,28 @@ class FingerprintChecker:
                 peer_addr, port, peer_token = raw.decode().split("|")
                 s = socket.create_connection((peer_addr, int(port)), timeout=max(0.1, deadline - time.monotonic()))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                s.sendall(f"{peer_token}|{rank}\n".encode())
+                s.sendall(_HELLO.pack(bytes.fromhex(peer_token), rank))
                 s.setblocking(False)
                 outgoing[peer] = s
             while len(incoming) < world_size - 1:
                 listener.settimeout(max(0.01, deadline - time.monotonic()))
                 conn, _ = listener.accept()
                 conn.settimeout(max(0.1, deadline - time.monotonic()))
+                # Exactly the hello: the peer may already be sending frames after it.
                 hello = b""
-                while not hello.endswith(b"\n") and len(hello) < 128:
-                    chunk = conn.recv(128 - len(hello))
+                while len(hello) < _HELLO.size:
+                    chunk = conn.recv(_HELLO.size - len(hello))
                     if not chunk:
                         break
                     hello += chunk
-                got, _, peer_s = hello.decode(errors="replace").strip().partition("|")
-                if got != token or not peer_s.isdigit() or int(peer_s) in incoming:
+                if len(hello) < _HELLO.size:
+                    conn.close()
+                    continue
+                got, peer = _HELLO.unpack(hello)
+                if got != bytes.fromhex(token) or not 0 <= peer < world_size or peer in incoming:
                     conn.close()  # not one of our peers
                     continue
-                incoming[int(peer_s)] = conn
+                incoming[peer] = conn
         except BaseException:
             for s in [*outgoing.values(), *incoming.values()]:
                 s.close()
@@ -287,13 +296,14 @@ class FingerprintChecker:
         if queue is None:
             queue = self._queues[key] = collections.deque()
         queue.append(entry)
-        if len(queue) == 1:
+        if len(queue) == 1 and not self._broken:
             verdict = self._verify(entry)
             if verdict is True:
                 queue.popleft()
                 entry.submit()  # an error here propagates to the caller, as without the check
             elif verdict is not None:
                 queue.popleft()
+                self._broken = True
                 self._fail_later.append((entry.works, verdict))
                 self._wake()
 
@@ -332,7 +342,7 @@ class FingerprintChecker:
         """Submit or fail every queue head that can be decided (lock held)."""
         failures, self._fail_later = self._fail_later, []
         for queue in self._queues.values():
-            while queue:
+            while queue and not self._broken:
                 entry = queue[0]
                 verdict = self._verify(entry)
                 if verdict is None:
@@ -343,8 +353,10 @@ class FingerprintChecker:
                         entry.submit()
                     except Exception as exc:  # reported on the Work: its caller is gone
                         failures.append((entry.works, exc))
+                        self._broken = True
                 else:
                     failures.append((entry.works, verdict))
+                    self._broken = True
         return failures
 
     def waiting(self) -> list[dict[str, Any]]:
@@ -378,6 +390,7 @@ class FingerprintChecker:
                 continue
             if n < len(frame):
                 box.append(frame[n:])
+                self._spill = True
                 self._wake()
 
     def _wake(self) -> None:
@@ -387,48 +400,64 @@ class FingerprintChecker:
             pass
 
     def _run(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        # select.poll over raw fds: the selectors module costs tens of microseconds
+        # per wake-up, and this loop sits on the critical path of held ops.
+        poller = select.poll()
+        by_fd: dict[int, Any] = {self._wake_r.fileno(): None}
+        poller.register(self._wake_r, select.POLLIN)
         for p, s in self._in.items():
             s.setblocking(False)
-            sel.register(s, selectors.EVENT_READ, p)
+            by_fd[s.fileno()] = p
+            poller.register(s, select.POLLIN)
+        out_fds = {s.fileno(): q for q, s in self._out.items()}
         bufs = {p: bytearray() for p in self._in}
         writing: set[int] = set()
         try:
             while not self._closed:
-                for key, _mask in sel.select():
-                    peer = key.data
+                for fd, mask in poller.poll():
+                    if fd in out_fds and mask & select.POLLOUT:
+                        self._flush(out_fds[fd])
+                        continue
+                    peer = by_fd.get(fd)
                     if peer is None:
                         try:
                             self._wake_r.recv(4096)
                         except BlockingIOError:
                             pass
-                    elif isinstance(peer, tuple):
-                        self._flush(peer[1])
-                    else:
-                        self._read(sel, peer, bufs[peer])
+                    elif self._read(peer, bufs[peer]):
+                        poller.unregister(fd)
                 if self._closed:
                     break
                 with self._lock:
-                    want = {q for q, box in self._outbox.items() if box and q not in self._gone}
-                for q in want - writing:
-                    sel.register(self._out[q], selectors.EVENT_WRITE, ("out", q))
-                for q in writing - want:
-                    sel.unregister(self._out[q])
-                writing = want
-                with self._lock:
                     failures = self._drain()
+                    want = {q for q, box in self._outbox.items() if box and q not in self._gone} if self._spill else set()
+                    self._spill = bool(want)
+                if want or writing:
+                    for q in want - writing:
+                        poller.register(self._out[q], select.POLLOUT)
+                    for q in writing - want:
+                        poller.unregister(self._out[q])
+                    writing = want
                 _fail(failures)
+        except Exception as exc:  # a bug here must not leave held ops hanging silently
+            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
+            with self._lock:
+                self._broken = True
+                held = [e for q in self._queues.values() for e in q]
+                self._queues.clear()
+            err = CommAborted(f"fingerprint channel failed: {exc!r}")
+            err.__cause__ = exc
+            _fail([(e.works, err) for e in held])
         finally:
-            sel.close()
             for s in [*self._in.values(), *self._out.values(), self._wake_r, self._wake_w]:
                 s.close()
 
-    def _read(self, sel: selectors.BaseSelector, peer: int, buf: bytearray) -> None:
+    def _read(self, peer: int, buf: bytearray) -> bool:
+        """Take what ``peer`` sent into the inbox; True when its channel closed."""
         try:
             data = self._in[peer].recv(1 << 16)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
         frames = []
@@ -446,8 +475,7 @@ class FingerprintChecker:
                 self._inbox[(peer, tag, int(k))] = (int(seq), fp)
             if not data:
                 self._gone.add(peer)
-        if not data:
-            sel.unregister(self._in[peer])
+        return not data
 
     def _flush(self, q: int) -> None:
         with self._lock:
