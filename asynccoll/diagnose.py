@@ -138,7 +138,8 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
             problems.append({"kind": "disagree", "seq": seq, "ranks": sorted(have),
                              "text": f"seq {seq}: ranks disagree: " + "; ".join(diffs)})
         states = {r: rec["state"] for r, rec in have.items()}
-        if not diffs and len(set(states.values())) > 1 and not outcome_reported:
+        behind_here = any(p["kind"] == "behind" and p["seq"] == seq for p in problems)
+        if not diffs and len(set(states.values())) > 1 and not outcome_reported and not behind_here:
             outcome_reported = True
             groups = {}
             for r, st in sorted(states.items()):
@@ -163,6 +164,10 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         if first_bad is not None and not any(p["kind"] in ("behind", "error") for p in problems):
             problems.append({"kind": "failed", "rank": r, "seq": first_bad["seq"],
                              "text": f"rank {r}: {_op(first_bad)} {first_bad['state']}"})
+    # Most telling first: who is behind, who disagrees, how ops ended, then what
+    # each rank recorded (a rank aborted by another's news last).
+    order = {"behind": 0, "disagree": 1, "outcome": 2, "failed": 3, "missing": 4, "error": 5}
+    problems.sort(key=lambda p: (order[p["kind"]], p.get("error_type") == "CommAborted"))
     return {"ok": not problems, "world_size": world, "problems": problems, "ranks": status}
 
 
