@@ -111,10 +111,10 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         others = [q for q in recs if q != r and nxt in recs[q]]
         if others and nxt >= lo:
             rec = recs[others[0]][nxt]
-            states = ", ".join(f"{recs[q][nxt]['state']} on rank {q}" for q in others)
+            ended = ", ".join(f"{recs[q][nxt]['state']} on rank {q}" for q in others)
             issued = ", ".join(f"rank {q} at {_when(recs[q][nxt]['issued_at'])}" for q in others)
             problems.append({"kind": "behind", "rank": r, "seq": nxt, "op": rec["op"], "ranks": others,
-                             "text": f"rank {r} never issued {_op(rec)}; issued by {issued} ({states})"})
+                             "text": f"rank {r} never issued {_op(rec)}; issued by {issued} ({ended})"})
     # Disagreement on what an op was, and on how it ended.
     disagree = 0
     outcome_reported = False
@@ -141,12 +141,12 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         behind_here = any(p["kind"] == "behind" and p["seq"] == seq for p in problems)
         if not diffs and len(set(states.values())) > 1 and not outcome_reported and not behind_here:
             outcome_reported = True
-            groups = {}
+            by_state: dict[str, list[int]] = {}
             for r, st in sorted(states.items()):
-                groups.setdefault(st, []).append(r)
+                by_state.setdefault(st, []).append(r)
             problems.append({"kind": "outcome", "seq": seq, "op": ops[min(ops)],
                              "text": f"seq {seq} {ops[min(ops)]} ended differently: "
-                                     + ", ".join(f"{st} on {_ranks(rs)}" for st, rs in groups.items())})
+                                     + ", ".join(f"{st} on {_ranks(rs)}" for st, rs in by_state.items())})
     status = {}
     for r, data in ranks.items():
         done = [rec for rec in data["records"].values() if rec["state"] == "done"]

@@ -285,7 +285,7 @@ async def never_issues(ctx: Any, trace_dir: str, skip: bool) -> dict[str, Any]:
 def _diagnose(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "asynccoll.diagnose", str(path), *extra],
-        capture_output=True, text=True, timeout=60,
+        check=False, capture_output=True, text=True, timeout=60,
     )
 
 

@@ -40,7 +40,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from .backend import Backend
 from .errors import CollectiveMismatch, CommAborted, PeerFailure
@@ -308,7 +308,7 @@ class FingerprintChecker:
                 self._wake()
 
     # ------------------------------------------------------------ verdicts
-    def _verify(self, entry: _Entry) -> bool | BaseException | None:
+    def _verify(self, entry: _Entry) -> Literal[True] | BaseException | None:
         """True: agreed (inbox entries consumed); None: still waiting; else the error."""
         inbox = self._inbox
         for tag, k, peers, _fp in entry.reqs:
@@ -517,8 +517,15 @@ def _fail(failures: list[tuple[Sequence[Work], BaseException]]) -> None:
             if i == 0:
                 work._set_exception(exc)
             else:
-                cls, args = exc.__reduce__()[:2]  # a fresh copy per Work
-                work._set_exception(cls(*args))
+                work._set_exception(_copy(exc))
+
+
+def _copy(exc: BaseException) -> BaseException:
+    """A fresh exception like ``exc`` (each Work raises its own; tracebacks accumulate)."""
+    reduced: Any = exc.__reduce__()
+    new: BaseException = reduced[0](*reduced[1])
+    new.__cause__ = exc.__cause__
+    return new
 
 
 def _local_address(host: str | None) -> str:
