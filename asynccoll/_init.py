@@ -223,7 +223,10 @@ async def _diagnostics(
             timeout, "fingerprint channel",
         )
         for key, be in list(backends.items()):
-            backends[key] = checker.wrap(be)
+            # Not NCCL yet: its submit records the caller's current stream, so it cannot
+            # be deferred to the checker's thread (see fingerprint.py, "Scope").
+            if be.device_type != "cuda":
+                backends[key] = checker.wrap(be)
     return Diagnostics(
         rank=rdv.rank, world_size=rdv.world_size, backend=name,
         trace_dir=os.fspath(trace_dir) if trace_dir is not None else None, checker=checker,

@@ -261,9 +261,9 @@ def test_agreeing_ranks_pass_the_check(world_size: int) -> None:
 
 
 # ------------------------------------------------------------------ traces + diagnose
-async def never_issues(ctx: Any, trace_dir: str, skip: bool) -> dict[str, Any]:
+async def never_issues(ctx: Any, trace_dir: str, skip: bool, check: str | None = None) -> dict[str, Any]:
     """Rank 1 does not take part in seq 3 (skip: it skips it locally); rank 0 times out."""
-    comm = await _comm(ctx, trace_dir=trace_dir)
+    comm = await _comm(ctx, trace_dir=trace_dir, check=check)
     await comm.all_reduce(torch.ones(2))
     await comm.broadcast(torch.ones(2), 0)
     if comm.rank == 0:
@@ -289,8 +289,9 @@ def _diagnose(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_rank_that_never_issues_is_named(tmp_path: Path) -> None:
-    results = run_ranks(never_issues, world_size=2, backend=None, timeout=60, args=(str(tmp_path), False))
+@pytest.mark.parametrize("check", [None, "fingerprint"])
+def test_rank_that_never_issues_is_named(tmp_path: Path, check: str | None) -> None:
+    results = run_ranks(never_issues, world_size=2, backend=None, timeout=60, args=(str(tmp_path), False, check))
     assert [r["state"] for r in results] == ["aborted", "aborted"]
     assert results[0]["last"]["seq"] == 3 and results[0]["last"]["state"] == "timed out"
     assert results[1]["last"]["seq"] == 2
@@ -304,6 +305,9 @@ def test_rank_that_never_issues_is_named(tmp_path: Path) -> None:
     assert "rank 1 never issued seq 3 all_reduce; issued by rank 0 at" in proc.stdout, proc.stdout
     assert "timed out on rank 0" in proc.stdout
     assert "rank 1: last completed seq 2 broadcast" in proc.stdout
+    if check:  # the held op says whose fingerprint it waited for
+        assert flight0["waiting"] == [{"seq": 3, "ops": ["all_reduce"], "waiting_for": [1]}]
+        assert "seq 3 all_reduce held for the fingerprint of rank 1" in proc.stdout, proc.stdout
     js = json.loads(_diagnose(tmp_path, "--json").stdout)
     assert js["ok"] is False
     behind = [p for p in js["problems"] if p["kind"] == "behind"]
@@ -459,3 +463,23 @@ async def _bad_args(ctx: Any) -> list[str]:
 def test_bad_check_and_trace_dir_are_invalid_arguments() -> None:
     (errors,) = run_ranks(_bad_args, world_size=1, backend=None, timeout=30)
     assert len(errors) == 2 and "check" in errors[0] and "trace_dir" in errors[1]
+
+
+async def peer_leaves(ctx: Any) -> dict[str, Any]:
+    comm = await _comm(ctx, check="fingerprint")
+    await comm.all_reduce(torch.ones(2))
+    if comm.rank == 1:
+        await comm.close()  # leaves; rank 0 then issues an op rank 1 will never match
+        return {}
+    t0 = time.monotonic()
+    with pytest.raises(ac.PeerFailure) as info:
+        await comm.all_reduce(torch.ones(2))
+    elapsed = time.monotonic() - t0
+    await comm.close()
+    return {"ranks": list(info.value.ranks), "seconds": elapsed}
+
+
+def test_peer_that_leaves_is_named_before_the_deadline() -> None:
+    res = run_ranks(peer_leaves, world_size=2, backend=None, timeout=60)[0]
+    assert res["ranks"] == [1]
+    assert res["seconds"] < DETECT_WITHIN

@@ -29,6 +29,11 @@ verdict), which aborts the communicator; later ops raise ``CommAborted`` caused 
 it. A peer whose channel closes before sending a fingerprint that an op waits for
 fails that op with ``PeerFailure`` naming it. The op's deadline still bounds the
 wait for a peer that is alive but never issues the op.
+
+Scope: backends that submit from any thread (Gloo, wrapped torch groups) and object
+collectives. The NCCL backend is not wrapped yet: its ``submit`` records the
+caller's current CUDA stream, which only the issuing thread knows; checking it needs
+that capture split from the launch (capture at issue, launch after the check).
 """
 
 from __future__ import annotations
