@@ -241,6 +241,18 @@ async def agreeing_program(ctx: Any) -> list[float]:
             comm.all_reduce(u)
             comm.all_reduce(v)
         out.append(u.sum().item() + v.sum().item())
+        async with comm.coalescing():  # p2p inside a batch: checked pairwise, the rest as a whole
+            s = torch.ones(3)
+            comm.all_reduce(s)
+            if r in (0, 1):
+                p2p = torch.full((2,), float(r))
+                if r == 0:
+                    comm.send(p2p, 1)
+                else:
+                    comm.recv(p2p, 0)
+        assert s.tolist() == [float(ws)] * 3
+        if r == 1:
+            assert p2p.tolist() == [0.0, 0.0]
         for _ in range(50):  # back-to-back, not awaited one by one
             works = [comm.all_reduce(torch.ones(2)) for _ in range(4)]
             for w in works:
