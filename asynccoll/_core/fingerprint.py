@@ -191,6 +191,7 @@ class FingerprintChecker:
         self._gone: set[int] = set()
         self._closed = False
         self._spill = False  # some outbox holds bytes the socket did not take
+        self._bufs = {p: bytearray() for p in incoming}  # partial frames per peer
         self._broken = False  # a verdict failed: submit nothing more (the abort follows)
         # Verdicts reached in an issuing thread (which holds the communicator's
         # lock): failed by the reader thread, since failing aborts the communicator.
@@ -303,6 +304,13 @@ class FingerprintChecker:
         queue.append(entry)
         if len(queue) == 1 and not self._broken:
             verdict = self._verify(entry)
+            if verdict is None:
+                # The peers' fingerprints may sit in the kernel, not yet read by the
+                # reader thread: take them now rather than wait for its wake-up.
+                for p in {p for _t, _k, peers, _f in entry.reqs for p in peers}:
+                    if p not in self._gone:
+                        self._pull(p)
+                verdict = self._verify(entry)
             if verdict is True:
                 queue.popleft()
                 entry.submit()  # an error here propagates to the caller, as without the check
@@ -415,7 +423,6 @@ class FingerprintChecker:
             by_fd[s.fileno()] = p
             poller.register(s, select.POLLIN)
         out_fds = {s.fileno(): q for q, s in self._out.items()}
-        bufs = {p: bytearray() for p in self._in}
         writing: set[int] = set()
         try:
             while not self._closed:
@@ -429,7 +436,7 @@ class FingerprintChecker:
                             self._wake_r.recv(4096)
                         except BlockingIOError:
                             pass
-                    elif self._read(peer, bufs[peer]):
+                    elif self._read(peer):
                         poller.unregister(fd)
                 if self._closed:
                     break
@@ -457,30 +464,37 @@ class FingerprintChecker:
             for s in [*self._in.values(), *self._out.values(), self._wake_r, self._wake_w]:
                 s.close()
 
-    def _read(self, peer: int, buf: bytearray) -> bool:
-        """Take what ``peer`` sent into the inbox; True when its channel closed."""
+    def _read(self, peer: int) -> bool:
+        """Reader thread: take what ``peer`` sent into the inbox; True when its channel closed."""
+        with self._lock:
+            return self._pull(peer)
+
+    def _pull(self, peer: int) -> bool:
+        """Move what the kernel holds from ``peer`` into the inbox (lock held, never blocks).
+
+        Both the reader thread and an issuing thread call it; the lock keeps the
+        byte stream whole. True when the peer's channel closed.
+        """
         try:
             data = self._in[peer].recv(1 << 16)
         except BlockingIOError:
             return False
         except OSError:
             data = b""
-        frames = []
-        if data:
-            buf += data
-            while len(buf) >= 4:
-                (n,) = _LEN.unpack_from(buf)
-                if len(buf) < 4 + n:
-                    break
-                frames.append(bytes(buf[4:4 + n]).decode())
-                del buf[:4 + n]
-        with self._lock:
-            for frame in frames:
-                tag, k, seq, fp = frame.split(_FRAME, 3)
-                self._inbox[(peer, tag, int(k))] = (int(seq), fp)
-            if not data:
-                self._gone.add(peer)
-        return not data
+        if not data:
+            self._gone.add(peer)
+            return True
+        buf = self._bufs[peer]
+        buf += data
+        inbox = self._inbox
+        while len(buf) >= 4:
+            (n,) = _LEN.unpack_from(buf)
+            if len(buf) < 4 + n:
+                break
+            tag, k, seq, fp = bytes(buf[4:4 + n]).decode().split(_FRAME, 3)
+            del buf[:4 + n]
+            inbox[(peer, tag, int(k))] = (int(seq), fp)
+        return False
 
     def _flush(self, q: int) -> None:
         with self._lock:
