@@ -15,7 +15,7 @@ in the issuing call; the others submit from the reader thread as soon as the las
 fingerprint arrives. The cost is one one-way message plus a thread wake-up on the
 critical path of the rank that issued first (see ``bench/check.py``).
 
-What is compared (``FIELDS``), per matching unit:
+What is compared (``mismatch.FIELDS``), per matching unit:
 
 * collectives, object collectives and coalesced batches share one counter: the
   k-th of them on every rank must have the same op, dtype, shape, root and reduce
@@ -45,110 +45,21 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from typing import Any, Callable, Literal, Sequence
 
 from .backend import Backend
-from .errors import CollectiveMismatch, CommAborted, PeerFailure
+from .errors import CommAborted, PeerFailure
+from .mismatch import MEMBERS as _MEM
+from .mismatch import P2P as _P2P
+from .mismatch import fingerprint, mismatch, object_fingerprint
 from .objects import poll_keys
 from .ops import OpKind, OpSpec
 from .work import Work
 
-FIELDS = ("op", "dtype", "shape", "root", "reduce_op")
-_SEP, _MEM, _FRAME = "\x1f", "\x1e", "\x1d"
+_FRAME = "\x1d"
 _LEN = struct.Struct("!I")
 _HELLO = struct.Struct("!16sI")  # the listener's token, the connecting rank
-_P2P = (OpKind.SEND, OpKind.RECV)
-_DTYPES: dict[Any, str] = {}
-
-
-def _dt(t: Any) -> str:
-    name = _DTYPES.get(t.dtype)
-    if name is None:
-        name = _DTYPES[t.dtype] = str(t.dtype).replace("torch.", "")
-    return name
-
-
-def fingerprint(spec: OpSpec) -> str:
-    """The compared description of one tensor op (fields: ``FIELDS``, joined)."""
-    kind = spec.kind
-    t = spec.tensor
-    if kind is OpKind.ALL_REDUCE:
-        return f"all_reduce{_SEP}{_dt(t)}{_SEP}{tuple(t.shape)}{_SEP}{_SEP}{spec.reduce_op.name}"
-    if kind in _P2P:
-        return f"p2p{_SEP}{_dt(t)}{_SEP}{t.numel()} elements{_SEP}{_SEP}"
-    if kind is OpKind.BARRIER:
-        return f"barrier{_SEP}{_SEP}{_SEP}{_SEP}"
-    if kind in (OpKind.REDUCE_SCATTER, OpKind.SCATTER):
-        t = spec.output  # the part every rank has
-    root = spec.peer if kind in (OpKind.BROADCAST, OpKind.REDUCE, OpKind.GATHER, OpKind.SCATTER) else ""
-    reduce = spec.reduce_op.name if kind in (OpKind.REDUCE, OpKind.REDUCE_SCATTER) else ""
-    return f"{kind.value}{_SEP}{_dt(t)}{_SEP}{tuple(t.shape)}{_SEP}{root}{_SEP}{reduce}"
-
-
-def object_fingerprint(op: str, root: int) -> str:
-    return f"{op}{_SEP}{_SEP}{_SEP}{'' if root < 0 else root}{_SEP}"
-
-
-def decode(fp: str) -> list[dict[str, str]]:
-    """A fingerprint back into field dicts, one per member (one unless a batch)."""
-    return [dict(zip(FIELDS, m.split(_SEP))) for m in fp.split(_MEM)]
-
-
-# ---------------------------------------------------------------- mismatch text
-def _clean(member: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in member.items() if v}
-
-
-def _ranks(rs: list[int]) -> str:
-    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
-
-
-def _by_value(values: dict[int, str]) -> str:
-    groups: dict[str, list[int]] = {}
-    for r in sorted(values):
-        groups.setdefault(values[r], []).append(r)
-    return ", ".join(f"{v or '-'} on {_ranks(rs)}" for v, rs in groups.items())
-
-
-def _diff(members: dict[int, dict[str, str]]) -> tuple[list[str], list[str]]:
-    parts, fields = [], []
-    for field in FIELDS:
-        values = {r: m.get(field, "") for r, m in members.items()}
-        if len(set(values.values())) > 1:
-            fields.append(field)
-            parts.append(f"{field} {_by_value(values)}")
-            if field == "op":
-                break  # different ops: their other fields say nothing more
-    return parts, fields
-
-
-def mismatch(seqs: dict[int, int], fps: dict[int, str], *, me: int, what: str | None = None) -> CollectiveMismatch:
-    """The error for one unit whose fingerprints differ (``seqs``/``fps`` by rank)."""
-    decoded = {r: decode(fp) for r, fp in fps.items()}
-    seq = seqs[me]
-    mine = decoded[me]
-    name = what or (mine[0]["op"] if len(mine) == 1 else f"coalesced batch of {len(mine)}")
-    counts = {r: len(d) for r, d in decoded.items()}
-    fields: list[str] = []
-    if len(set(counts.values())) > 1:
-        parts = ["members " + _by_value({r: str(n) for r, n in counts.items()})]
-        fields = ["members"]
-    else:
-        parts = []
-        for i in range(len(mine)):
-            sub, f = _diff({r: d[i] for r, d in decoded.items()})
-            if sub and len(mine) > 1:
-                sub = [f"member {i} ({mine[i]['op']}): " + "; ".join(sub)]
-            parts += sub
-            fields += [x for x in f if x not in fields]
-    if len(set(seqs.values())) > 1:
-        parts.append("(seq " + _by_value({r: str(s) for r, s in seqs.items()}) + ")")
-    message = f"seq {seq} {name}: " + "; ".join(parts)
-    details = {
-        r: {"seq": seqs[r], **(_clean(d[0]) if len(d) == 1 else {"op": "coalesced", "members": [_clean(m) for m in d]})}
-        for r, d in sorted(decoded.items())
-    }
-    return CollectiveMismatch(message, seq=seq, details=details, fields=tuple(fields))
 
 
 # ---------------------------------------------------------------- the checker
@@ -198,7 +109,14 @@ class FingerprintChecker:
         self._fail_later: list[tuple[Sequence[Work], BaseException]] = []
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
-        self._thread = threading.Thread(target=self._run, name=f"asynccoll-fingerprints-r{rank}", daemon=True)
+        # The thread holds the checker only through a weak reference between
+        # wake-ups, and the finalizer wakes it: a checker dropped without close()
+        # (its communicator collected) still ends its thread and sockets.
+        sockets = [*incoming.values(), *outgoing.values(), self._wake_r, self._wake_w]
+        weakref.finalize(self, _poke, self._wake_w)
+        self._thread = threading.Thread(
+            target=_reader, args=(weakref.ref(self), sockets), name=f"asynccoll-fingerprints-r{rank}", daemon=True
+        )
         self._thread.start()
 
     # ------------------------------------------------------------ setup
@@ -412,57 +330,46 @@ class FingerprintChecker:
         except (BlockingIOError, OSError):  # already woken, or closing
             pass
 
-    def _run(self) -> None:
-        # select.poll over raw fds: the selectors module costs tens of microseconds
-        # per wake-up, and this loop sits on the critical path of held ops.
-        poller = select.poll()
-        by_fd: dict[int, Any] = {self._wake_r.fileno(): None}
-        poller.register(self._wake_r, select.POLLIN)
-        for p, s in self._in.items():
-            s.setblocking(False)
-            by_fd[s.fileno()] = p
-            poller.register(s, select.POLLIN)
-        out_fds = {s.fileno(): q for q, s in self._out.items()}
-        writing: set[int] = set()
-        try:
-            while not self._closed:
-                for fd, mask in poller.poll():
-                    if fd in out_fds and mask & select.POLLOUT:
-                        self._flush(out_fds[fd])
-                        continue
-                    peer = by_fd.get(fd)
-                    if peer is None:
-                        try:
-                            self._wake_r.recv(4096)
-                        except BlockingIOError:
-                            pass
-                    elif self._read(peer):
-                        poller.unregister(fd)
-                if self._closed:
-                    break
-                with self._lock:
-                    failures = self._drain()
-                    want = {q for q, box in self._outbox.items() if box and q not in self._gone} if self._spill else set()
-                    self._spill = bool(want)
-                if want or writing:
-                    for q in want - writing:
-                        poller.register(self._out[q], select.POLLOUT)
-                    for q in writing - want:
-                        poller.unregister(self._out[q])
-                    writing = want
-                _fail(failures)
-        except Exception as exc:  # a bug here must not leave held ops hanging silently
-            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
-            with self._lock:
-                self._broken = True
-                held = [e for q in self._queues.values() for e in q]
-                self._queues.clear()
-            err = CommAborted(f"fingerprint channel failed: {exc!r}")
-            err.__cause__ = exc
-            _fail([(e.works, err) for e in held])
-        finally:
-            for s in [*self._in.values(), *self._out.values(), self._wake_r, self._wake_w]:
-                s.close()
+    def _round(self, poller: Any, events: list[tuple[int, int]], by_fd: dict[int, Any],
+               out_fds: dict[int, int], writing: set[int]) -> set[int]:
+        """One wake-up of the reader thread: read, flush, decide held ops. Returns the
+        peers whose sockets are now watched for writability."""
+        for fd, mask in events:
+            if fd in out_fds and mask & select.POLLOUT:
+                self._flush(out_fds[fd])
+                continue
+            peer = by_fd.get(fd)
+            if peer is None:
+                try:
+                    self._wake_r.recv(4096)
+                except BlockingIOError:
+                    pass
+            elif self._read(peer):
+                poller.unregister(fd)
+        if self._closed:
+            return writing
+        with self._lock:
+            failures = self._drain()
+            want = {q for q, box in self._outbox.items() if box and q not in self._gone} if self._spill else set()
+            self._spill = bool(want)
+        if want or writing:
+            for q in want - writing:
+                poller.register(self._out[q], select.POLLOUT)
+            for q in writing - want:
+                poller.unregister(self._out[q])
+        _fail(failures)
+        return want
+
+    def _crashed(self, exc: Exception) -> None:
+        """A bug in the reader thread must not leave held ops hanging silently."""
+        threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
+        with self._lock:
+            self._broken = True
+            held = [e for q in self._queues.values() for e in q]
+            self._queues.clear()
+        err = CommAborted(f"fingerprint channel failed: {exc!r}")
+        err.__cause__ = exc
+        _fail([(e.works, err) for e in held])
 
     def _read(self, peer: int) -> bool:
         """Reader thread: take what ``peer`` sent into the inbox; True when its channel closed."""
@@ -522,6 +429,48 @@ class FingerprintChecker:
             self._closed = True
             self._queues.clear()
         self._wake()
+
+
+def _poke(wake: socket.socket) -> None:
+    try:
+        wake.send(b"x")
+    except OSError:  # already closed by the thread, or its buffer is full (a wake is pending)
+        pass
+
+
+def _reader(ref: weakref.ReferenceType[FingerprintChecker], sockets: list[socket.socket]) -> None:
+    """The reader thread (see ``FingerprintChecker``): poll the peers' sockets, hand each
+    wake-up to the checker while it lives, close every socket at the end."""
+    # select.poll over raw fds: the selectors module costs tens of microseconds per
+    # wake-up, and this loop sits on the critical path of held ops.
+    me = ref()
+    try:
+        if me is None:
+            return
+        poller = select.poll()
+        by_fd: dict[int, Any] = {me._wake_r.fileno(): None}
+        poller.register(me._wake_r, select.POLLIN)
+        for p, s in me._in.items():
+            s.setblocking(False)
+            by_fd[s.fileno()] = p
+            poller.register(s, select.POLLIN)
+        out_fds = {s.fileno(): q for q, s in me._out.items()}
+        writing: set[int] = set()
+        del me
+        while True:
+            events = poller.poll()
+            me = ref()
+            if me is None or me._closed:
+                return
+            try:
+                writing = me._round(poller, events, by_fd, out_fds, writing)
+            except Exception as exc:
+                me._crashed(exc)
+                return
+            del me
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _frame(tag: str, k: int, seq: int, fp: str) -> bytes:
