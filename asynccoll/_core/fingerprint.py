@@ -92,7 +92,9 @@ class FingerprintChecker:
         self._peers = tuple(sorted(outgoing))
         self._out = outgoing
         self._in = incoming
-        self._lock = threading.Lock()
+        # Reentrant: a submit made under it may settle a Work, whose abort path
+        # comes back here (close, waiting) on the same thread.
+        self._lock = threading.RLock()
         self._coll = 0
         self._sends: dict[int, int] = collections.defaultdict(int)
         self._recvs: dict[int, int] = collections.defaultdict(int)
@@ -272,8 +274,8 @@ class FingerprintChecker:
     def _drain(self) -> list[tuple[Sequence[Work], BaseException]]:
         """Submit or fail every queue head that can be decided (lock held)."""
         failures, self._fail_later = self._fail_later, []
-        for queue in self._queues.values():
-            while queue and not self._broken:
+        for queue in list(self._queues.values()):
+            while queue and not self._broken and not self._closed:
                 entry = queue[0]
                 verdict = self._verify(entry)
                 if verdict is None:
