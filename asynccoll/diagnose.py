@@ -101,30 +101,43 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
             holders = [q for q, d in ranks.items() if d["error"] == data["error"]]
             problems.append({"kind": "error", "ranks": holders, "error_type": data["error_type"],
                              "text": f"{_ranks(holders)} recorded {data['error_type']}: {data['error']}"})
-    recs = {r: d["records"] for r, d in ranks.items()}
+    # Collectives line up across ranks by ``cseq`` (seq minus this rank's p2p ops):
+    # ranks that exchanged point-to-point ops have moved their seqs on, the others not.
+    recs = {
+        r: {rec.get("cseq", rec["seq"]): rec for rec in d["records"].values() if rec["op"] not in _P2P}
+        for r, d in ranks.items()
+    }
     present = [r for r in recs if recs[r]]
     lo = max((min(recs[r]) for r in present), default=0)  # older ops fell out of some ring
     hi = {r: max(recs[r], default=0) for r in recs}
-    # Behind: a rank whose newest op is older than an op others issued.
+    behind_at: set[int] = set()
+    # Behind: a rank whose newest collective is older than one the others issued.
     for r in sorted(recs):
         nxt = hi[r] + 1
         others = [q for q in recs if q != r and nxt in recs[q]]
         if others and nxt >= lo:
+            behind_at.add(nxt)
             rec = recs[others[0]][nxt]
             ended = ", ".join(f"{recs[q][nxt]['state']} on rank {q}" for q in others)
-            issued = ", ".join(f"rank {q} at {_when(recs[q][nxt]['issued_at'])}" for q in others)
-            problems.append({"kind": "behind", "rank": r, "seq": nxt, "op": rec["op"], "ranks": others,
+            issued = ", ".join(
+                f"rank {q} at {_when(recs[q][nxt]['issued_at'])}"
+                + ("" if recs[q][nxt]["seq"] == rec["seq"] else f" (its seq {recs[q][nxt]['seq']})")
+                for q in others
+            )
+            problems.append({"kind": "behind", "rank": r, "seq": rec["seq"], "op": rec["op"], "ranks": others,
                              "text": f"rank {r} never issued {_op(rec)}; issued by {issued} ({ended})"})
     # Disagreement on what an op was, and on how it ended.
     disagree = 0
     outcome_reported = False
-    for seq in range(lo, max(hi.values(), default=0) + 1):
-        have = {r: recs[r][seq] for r in recs if seq in recs[r]}
+    for key in range(lo, max(hi.values(), default=0) + 1):
+        have = {r: recs[r][key] for r in recs if key in recs[r]}
         if len(have) < 2:
             continue
-        ops = {r: rec["op"] for r, rec in have.items()}
-        if all(op in _P2P for op in ops.values()):
-            continue  # point-to-point ops pair up per peer, not per seq
+        first = have[min(have)]
+        seq = first["seq"]
+        seqs = {r: rec["seq"] for r, rec in have.items()}
+        where = "" if len(set(seqs.values())) == 1 else " (seq " + ", ".join(
+            f"{s} on rank {r}" for r, s in sorted(seqs.items())) + ")"
         diffs = []
         for field in _COMPARED:
             values = {r: rec.get(field) for r, rec in have.items()}
@@ -133,20 +146,21 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 for r, v in sorted(values.items()):
                     groups.setdefault(_show(v), []).append(r)
                 diffs.append(f"{field} " + ", ".join(f"{v} on {_ranks(rs)}" for v, rs in groups.items()))
+                if field == "op":
+                    break  # different ops: their other fields say nothing more
         if diffs and disagree < 5:
             disagree += 1
             problems.append({"kind": "disagree", "seq": seq, "ranks": sorted(have),
-                             "text": f"seq {seq}: ranks disagree: " + "; ".join(diffs)})
+                             "text": f"seq {seq}: ranks disagree: " + "; ".join(diffs) + where})
         states = {r: rec["state"] for r, rec in have.items()}
-        behind_here = any(p["kind"] == "behind" and p["seq"] == seq for p in problems)
-        if not diffs and len(set(states.values())) > 1 and not outcome_reported and not behind_here:
+        if not diffs and len(set(states.values())) > 1 and not outcome_reported and key not in behind_at:
             outcome_reported = True
             by_state: dict[str, list[int]] = {}
             for r, st in sorted(states.items()):
                 by_state.setdefault(st, []).append(r)
-            problems.append({"kind": "outcome", "seq": seq, "op": ops[min(ops)],
-                             "text": f"seq {seq} {ops[min(ops)]} ended differently: "
-                                     + ", ".join(f"{st} on {_ranks(rs)}" for st, rs in by_state.items())})
+            problems.append({"kind": "outcome", "seq": seq, "op": first["op"],
+                             "text": f"seq {seq} {first['op']} ended differently: "
+                                     + ", ".join(f"{st} on {_ranks(rs)}" for st, rs in by_state.items()) + where})
     status = {}
     for r, data in ranks.items():
         done = [rec for rec in data["records"].values() if rec["state"] == "done"]

@@ -205,9 +205,9 @@ async def _size_message(ctx: Any) -> str:
 
 
 # ------------------------------------------------------------------ no false alarm
-async def agreeing_program(ctx: Any) -> list[float]:
+async def agreeing_program(ctx: Any, trace_dir: str) -> list[float]:
     """Every op kind, p2p between ranks 0 and 1 only (seqs then differ on rank 2), batches."""
-    comm = await _comm(ctx, check="fingerprint")
+    comm = await _comm(ctx, check="fingerprint", trace_dir=trace_dir)
     ws, r = comm.world_size, comm.rank
     out = []
     try:
@@ -270,12 +270,15 @@ async def agreeing_program(ctx: Any) -> list[float]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_agreeing_ranks_pass_the_check(world_size: int) -> None:
-    results = run_ranks(agreeing_program, world_size=world_size, backend=None, timeout=90)
+def test_agreeing_ranks_pass_the_check(world_size: int, tmp_path: Path) -> None:
+    results = run_ranks(agreeing_program, world_size=world_size, backend=None, timeout=90, args=(str(tmp_path),))
     ws = world_size
     for res in results:
         assert res[0] == 4 * ws * (ws + 1) / 2
         assert res[1] == (3 + 5) * ws
+    # diagnose lines collectives up by cseq: p2p between ranks 0 and 1 is no disagreement
+    proc = _diagnose(tmp_path)
+    assert proc.returncode == 0, proc.stdout
 
 
 # ------------------------------------------------------------------ traces + diagnose
@@ -426,6 +429,18 @@ def test_flight_record_is_bounded_under_100k_ops() -> None:
     assert snap[0]["seq"] == 100_000 - 4095 and snap[-1]["seq"] == 100_000
     assert snap[-1]["state"] == "done" and snap[-1]["numel"] == 8
     assert snap[-2]["state"] == "issued" and snap[-2]["ended_at"] is None  # seq 99999 never ended
+
+
+def test_flight_record_cseq_skips_point_to_point_ops() -> None:
+    rec = FlightRecorder()
+    rec.issued(1, "all_reduce", _spec(2), 1.0)
+    rec.issued(2, "send", OpSpec(OpKind.SEND, torch.ones(2), peer=1), 2.0)
+    rec.issued(3, "recv", OpSpec(OpKind.RECV, torch.ones(2), peer=1), 3.0)
+    rec.issued(4, "barrier", None, 4.0)
+    rec.issued(3, "all_reduce", _spec(2), 5.0)  # seq 3 given back and reused: the recv is gone
+    snap = rec.snapshot()
+    assert [(r["seq"], r.get("cseq")) for r in snap] == [(1, 1), (2, None), (3, 2)]
+    assert snap[1]["peer"] == 1
 
 
 def test_flight_record_reused_seq_replaces_stale_records() -> None:

@@ -17,13 +17,15 @@ import collections
 from typing import Any
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, PeerFailure
+from .ops import OpKind
 
 #: Default ring size: enough for a training step of several thousand ops.
 DEFAULT_CAPACITY = 4096
 
 # Record layout (a list, mutated once by ``ended``).
-_SEQ, _OP, _DTYPE, _SHAPE, _PEER, _REDUCE, _BATCH, _T0, _STATE, _T1, _ERROR = range(11)
+_SEQ, _OP, _DTYPE, _SHAPE, _PEER, _REDUCE, _BATCH, _T0, _STATE, _T1, _ERROR, _CSEQ = range(12)
 _P2P = ("send", "recv")
+_SCATTER = OpKind.SCATTER
 
 
 def outcome(error: BaseException | None) -> tuple[str, str | None]:
@@ -43,7 +45,7 @@ def outcome(error: BaseException | None) -> tuple[str, str | None]:
 class FlightRecorder:
     """The last ``capacity`` ops of one communicator (see the module docstring)."""
 
-    __slots__ = ("capacity", "_ring", "_open", "_append")
+    __slots__ = ("capacity", "_ring", "_open", "_append", "_p2p")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
@@ -52,6 +54,9 @@ class FlightRecorder:
         self._ring: collections.deque[list[Any]] = collections.deque(maxlen=capacity)
         self._open: dict[int, list[Any]] = {}  # seq -> record of an unsettled op
         self._append = self._ring.append
+        # Point-to-point ops issued so far: a collective's ``cseq`` (seq minus them) is
+        # the same on every rank even when only some ranks exchanged p2p ops.
+        self._p2p = 0
 
     def __len__(self) -> int:
         return len(self._ring)
@@ -73,15 +78,21 @@ class FlightRecorder:
             old = ring[0]
             if old[_STATE] is None:
                 self._open.pop(old[_SEQ], None)
-        if spec is None:
-            rec = [seq, op, None, None, root, None, batch, t, None, 0.0, None]
+        if op in _P2P:
+            self._p2p += 1
+            cseq = None
         else:
-            tensor = spec.tensor if spec.tensor is not None else spec.output
+            cseq = seq - self._p2p
+        if spec is None:
+            rec = [seq, op, None, None, root, None, batch, t, None, 0.0, None, cseq]
+        else:
+            # What every rank has (scatter: only the root has an input).
+            tensor = spec.output if spec.kind is _SCATTER or spec.tensor is None else spec.tensor
             rec = [
                 seq, op,
                 None if tensor is None else tensor.dtype,
                 None if tensor is None else tensor.shape,
-                spec.peer, spec.reduce_op, batch, t, None, 0.0, None,
+                spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq,
             ]
         self._append(rec)
         self._open[seq] = rec
@@ -89,7 +100,10 @@ class FlightRecorder:
     def _rewind(self, seq: int) -> None:
         ring = self._ring
         while ring and ring[-1][_SEQ] >= seq:
-            self._open.pop(ring.pop()[_SEQ], None)
+            rec = ring.pop()
+            self._open.pop(rec[_SEQ], None)
+            if rec[_CSEQ] is None:
+                self._p2p -= 1
 
     def discard(self, seq: int) -> None:
         """Forget op ``seq`` (refused at the call; its seq is given back)."""
@@ -132,6 +146,8 @@ def _as_dict(rec: list[Any]) -> dict[str, Any]:
         d["peer" if op in _P2P else "root"] = peer
     if rec[_REDUCE] is not None and op in ("all_reduce", "reduce", "reduce_scatter"):
         d["reduce_op"] = rec[_REDUCE].name
+    if rec[_CSEQ] is not None:
+        d["cseq"] = rec[_CSEQ]
     if rec[_BATCH] is not None:
         d["batch"] = rec[_BATCH]
     if rec[_ERROR] is not None:
