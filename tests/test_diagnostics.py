@@ -134,6 +134,10 @@ async def _one_kind(ctx: Any, name: str) -> dict[str, Any]:
                     raise AssertionError(f"{name}: {w} succeeded on rank {comm.rank}")
         elapsed = time.monotonic() - t0
         first = errors[0]
+        if not isinstance(first, ac.CollectiveMismatch) and "aborted by rank" in str(first):
+            # A rank starved of CPU for longer than a heartbeat may hear a peer's abort
+            # (which carries the mismatch text) before its own check decides.
+            return {"involved": True, "news": str(first), "seconds": elapsed}
         assert isinstance(first, ac.CollectiveMismatch), (name, repr(first))
         # Later Works of the same unit / after it: mismatch copies or CommAborted caused by it.
         for exc in errors[1:]:
@@ -174,9 +178,14 @@ def test_every_mismatch_raises_on_every_rank(world_size: int, loop: str) -> None
         involved = [r for r in range(world_size) if results[r][name]["involved"]]
         expected = [0, 1] if name == "send_recv_size" else list(range(world_size))
         assert involved == expected, (name, involved)
+        direct = [r for r in involved if "news" not in results[r][name]]
+        assert direct, (name, results)  # at least one rank (in practice all) raised it itself
         for r in involved:
             res = results[r][name]
             assert res["seconds"] < DETECT_WITHIN, (name, r, res)
+            if "news" in res:
+                assert results[direct[0]][name]["message"] in res["news"], (name, res)
+                continue
             assert set(res["fields"]) == fields, (name, res)
             assert res["details"] == involved, (name, res)
             assert res["copy"]
@@ -185,7 +194,7 @@ def test_every_mismatch_raises_on_every_rank(world_size: int, loop: str) -> None
             assert f"rank {odd}" in msg or f"ranks {odd}" in msg or (name == "send_recv_size" and "rank 1" in msg), msg
             assert "rank 0" in msg or "ranks 0" in msg, msg
         # Every rank reaches the same verdict (same fields, same ranks).
-        assert len({tuple(results[r][name]["fields"]) for r in involved}) == 1
+        assert len({tuple(results[r][name]["fields"]) for r in direct}) == 1
 
 
 def test_mismatch_message_names_ranks_and_values() -> None:
