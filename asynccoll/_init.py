@@ -33,6 +33,7 @@ from ._core.errors import (
     InvalidArgument,
     PeerFailure,
 )
+from ._core.diagnostics import Diagnostics
 
 _BACKENDS = ("auto", "gloo", "nccl")
 
@@ -309,7 +310,8 @@ async def _gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroupBacke
 async def _nccl(rdv: Rendezvous, prefix: str, device: Any, timeout: float) -> Backend:
     from ._backends import nccl
 
-    return await nccl.create(rdv, prefix + "nccl/", device, timeout)
+    backend: Backend = await nccl.create(rdv, prefix + "nccl/", device, timeout)
+    return backend
 
 
 def _nccl_missing() -> str | None:
@@ -333,10 +335,10 @@ async def _build(
     heartbeat: float | None = None,
 ) -> Communicator:
     timeout = _check_args(backend, store, master_addr, device, timeout, heartbeat)
-    if check is not None:
-        raise InvalidArgument(f"check={check!r} is not supported by this version (only None)")
-    if trace_dir is not None:
-        raise InvalidArgument("trace_dir is not supported by this version")
+    if check not in (None, "fingerprint"):
+        raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
+    if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
+        raise InvalidArgument(f"trace_dir must be a path, got {type(trace_dir).__name__}")
     use_nccl = False
     if backend in ("nccl", "auto"):
         # "auto" serves CUDA tensors with NCCL whenever CUDA, nccl4py, cuda-bindings
@@ -378,6 +380,7 @@ async def _connect(
     if use_nccl:
         backends["cuda"] = await _nccl(rdv, prefix, device, timeout)
     dev = getattr(backends.get("cuda"), "device", None) or torch.device("cpu")
+    diagnostics = await _diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
     # for; otherwise a slower census-only beat that names ranks Gloo lost.
     detect = heartbeat is not None or use_nccl
@@ -413,6 +416,33 @@ async def _connect(
         heartbeat=interval or None,
         detect_failures=detect,
         rebuild=rebuild,
+        diagnostics=diagnostics,
+    )
+
+
+async def _diagnostics(
+    rdv: Rendezvous, prefix: str, backends: dict[str | None, Backend], name: str,
+    check: str | None, trace_dir: Any, timeout: float,
+) -> Diagnostics:
+    """The communicator's diagnostics (API.md §6); with ``check``, wraps ``backends`` in place."""
+    checker = None
+    if check == "fingerprint" and rdv.world_size > 1:
+        from ._core.fingerprint import FingerprintChecker, store_host
+
+        store = rdv.prefixed(prefix)
+        host = store_host(rdv.store)
+        checker = await _off_loop(
+            lambda: FingerprintChecker.connect(store, rdv.rank, rdv.world_size, timeout, host),
+            timeout, "fingerprint channel",
+        )
+        for key, be in list(backends.items()):
+            # Not NCCL yet: its submit records the caller's current stream, so it cannot
+            # be deferred to the checker's thread (see fingerprint.py, "Scope").
+            if be.device_type != "cuda":
+                backends[key] = checker.wrap(be)
+    return Diagnostics(
+        rank=rdv.rank, world_size=rdv.world_size, backend=name,
+        trace_dir=os.fspath(trace_dir) if trace_dir is not None else None, checker=checker,
     )
 
 

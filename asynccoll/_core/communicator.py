@@ -14,6 +14,7 @@ from .backend import Backend
 from .coalescing import CoalescingGroup
 from .deadlines import service as deadline_service
 from .errors import CommAborted, InvalidArgument, PeerFailure
+from .diagnostics import Diagnostics
 from .faults import Liveness
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
@@ -75,6 +76,7 @@ class Communicator:
         heartbeat: float | None = None,
         detect_failures: bool = False,
         rebuild: Callable[[int, int, str], Awaitable[Communicator]] | None = None,
+        diagnostics: Diagnostics | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -93,7 +95,9 @@ class Communicator:
             deadlines=deadline_service(),
             waker_for=waker_factory or (lambda loop: None),
             on_abort=_weak(self._after_abort),
+            diag=diagnostics or Diagnostics(rank=rank, world_size=world_size, backend=backend_name),
         )
+        self._diag = ledger.diag
         for backend in self._backends.values():
             backend.bind(ledger)
         self._liveness: Liveness | None = None
@@ -170,7 +174,9 @@ class Communicator:
             work = ledger.reserve(_OP_NAMES[spec.kind], value, keep)
             batch = ledger.batch.get()
             if batch is not None and batch.add(backend, spec, work):
+                ledger.issued(work, spec, batch.works[0].seq)
                 return work  # issued, with its deadline, when the batch exits
+            ledger.issued(work, spec)
             try:
                 backend.submit(spec, work)
             except BaseException:
@@ -324,17 +330,22 @@ class Communicator:
     def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> Work:
         """Gather a picklable object from every rank. Work result: list, by rank."""
         payload = dumps(obj)
-        return self._object_op("all_gather_object", timeout, lambda ch, seq, t: ch.all_gather(seq, payload, t))
+        return self._object_op(
+            "all_gather_object", timeout, lambda ch, seq, t: ch.all_gather(seq, payload, t)
+        )
 
     def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None) -> Work:
         """Send a picklable object from ``src`` to every rank. Work result: the object."""
         src = validate.rank(src, self.world_size, "src")
         payload = dumps(obj) if self.rank == src else None
         return self._object_op(
-            "broadcast_object", timeout, lambda ch, seq, t: ch.broadcast(seq, payload, src, t)
+            "broadcast_object", timeout, lambda ch, seq, t: ch.broadcast(seq, payload, src, t), src
         )
 
-    def _object_op(self, op: str, timeout: float | None, fn: Callable[[ObjectChannel, int, float], Any]) -> Work:
+    def _object_op(
+        self, op: str, timeout: float | None, fn: Callable[[ObjectChannel, int, float], Any],
+        root: int = -1,
+    ) -> Work:
         channel = self._objects
         if channel is None:
             raise InvalidArgument(
@@ -344,18 +355,26 @@ class Communicator:
         ledger = self._ledger
         with ledger.lock:
             work = ledger.reserve(op, None, None)
+            ledger.issued(work, None, root=root)
             ledger.commit(work, limit)
-        seq = work.seq
+            seq = work.seq
 
-        def done(value: Any, exc: BaseException | None) -> None:
-            if exc is None:
-                ledger.succeed(work, value)
-            else:
-                err = CommAborted(f"{op} (seq {seq}) failed: {exc}")
-                err.__cause__ = exc
-                ledger.fail(work, err)
+            def done(value: Any, exc: BaseException | None) -> None:
+                if exc is None:
+                    ledger.succeed(work, value)
+                else:
+                    err = CommAborted(f"{op} (seq {seq}) failed: {exc}")
+                    err.__cause__ = exc
+                    ledger.fail(work, err)
 
-        channel.run(lambda: fn(channel, seq, limit), done)
+            def run() -> None:
+                channel.run(lambda: fn(channel, seq, limit), done)
+
+            checker = self._diag.checker
+            if checker is None:
+                run()
+            else:  # held until every rank's fingerprint agrees
+                checker.gate_object(op, root, work, run)
         return work
 
     # ------------------------------------------------------------------ faults
@@ -371,8 +390,9 @@ class Communicator:
         self._ledger.abort(cause)
 
     def _after_abort(self, error: BaseException) -> None:
-        """The ledger aborted (any thread): stop the transport and tell the peers."""
+        """The ledger aborted (any thread): record it, stop the transport and tell the peers."""
         self._ledger.release()
+        self._diag.aborted(error)  # the flight record goes to trace_dir
         if self._liveness is not None:
             # Tell the peers (a no-op when the news came from a peer: that thread is done).
             self._liveness.publish_abort(error)
@@ -406,6 +426,17 @@ class Communicator:
             self._objects.shutdown()
         for backend in self._backends.values():
             await run_in_thread(backend.close, None, name="asynccoll-close")
+        await run_in_thread(self._diag.closed, None, name="asynccoll-close")  # the timeline to trace_dir
+
+    # ---------------------------------------------------------- diagnostics
+    def flight_record(self) -> list[dict[str, Any]]:
+        """The last operations (API.md §6), oldest first, as dicts: ``seq``, ``op``,
+        ``dtype``, ``shape``, ``numel``, ``root`` or ``peer``, ``reduce_op``, ``batch``
+        (first seq of its coalesced batch), ``state`` (``"issued"``, ``"done"``,
+        ``"failed"``, ``"timed out"``, ``"aborted"``, ``"mismatch"``), ``issued_at`` and
+        ``ended_at`` (``time.time()`` seconds), and ``error`` for failures. Bounded: the
+        last 4096 ops."""
+        return self._diag.flight_record()
 
     # ----------------------------------------------------------- coalescing
     def coalescing(self, wait: bool = True) -> CoalescingGroup:

@@ -56,20 +56,28 @@ class CollectiveTimeout(AsyncCollError, TimeoutError):
 
 
 class CollectiveMismatch(AsyncCollError):
-    """Ranks issued different collectives at the same sequence number.
+    """Ranks issued different collectives at the same point (``check="fingerprint"``).
 
-    ``details`` maps each rank to the description of what it issued.
+    ``seq`` is this rank's sequence number of the operation; ``details`` maps each
+    rank to what it issued there (``seq``, ``op``, ``dtype``, ``shape``, ``root``,
+    ``reduce_op``; a coalesced batch lists ``members``); ``fields`` names the fields
+    that differ.
     """
 
     def __init__(
-        self, message: str, seq: int | None = None, details: Mapping[int, Any] | None = None
+        self,
+        message: str,
+        seq: int | None = None,
+        details: Mapping[int, Any] | None = None,
+        fields: Sequence[str] = (),
     ) -> None:
         super().__init__(message)
         self.seq = seq
         self.details: dict[int, Any] = dict(details or {})
+        self.fields: tuple[str, ...] = tuple(fields)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.args[0] if self.args else "", self.seq, self.details))
+        return (type(self), (self.args[0] if self.args else "", self.seq, self.details, self.fields))
 
 
 class CommClosed(AsyncCollError):

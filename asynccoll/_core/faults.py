@@ -192,6 +192,9 @@ class _Service:
         self._key = key
         self._root = root
         self._members: dict[int, weakref.ref[Liveness]] = {}
+        #: Members with abort news not yet published: held strongly until it is out,
+        #: so a communicator dropped right after its abort still tells its peers.
+        self._publishing: set[Liveness] = set()
         self._holds = 0
         self._closing = False
         self._wake = threading.Event()
@@ -387,6 +390,10 @@ class Liveness:
         ranks = ",".join(map(str, error.ranks)) if isinstance(error, PeerFailure) else "-"
         self._abort_reason = f"{self._rank}|{ranks}|{error}"
         self._aborted = True
+        svc = self._service
+        if svc is not None:
+            with _Service._lock:
+                svc._publishing.add(self)
         self._wake()
 
     @property
@@ -571,7 +578,13 @@ class Liveness:
         try:
             reason, self._abort_reason = self._abort_reason, None
             if reason is not None:
-                self._publish(reason)
+                try:
+                    self._publish(reason)
+                finally:
+                    svc = self._service
+                    if svc is not None:
+                        with _Service._lock:
+                            svc._publishing.discard(self)
             if self._closed:
                 self._store.set(f"bye/{self._rank}", "1")
                 return False

@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from .deadlines import DeadlineClient, DeadlineService
+from .diagnostics import Diagnostics, now
 from .errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
 from .work import _DONE, _FAILED, Bundle, Waker, Wakeups, Work
 
@@ -96,6 +97,7 @@ class Ledger:
         deadlines: DeadlineService,
         waker_for: Callable[[asyncio.AbstractEventLoop], Waker | None],
         on_abort: Callable[[BaseException], None],
+        diag: Diagnostics | None = None,
     ) -> None:
         self.rank = rank
         #: Orders issuing against abort/close: an op is in ``pending`` before abort
@@ -111,8 +113,9 @@ class Ledger:
         self._deadlines: DeadlineClient = deadlines.client(self)
         #: The coalescing batch open in the current task, if any (``coalescing.py``).
         self.batch: contextvars.ContextVar[Any] = contextvars.ContextVar("asynccoll_batch", default=None)
-        #: Optional observer of issue/end events (the flight recorder).
-        self.recorder: Any = None
+        #: The flight recorder and its outcome hook (``diagnostics.Diagnostics``).
+        self.diag: Diagnostics = diag or Diagnostics(rank=rank, world_size=1, backend="")
+        self._recorder = self.diag.recorder
 
     @property
     def last_seq(self) -> int:
@@ -136,6 +139,10 @@ class Ledger:
         work = Work(op, seq, value, keep)
         self.pending[seq] = work
         return work
+
+    def issued(self, work: Work, spec: Any, batch: int | None = None, root: int = -1) -> None:
+        """Record ``work`` in the flight recorder (caller holds ``lock``)."""
+        self._recorder.issued(work.seq, work.op, spec, now(), batch, root)
 
     def commit(self, work: Work, timeout: float, deadline: float | None = None) -> None:
         """The backend took ``work``: its deadline starts (caller holds ``lock``)."""
@@ -162,6 +169,7 @@ class Ledger:
         first, last = works[0].seq, works[-1].seq
         if self._seq == last and last - first + 1 == len(works):
             self._seq = first - 1
+            self._recorder.discard(first)  # the seqs will be reused
 
     def fail_unissued(self, works: Sequence[Work], exc: BaseException) -> None:
         """Settle discarded Works with ``exc`` without aborting anything."""
@@ -194,8 +202,8 @@ class Ledger:
     def _succeed(self, target: Target, value: Any, wake: Wakeups) -> None:
         if type(target) is Work:
             self.pending.pop(target.seq, None)
-            if target._settle(_DONE, value, wake) and self.recorder is not None:
-                self.recorder.ended(target.seq, "done", time.monotonic())
+            if target._settle(_DONE, value, wake):
+                self._recorder.ended(target.seq, "done", now())
             return
         assert isinstance(target, Bundle)
         if target.finish is not None:
@@ -226,12 +234,10 @@ class Ledger:
             if first:
                 self.pending.clear()
         wake = Wakeups()
-        recorder = self.recorder
-        now = time.monotonic()
+        ended = self.diag.ended
         for i, work in enumerate(works):
-            state = "timed out" if isinstance(exc, CollectiveTimeout) else "failed"
-            if work._settle(_FAILED, exc if i == 0 else clone_error(exc), wake) and recorder is not None:
-                recorder.ended(work.seq, state, now)
+            if work._settle(_FAILED, exc if i == 0 else clone_error(exc), wake):
+                ended(work)
         error = self.error if first else None
         if error is not None:
             self._fail_pending(others, error, wake)
@@ -272,11 +278,10 @@ class Ledger:
         return True
 
     def _fail_pending(self, works: list[Work], error: BaseException, wake: Wakeups) -> None:
-        recorder = self.recorder
-        now = time.monotonic()
+        ended = self.diag.ended
         for work in works:
-            if work._settle(_FAILED, abort_error(error), wake) and recorder is not None:
-                recorder.ended(work.seq, "aborted", now)
+            if work._settle(_FAILED, abort_error(error), wake):
+                ended(work)
 
     # ------------------------------------------------------------------ close
     def begin_close(self) -> bool:
