@@ -260,6 +260,28 @@ async def _asynccoll_usable(comm: Any, loop: str) -> bool:
         return False
 
 
+async def _init(ac: Any, rank: int, world_size: int, store: Any, loop: str) -> Any:
+    """``ac.init`` on this loop; on trio, if that is not supported yet (it fails at once,
+    alike on every rank), on a private asyncio loop in a helper thread."""
+    try:
+        return await ac.init("gloo", rank=rank, world_size=world_size, store=store)
+    except RuntimeError as exc:
+        if loop != "trio":
+            raise
+        progress(f"ac.init under trio: {exc}; initialising on an asyncio loop in a thread")
+    import asyncio
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        async def build() -> Any:
+            return await ac.init("gloo", rank=rank, world_size=world_size, store=store)
+
+        init = pool.submit(asyncio.run, build())
+        while not init.done():
+            await Runtime(loop).sleep(0.01)
+        return init.result()
+
+
 def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         import torch
@@ -271,7 +293,7 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
         store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
         rt = Runtime(loop)
-        comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
+        comm = await _init(ac, rank, world_size, dist.PrefixStore("ac/", store), loop)
         usable = await _asynccoll_usable(comm, loop)
         floor = FloorBridge(loop)
         ctx = Ctx(rank, comm if usable else None, dist, floor, rt)
@@ -284,9 +306,9 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
         finally:
             floor.close()
             dist.barrier()
-            if usable:
+            try:
                 await comm.close()
-            else:
+            except RuntimeError:  # a loop asynccoll does not support yet: abort is loop-free
                 comm.abort("benchmark done (this loop cannot await asynccoll)")
             dist.destroy_process_group()
         return res
