@@ -18,7 +18,8 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def free_port() -> int:

@@ -14,10 +14,14 @@ interleaved round by round so drift hits every mode alike:
 Each sample times ``--inner`` iterations of one mode on rank 0; the table shows
 per-iteration wall-time medians (and p10/p90) over ``--repeats`` samples, and the
 median CPU time of rank 0's process (all its threads) per iteration, which is
-less sensitive to other load on the machine. Goals: coalesced <= 1.5x
-flattened, and <= 0.5x torch's coalescing manager.
+less sensitive to other load on the machine. The modes run in a rotating order
+(round r starts at mode r mod 6). Ratios coalesced/flattened and coalesced/torch_cm
+are given for wall and CPU time. Goals: coalesced <= 1.5x flattened, and <= 0.5x
+torch's coalescing manager. Progress goes to stderr; JSON and a PNG plot to
+bench/results/ (``coalescing_<loop>.json``).
 
-    python bench/coalescing.py [--ops 64] [--numel 256] [--repeats 40] [--json out.json]
+    python bench/coalescing.py [--quick|--smoke] [--ops 64] [--numel 256] [--repeats 40]
+                               [--loop asyncio|uvloop] [--json out.json] [--no-plot]
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ import statistics
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import progress
 
 MODES = ("separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep")
 
@@ -96,7 +106,11 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
     samples: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     for rnd in range(args.warmup + args.repeats):
-        for mode in MODES:
+        done = rnd + 1 - args.warmup
+        if rank == 0 and done >= 1 and (done == 1 or done % 10 == 0 or done == args.repeats):
+            progress(f"coalescing round {done}/{args.repeats} (after {args.warmup} warm-up)")
+        k = rnd % len(MODES)
+        for mode in MODES[k:] + MODES[:k]:
             fn = fns[mode]
             await comm.barrier()  # start each sample together
             c0, t0 = time.process_time(), time.perf_counter()
@@ -136,8 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--inner", type=int, default=5, help="iterations per timed sample")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="default bench/results/coalescing_<loop>.json")
+    p.add_argument("--quick", action="store_true", help="10 samples x 2 iterations")
+    p.add_argument("--smoke", action="store_true", help="2 samples x 1 iteration (does it still run?)")
+    p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.warmup, args.inner = 2, 1, 1
+    elif args.quick:
+        args.repeats, args.warmup, args.inner = 10, 2, 2
 
     ws = 2
     ctx = mp.get_context("spawn")
@@ -172,10 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             "samples": len(s),
         }
     med = {m: table[m]["median_ms"] for m in MODES}
+    cpu_med = {m: table[m]["cpu_median_ms"] for m in MODES}
     ratios = {
         "coalesced/flattened": med["coalesced"] / med["flattened"],
         "coalesced/torch_cm": med["coalesced"] / med["torch_cm"],
+        "torch_cm/flattened": med["torch_cm"] / med["flattened"],
         "separate/coalesced": med["separate"] / med["coalesced"],
+        "cpu coalesced/flattened": cpu_med["coalesced"] / cpu_med["flattened"],
+        "cpu coalesced/torch_cm": cpu_med["coalesced"] / cpu_med["torch_cm"],
     }
     goals = {
         "coalesced <= 1.5x flattened": ratios["coalesced/flattened"] <= 1.5,
@@ -192,17 +217,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<24}{v:>8.2f}x")
     for k, ok in goals.items():
         print(f"goal {k}: {'met' if ok else 'NOT met'}")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(
-                {
-                    "config": {"world_size": ws, "ops": args.ops, "numel": args.numel, "dtype": "float32",
-                               "repeats": args.repeats, "inner": args.inner, "loop": args.loop,
-                               "cpus": os.cpu_count()},
-                    "results": table, "ratios": ratios, "goals": goals,
-                },
-                f, indent=2,
-            )
+    path = Path(args.json_path or f"bench/results/coalescing_{args.loop}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "config": {"world_size": ws, "ops": args.ops, "numel": args.numel, "dtype": "float32",
+                   "repeats": args.repeats, "inner": args.inner, "loop": args.loop, "cpus": os.cpu_count()},
+        "results": table, "ratios": ratios, "goals": goals,
+    }
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    if not args.no_plot:
+        from bench.plot import plot_coalescing
+
+        for png in plot_coalescing(result, path.with_suffix("")):
+            print(f"wrote {png}")
     return 0
 
 

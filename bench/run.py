@@ -29,11 +29,21 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from bench._common import FloorBridge, Runtime, free_port, median, pct, progress, run_loop, spawn
+from bench._common import (
+    FloorBridge,
+    Runtime,
+    free_port,
+    median,
+    pct,
+    progress,
+    run_loop,
+    spawn,
+)
 
 SMALL = [8, 64, 512, 4096, 32768]
 LARGE = [262144, 2 << 20, 16 << 20]
@@ -331,8 +341,9 @@ def _f(x: float | None, fmt: str = ".1f") -> str:
 
 def tables(res: dict[str, Any]) -> str:
     """The results as text tables."""
-    out = [f"all_reduce latency, Gloo, world size {res['world_size']}, loop {res['loop']}, "
-           f"{res['cpus']} CPUs (rank 0, per op, modes alternating op by op)"]
+    head = (f"all_reduce latency, Gloo, world size {res['world_size']}, loop {res['loop']}, "
+            f"{res['cpus']} CPUs (rank 0, per op, modes alternating op by op)")
+    out = [head]
     if not res.get("asynccoll_supported", True):
         out.append(f"asynccoll column: {SKIP_TRIO}")
     for suffix, title in (("", "median"), ("_p10", "p10")):
