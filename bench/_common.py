@@ -40,6 +40,19 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def orders(modes: Sequence[str], n: int, seed: int) -> list[list[str]]:
+    """``n`` shuffled orders of ``modes``, the same on every rank (same ``seed``).
+
+    Ranks run in lockstep, so an op's latency includes how late the peer issues it,
+    i.e. the peer's completion cost of the op before; shuffling gives every mode the
+    same mix of predecessors (a fixed rotation does not: in A B C / B C A / C A B,
+    B follows A two times in three)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.sample(list(modes), len(modes)) for _ in range(n)]
+
+
 def progress(msg: str) -> None:
     """One line of progress on stderr (the results go to stdout)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

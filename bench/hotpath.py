@@ -18,6 +18,9 @@ B. Completion side, one op in flight at a time, a timeline stamped with
    The floor bridge and torch's blocking ``wait()`` are stamped alike, the three
    alternating op by op.
 
+D. Candidate cuts measured from outside (``variants``): asynccoll without its
+   LoopWaker, and a floor without a waiter thread (``get_future()`` callback).
+
 C. cProfile of the event-loop thread over a run of awaited small all_reduces:
    the top functions by own time (bench/results/hotpath_<loop>_profile.txt).
 """
@@ -39,7 +42,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench._common import FloorBridge, free_port, median, pct, progress, run_loop, spawn
+from bench._common import (
+    FloorBridge,
+    free_port,
+    median,
+    orders,
+    pct,
+    progress,
+    run_loop,
+    spawn,
+)
 
 ns = time.perf_counter_ns
 
@@ -288,9 +300,8 @@ async def completion_side(comm: Any, dist: Any, n: int) -> dict[str, Any]:
     samples: dict[str, list[dict[str, int]]] = {"asynccoll": [], "floor": [], "torch": []}
     modes = ("asynccoll", "floor", "torch")
     dist.barrier()
-    for i in range(n + n // 10):
-        k = i % 3
-        for mode in modes[k:] + modes[:k]:
+    for i, order in enumerate(orders(modes, n + n // 10, seed=3)):
+        for mode in order:
             if mode == "asynccoll":
                 tl.cur = {}
                 t0 = ns()
@@ -329,6 +340,62 @@ async def completion_side(comm: Any, dist: Any, n: int) -> dict[str, Any]:
     return out
 
 
+async def variants(comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, n: int) -> dict[str, Any]:
+    """Latency of candidate cuts, built from outside the library, op by op in a rotating order.
+
+    asynccoll         as shipped
+    ac_no_waker       the same library, its ledger's ``waker_for`` returning None, so each
+                      burst is posted with one plain ``loop.call_soon_threadsafe`` (no LoopWaker)
+    floor             the thread bridge (``_common.FloorBridge``)
+    floor_future      no waiter thread: ``work.get_future()``'s done-callback (on Gloo's own
+                      thread) calls ``loop.call_soon_threadsafe(fut.set_result, None)``
+    torch             ``dist.all_reduce(t, async_op=True).wait()``
+    """
+    import torch
+
+    comm_direct.ledger._waker_for = lambda _loop: None
+    loop = asyncio.get_running_loop()
+    t = torch.zeros(2)
+
+    async def asynccoll() -> None:
+        await comm.all_reduce(t)
+
+    async def ac_no_waker() -> None:
+        await comm_direct.all_reduce(t)
+
+    async def floor_op() -> None:
+        await floor.submit(dist.all_reduce(t, async_op=True))
+
+    async def floor_future() -> None:
+        fut = loop.create_future()
+        dist.all_reduce(t, async_op=True).get_future().add_done_callback(
+            lambda _f: loop.call_soon_threadsafe(fut.set_result, None)
+        )
+        await fut
+
+    async def torch_op() -> None:
+        dist.all_reduce(t, async_op=True).wait()
+
+    fns = {"asynccoll": asynccoll, "ac_no_waker": ac_no_waker, "floor": floor_op,
+           "floor_future": floor_future, "torch": torch_op}
+    modes = tuple(fns)
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    dist.barrier()
+    for i, order in enumerate(orders(modes, n + n // 10, seed=5)):
+        for m in order:
+            t0 = ns()
+            await fns[m]()
+            if i >= n // 10:
+                samples[m].append((ns() - t0) / 1e3)
+    out: dict[str, Any] = {}
+    for m in modes:
+        out[m] = {"median_us": median(samples[m]), "p10_us": pct(samples[m], 0.1)}
+    for m in modes:
+        for q in ("median_us", "p10_us"):
+            out[m][f"vs_floor_{q[:-3]}"] = out[m][q] / out["floor"][q]
+    return out
+
+
 def profile_loop(comm: Any, n: int) -> Any:
     async def body() -> None:
         import torch
@@ -351,6 +418,7 @@ def _rank(rank: int, world_size: int, port: int, loop: str, n_issue: int, n_time
         store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
         comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
+        comm2 = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac2/", store))
         say = progress if rank == 0 else (lambda _m: None)
         floor = FloorBridge(loop)
         res: dict[str, Any] = {}
@@ -366,12 +434,15 @@ def _rank(rank: int, world_size: int, port: int, loop: str, n_issue: int, n_time
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             res["profile"] = buf.getvalue()
+            say("hot path D: candidate cuts, measured side by side")
+            res["variants"] = await variants(comm, comm2, dist, floor, n_timeline)
             say("hot path B: completion-side timeline (instrumented)")
             res["timeline"] = await completion_side(comm, dist, n_timeline)
         finally:
             floor.close()
             dist.barrier()
             await comm.close()
+            await comm2.close()
             dist.destroy_process_group()
         return res
 
@@ -383,13 +454,18 @@ def tables(res: dict[str, Any]) -> str:
     out.append("\nA. issue side, each step alone (median of the mean per call, batches of 200)")
     for name, us in res["issue"].items():
         out.append(f"  {name:<52} {us:>8.2f} us")
-    out.append("\nB. completion side, one op in flight, steps stamped with perf_counter_ns")
+    out.append("\nB. completion side, one op in flight, steps stamped with perf_counter_ns, modes shuffled op by op")
     for mode, title in (("asynccoll", "asynccoll"), ("floor", "floor bridge"), ("torch", "torch blocking wait()")):
         m = res["timeline"][mode]
         out.append(f"  {title} ({m['slow_path_ops']} of {m['ops']} ops went through every step)")
         out.append(f"    {'step':<66} {'median us':>10} {'p10 us':>8}")
         for row in m["steps"]:
             out.append(f"    {row['step']:<66} {row['median_us']:>10.1f} {row['p10_us']:>8.1f}")
+    out.append("\nD. candidate cuts, one small all_reduce, the five alternating op by op")
+    out.append(f"    {'variant':<14} {'median us':>10} {'p10 us':>8} {'/floor med':>11} {'/floor p10':>11}")
+    for m, row in res["variants"].items():
+        out.append(f"    {m:<14} {row['median_us']:>10.1f} {row['p10_us']:>8.1f} {row['vs_floor_median']:>11.3f} "
+                   f"{row['vs_floor_p10']:>11.3f}")
     return "\n".join(out)
 
 

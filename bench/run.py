@@ -7,7 +7,7 @@ torch.distributed Gloo group (``init_process_group``) on one TCPStore, and a *fl
 bridge (``bench/_common.py``: one waiter thread calling ``work.wait()`` then
 ``loop.call_soon_threadsafe(fut.set_result, None)``) over the torch group. The
 three are measured side by side in the same processes, alternating op by op in a
-rotating order (A B C, B C A, C A B, ...) so drift and noise hit all alike:
+shuffled order (the same on both ranks) so drift and noise hit all alike:
 
 1. latency of one all_reduce (8 B .. 32 KB, and a few sizes up to 16 MB):
    ``await comm.all_reduce(t)`` | ``await floor(dist.all_reduce(t, async_op=True))``
@@ -39,6 +39,7 @@ from bench._common import (
     Runtime,
     free_port,
     median,
+    orders,
     pct,
     progress,
     run_loop,
@@ -121,8 +122,8 @@ async def latency(ctx: Ctx, cfg: Config) -> list[dict[str, Any]]:
             for m in _rotations(ctx.modes, i):
                 await ops[m](t)
         samples: dict[str, list[float]] = {m: [] for m in ctx.modes}
-        for i in range(n):
-            for m in _rotations(ctx.modes, i):
+        for order in orders(ctx.modes, n, seed=nbytes):
+            for m in order:
                 fn = ops[m]
                 t0 = pc()
                 await fn(t)
