@@ -347,6 +347,9 @@ async def variants(comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, n
     ac_no_waker       the same library, its ledger's ``waker_for`` returning None, so each
                       burst is posted with one plain ``loop.call_soon_threadsafe`` (no LoopWaker)
     floor             the thread bridge (``_common.FloorBridge``)
+    floor_acpg        the same bridge over asynccoll's own Gloo group (``pg.allreduce`` with
+                      asynccoll's cached options): isolates asynccoll's Python cost from any
+                      difference between the two Gloo groups and from ``dist``'s wrapper
     floor_future      no waiter thread: ``work.get_future()``'s done-callback (on Gloo's own
                       thread) calls ``loop.call_soon_threadsafe(fut.set_result, None)``
     torch             ``dist.all_reduce(t, async_op=True).wait()``
@@ -366,6 +369,12 @@ async def variants(comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, n
     async def floor_op() -> None:
         await floor.submit(dist.all_reduce(t, async_op=True))
 
+    backend = comm_direct._cpu_backend
+    pg, opts = backend._pg, backend._sum_opts
+
+    async def floor_acpg() -> None:
+        await floor.submit(pg.allreduce([t], opts))
+
     async def floor_future() -> None:
         fut = loop.create_future()
         dist.all_reduce(t, async_op=True).get_future().add_done_callback(
@@ -377,7 +386,7 @@ async def variants(comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, n
         dist.all_reduce(t, async_op=True).wait()
 
     fns = {"asynccoll": asynccoll, "ac_no_waker": ac_no_waker, "floor": floor_op,
-           "floor_future": floor_future, "torch": torch_op}
+           "floor_acpg": floor_acpg, "floor_future": floor_future, "torch": torch_op}
     modes = tuple(fns)
     samples: dict[str, list[float]] = {m: [] for m in modes}
     dist.barrier()
@@ -461,7 +470,7 @@ def tables(res: dict[str, Any]) -> str:
         out.append(f"    {'step':<66} {'median us':>10} {'p10 us':>8}")
         for row in m["steps"]:
             out.append(f"    {row['step']:<66} {row['median_us']:>10.1f} {row['p10_us']:>8.1f}")
-    out.append("\nD. candidate cuts, one small all_reduce, the five alternating op by op")
+    out.append("\nD. candidate cuts, one small all_reduce, the variants alternating op by op")
     out.append(f"    {'variant':<14} {'median us':>10} {'p10 us':>8} {'/floor med':>11} {'/floor p10':>11}")
     for m, row in res["variants"].items():
         out.append(f"    {m:<14} {row['median_us']:>10.1f} {row['p10_us']:>8.1f} {row['vs_floor_median']:>11.3f} "
