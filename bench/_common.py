@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import queue
 import socket
 import statistics
@@ -82,31 +83,57 @@ def _child(target: Callable[..., Any], rank: int, args: tuple[Any, ...], conn: A
 
 
 def spawn(target: Callable[..., Any], args: tuple[Any, ...], world_size: int = 2, limit: float = 900.0) -> list[Any]:
-    """Run ``target(rank, *args)`` in ``world_size`` spawned processes; their results by rank."""
+    """Run ``target(rank, *args)`` for every rank; their results by rank.
+
+    Rank 0 runs in this process (one interpreter fewer to start), the others in
+    spawned processes. A watchdog ends this process if another rank fails or the
+    whole run exceeds ``limit`` seconds, so a lost peer never leaves rank 0 hanging.
+    """
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
-    for r in range(world_size):
+    for r in range(1, world_size):
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, args=(target, r, args, child), daemon=True)
         p.start()
         pipes.append(parent)
         procs.append(p)
-    results = []
+    results: dict[int, Any] = {}
+    done = threading.Event()
+
+    def watchdog() -> None:
+        deadline = time.monotonic() + limit
+        while not done.wait(0.2):
+            for r, (conn, p) in enumerate(zip(pipes, procs), start=1):
+                if r in results:
+                    continue
+                if conn.poll():
+                    status, payload = conn.recv()
+                    if status != "ok":
+                        print(f"benchmark rank {r} failed:\n{payload}", file=sys.stderr, flush=True)
+                        os._exit(1)
+                    results[r] = payload
+                elif not p.is_alive():
+                    print(f"benchmark rank {r} died (exit code {p.exitcode})", file=sys.stderr, flush=True)
+                    os._exit(1)
+            if time.monotonic() > deadline:
+                print(f"benchmark did not finish in {limit:.0f} s", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    dog = threading.Thread(target=watchdog, name="bench-watchdog", daemon=True)
+    dog.start()
     try:
-        for r, conn in enumerate(pipes):
-            if not conn.poll(limit):
-                raise TimeoutError(f"benchmark rank {r} did not finish in {limit:.0f} s")
-            status, payload = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"benchmark rank {r} failed:\n{payload}")
-            results.append(payload)
+        results[0] = target(0, *args)
+        while len(results) < world_size and dog.is_alive():
+            time.sleep(0.05)
     finally:
+        done.set()
+        dog.join(5)
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    return results
+    return [results[r] for r in range(world_size)]
 
 
 class FloorBridge:

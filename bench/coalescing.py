@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,15 +40,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import progress
+from bench._common import free_port, progress, spawn
 
 MODES = ("separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -126,20 +118,12 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
     return {"wall": samples, "cpu": cpu}
 
 
-def _child(rank: int, ws: int, port: int, args: argparse.Namespace, q: Any) -> None:
-    try:
-        if args.loop == "uvloop":
-            import uvloop
+def _rank(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
+    if args.loop == "uvloop":
+        import uvloop
 
-            res = uvloop.run(_rank_main(rank, ws, port, args))
-        else:
-            res = asyncio.run(_rank_main(rank, ws, port, args))
-        q.put((rank, res, None))
-    except BaseException as exc:  # report to the parent, whatever it is
-        import traceback
-
-        q.put((rank, None, traceback.format_exc()))
-        raise SystemExit(1) from exc
+        return uvloop.run(_rank_main(rank, ws, port, args))
+    return asyncio.run(_rank_main(rank, ws, port, args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,25 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.warmup, args.inner = 10, 2, 2
 
     ws = 2
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, ws, port, args, q), daemon=True) for r in range(ws)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(ws):
-            rank, res, err = q.get(timeout=600)
-            if err is not None:
-                print(f"rank {rank} failed:\n{err}", file=sys.stderr)
-                return 1
-            results[rank] = res
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+    results = spawn(_rank, (ws, free_port(), args), ws, limit=900.0)
 
     samples, cpu = results[0]["wall"], results[0]["cpu"]
     table = {}
