@@ -269,7 +269,7 @@ STEPS_TORCH = [
 ]
 
 
-async def completion_side(comm: Any, dist: Any, n: int) -> dict[str, Any]:
+async def completion_side(comm: Any, dist: Any, group: Any, n: int) -> dict[str, Any]:
     import torch
 
     tl = Timeline()
@@ -314,7 +314,7 @@ async def completion_side(comm: Any, dist: Any, n: int) -> dict[str, Any]:
                 floor_tl.clear()
                 t0 = ns()
                 fut = loop.create_future()
-                q.put((dist.all_reduce(t, async_op=True), fut))
+                q.put((dist.all_reduce(t, group=group, async_op=True), fut))
                 ret = ns()
                 await fut
                 resume = ns()
@@ -340,25 +340,26 @@ async def completion_side(comm: Any, dist: Any, n: int) -> dict[str, Any]:
     return out
 
 
-async def variants(comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, n: int) -> dict[str, Any]:
+async def variants(
+    comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, future_group: Any, n: int, nbytes: int = 8
+) -> dict[str, Any]:
     """Latency of candidate cuts, built from outside the library, op by op in a rotating order.
 
     asynccoll         as shipped
     ac_no_waker       the same library, its ledger's ``waker_for`` returning None, so each
                       burst is posted with one plain ``loop.call_soon_threadsafe`` (no LoopWaker)
     floor             the thread bridge (``_common.FloorBridge``)
-    floor_acpg        the same bridge over asynccoll's own Gloo group (``pg.allreduce`` with
-                      asynccoll's cached options): isolates asynccoll's Python cost from any
-                      difference between the two Gloo groups and from ``dist``'s wrapper
     floor_future      no waiter thread: ``work.get_future()``'s done-callback (on Gloo's own
                       thread) calls ``loop.call_soon_threadsafe(fut.set_result, None)``
     torch             ``dist.all_reduce(t, async_op=True).wait()``
+
+    Each variant runs on a Gloo group of its own (see ``FloorBridge``).
     """
     import torch
 
     comm_direct.ledger._waker_for = lambda _loop: None
     loop = asyncio.get_running_loop()
-    t = torch.zeros(2)
+    t = torch.zeros(max(1, nbytes // 4))
 
     async def asynccoll() -> None:
         await comm.all_reduce(t)
@@ -367,17 +368,11 @@ async def variants(comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, n
         await comm_direct.all_reduce(t)
 
     async def floor_op() -> None:
-        await floor.submit(dist.all_reduce(t, async_op=True))
-
-    backend = comm_direct._cpu_backend
-    pg, opts = backend._pg, backend._sum_opts
-
-    async def floor_acpg() -> None:
-        await floor.submit(pg.allreduce([t], opts))
+        await floor.all_reduce(t)
 
     async def floor_future() -> None:
         fut = loop.create_future()
-        dist.all_reduce(t, async_op=True).get_future().add_done_callback(
+        dist.all_reduce(t, group=future_group, async_op=True).get_future().add_done_callback(
             lambda _f: loop.call_soon_threadsafe(fut.set_result, None)
         )
         await fut
@@ -386,7 +381,7 @@ async def variants(comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, n
         dist.all_reduce(t, async_op=True).wait()
 
     fns = {"asynccoll": asynccoll, "ac_no_waker": ac_no_waker, "floor": floor_op,
-           "floor_acpg": floor_acpg, "floor_future": floor_future, "torch": torch_op}
+           "floor_future": floor_future, "torch": torch_op}
     modes = tuple(fns)
     samples: dict[str, list[float]] = {m: [] for m in modes}
     dist.barrier()
@@ -429,7 +424,8 @@ def _rank(rank: int, world_size: int, port: int, loop: str, n_issue: int, n_time
         comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
         comm2 = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac2/", store))
         say = progress if rank == 0 else (lambda _m: None)
-        floor = FloorBridge(loop)
+        floor = FloorBridge(loop, dist.new_group(backend="gloo"))
+        fgroup = dist.new_group(backend="gloo")
         res: dict[str, Any] = {}
         try:
             say("hot path A: issue-side steps, uninstrumented")
@@ -444,9 +440,10 @@ def _rank(rank: int, world_size: int, port: int, loop: str, n_issue: int, n_time
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             res["profile"] = buf.getvalue()
             say("hot path D: candidate cuts, measured side by side")
-            res["variants"] = await variants(comm, comm2, dist, floor, n_timeline)
+            res["variants"] = await variants(comm, comm2, dist, floor, fgroup, n_timeline)
+            res["variants_2MB"] = await variants(comm, comm2, dist, floor, fgroup, max(10, n_timeline // 15), 2 << 20)
             say("hot path B: completion-side timeline (instrumented)")
-            res["timeline"] = await completion_side(comm, dist, n_timeline)
+            res["timeline"] = await completion_side(comm, dist, floor.group, n_timeline)
         finally:
             floor.close()
             dist.barrier()
@@ -470,11 +467,12 @@ def tables(res: dict[str, Any]) -> str:
         out.append(f"    {'step':<66} {'median us':>10} {'p10 us':>8}")
         for row in m["steps"]:
             out.append(f"    {row['step']:<66} {row['median_us']:>10.1f} {row['p10_us']:>8.1f}")
-    out.append("\nD. candidate cuts, one small all_reduce, the variants alternating op by op")
-    out.append(f"    {'variant':<14} {'median us':>10} {'p10 us':>8} {'/floor med':>11} {'/floor p10':>11}")
-    for m, row in res["variants"].items():
-        out.append(f"    {m:<14} {row['median_us']:>10.1f} {row['p10_us']:>8.1f} {row['vs_floor_median']:>11.3f} "
-                   f"{row['vs_floor_p10']:>11.3f}")
+    for key, what in (("variants", "8 B"), ("variants_2MB", "2 MiB")):
+        out.append(f"\nD. candidate cuts, one all_reduce of {what}, the variants alternating op by op")
+        out.append(f"    {'variant':<14} {'median us':>10} {'p10 us':>8} {'/floor med':>11} {'/floor p10':>11}")
+        for m, row in res[key].items():
+            out.append(f"    {m:<14} {row['median_us']:>10.1f} {row['p10_us']:>8.1f} {row['vs_floor_median']:>11.3f} "
+                       f"{row['vs_floor_p10']:>11.3f}")
     return "\n".join(out)
 
 

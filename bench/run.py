@@ -10,8 +10,9 @@ three are measured side by side in the same processes, alternating op by op in a
 shuffled order (the same on both ranks) so drift and noise hit all alike:
 
 1. latency of one all_reduce (8 B .. 32 KB, and a few sizes up to 16 MB):
-   ``await comm.all_reduce(t)`` | ``await floor(dist.all_reduce(t, async_op=True))``
-   | ``dist.all_reduce(t, async_op=True).wait()``; median and p10 per op; ratios
+   ``await comm.all_reduce(t)`` | ``await floor(dist.all_reduce(t, group=g, async_op=True))``
+   | ``dist.all_reduce(t, async_op=True).wait()``, each mode on a Gloo group of its
+   own (asynccoll's, ``g``, the default group); median and p10 per op; ratios
    asynccoll/floor, floor/torch, asynccoll/torch;
 2. pipelined throughput: 1000 small all_reduces issued back to back, then all
    awaited (torch: issue all, then ``wait()`` each); median over rounds;
@@ -90,7 +91,7 @@ class Ctx:
             await comm.all_reduce(t)
 
         async def floor_op(t: Any) -> None:
-            await floor.submit(dist.all_reduce(t, async_op=True))
+            await floor.all_reduce(t)
 
         async def torch_op(t: Any) -> None:
             dist.all_reduce(t, async_op=True).wait()
@@ -169,7 +170,7 @@ async def throughput(ctx: Ctx, cfg: Config) -> dict[str, Any]:
             await w
 
     async def floor_op() -> None:
-        futs = [floor.submit(dist.all_reduce(t, async_op=True)) for t in tensors]
+        futs = [floor.all_reduce(t) for t in tensors]
         for f in futs:
             await f
 
@@ -223,7 +224,7 @@ async def loop_lag(ctx: Ctx, cfg: Config) -> dict[str, Any]:
                     if mode == "asynccoll":
                         works.append(comm.all_reduce(t))
                     elif mode == "floor":
-                        works.append(floor.submit(dist.all_reduce(t, async_op=True)))
+                        works.append(floor.all_reduce(t))
                     else:
                         works.append(dist.all_reduce(t, async_op=True))
                     await rt.sleep(0)
@@ -306,7 +307,7 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
         rt = Runtime(loop)
         comm = await _init(ac, rank, world_size, dist.PrefixStore("ac/", store), loop)
         usable = await _asynccoll_usable(comm, loop)
-        floor = FloorBridge(loop)
+        floor = FloorBridge(loop, dist.new_group(backend="gloo"))
         ctx = Ctx(rank, comm if usable else None, dist, floor, rt)
         res: dict[str, Any] = {"asynccoll_supported": usable}
         try:
