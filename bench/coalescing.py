@@ -104,7 +104,10 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
         k = rnd % len(MODES)
         for mode in MODES[k:] + MODES[:k]:
             fn = fns[mode]
-            await comm.barrier()  # start each sample together
+            if mode.startswith("torch"):  # start each sample together, on the group it uses
+                dist.barrier()
+            else:
+                await comm.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(args.inner):
                 await fn()
