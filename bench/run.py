@@ -59,6 +59,7 @@ class Config:
     def __init__(self, quick: bool = False, smoke: bool = False) -> None:
         self.quick, self.smoke = quick or smoke, smoke
         self.small_iters = 40 if smoke else (400 if quick else 2000)
+        self.passes = 1 if smoke else (2 if quick else 4)
         self.sizes = [8, 4096] if smoke else SMALL + ([LARGE[0]] if quick else LARGE)
         self.tput_ops = 100 if smoke else (300 if quick else 1000)
         self.tput_rounds = 1 if smoke else (3 if quick else 9)
@@ -70,7 +71,7 @@ class Config:
             return self.small_iters
         if self.smoke:
             return 3
-        base = max(12, int(4e8 // nbytes))  # ~0.4 GB moved per mode
+        base = max(24, int(1.5e8 // nbytes))  # ~150 MB moved per mode
         return max(6, base // (4 if self.quick else 1))
 
     def as_dict(self) -> dict[str, Any]:
@@ -109,34 +110,51 @@ def _rotations(modes: tuple[str, ...], i: int) -> tuple[str, ...]:
 
 
 async def latency(ctx: Ctx, cfg: Config) -> list[dict[str, Any]]:
-    """Per-op latency, the modes alternating op by op in a rotating order."""
+    """Per-op latency, the modes alternating op by op in a shuffled order.
+
+    The sweep runs in ``cfg.passes`` passes over all sizes, so a burst of load from
+    elsewhere on the machine lands on a slice of every size rather than on a whole
+    size; the spread of the per-pass ac/floor ratio is reported alongside.
+    """
     import torch
 
     pc = time.perf_counter
     ops = {m: ctx.op(m) for m in ctx.modes}
+    tensors = {nbytes: torch.zeros(max(1, nbytes // 4), dtype=torch.float32) for nbytes in cfg.sizes}
+    samples: dict[int, dict[str, list[float]]] = {nb: {m: [] for m in ctx.modes} for nb in cfg.sizes}
+    per_pass: dict[int, list[float]] = {nb: [] for nb in cfg.sizes}
+    for p in range(cfg.passes):
+        for nbytes in cfg.sizes:
+            t = tensors[nbytes]
+            n = max(1, cfg.iters(nbytes) // cfg.passes)
+            ctx.dist.barrier()
+            for i in range(max(3, n // 10)):  # warm-up every path
+                for m in _rotations(ctx.modes, i):
+                    await ops[m](t)
+            got: dict[str, list[float]] = {m: [] for m in ctx.modes}
+            for order in orders(ctx.modes, n, seed=nbytes * 31 + p):
+                for m in order:
+                    fn = ops[m]
+                    t0 = pc()
+                    await fn(t)
+                    got[m].append(pc() - t0)
+            for m in ctx.modes:
+                samples[nbytes][m].extend(got[m])
+            if "asynccoll" in got:
+                per_pass[nbytes].append(median(got["asynccoll"]) / median(got["floor"]))
+            ctx.say(f"latency pass {p + 1}/{cfg.passes} {nbytes:>9} B x{n}: "
+                    + ", ".join(f"{m} {median(got[m]) * 1e6:.1f} us" for m in ctx.modes))
     rows = []
     for nbytes in cfg.sizes:
-        t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        n = cfg.iters(nbytes)
-        ctx.dist.barrier()
-        for i in range(max(3, n // 10)):  # warm-up every path
-            for m in _rotations(ctx.modes, i):
-                await ops[m](t)
-        samples: dict[str, list[float]] = {m: [] for m in ctx.modes}
-        for order in orders(ctx.modes, n, seed=nbytes):
-            for m in order:
-                fn = ops[m]
-                t0 = pc()
-                await fn(t)
-                samples[m].append(pc() - t0)
-        row: dict[str, Any] = {"bytes": nbytes, "iters": n}
+        row: dict[str, Any] = {"bytes": nbytes, "iters": len(samples[nbytes]["floor"])}
         for m in MODES:
-            s = samples.get(m)
+            s = samples[nbytes].get(m)
             row[f"{m}_us"] = median(s) * 1e6 if s else None
             row[f"{m}_p10_us"] = pct(s, 0.1) * 1e6 if s else None
         _ratios(row)
+        row["ac/floor_per_pass"] = per_pass[nbytes]
         rows.append(row)
-        ctx.say(f"latency {nbytes:>9} B x{n}: " + _row_text(row))
+        ctx.say(f"latency {nbytes:>9} B x{row['iters']}: " + _row_text(row))
     return rows
 
 
@@ -350,12 +368,15 @@ def tables(res: dict[str, Any]) -> str:
         out.append(f"asynccoll column: {SKIP_TRIO}")
     for suffix, title in (("", "median"), ("_p10", "p10")):
         out.append(f"\n{title}:")
+        spread = " ac/floor per pass (min-max)" if not suffix else ""
         out.append(f"{'bytes':>9} {'asynccoll us':>12} {'floor us':>9} {'torch us':>9} "
-                   f"{'ac/floor':>9} {'floor/torch':>11} {'ac/torch':>9}")
+                   f"{'ac/floor':>9} {'floor/torch':>11} {'ac/torch':>9}{spread}")
         for row in res["latency"]:
             a, f, t = (row[f"{m}{suffix}_us"] for m in MODES)
+            passes = row.get("ac/floor_per_pass") or []
+            extra = f"   {min(passes):.3f}-{max(passes):.3f}" if passes and not suffix else ""
             out.append(f"{row['bytes']:>9} {_f(a):>12} {_f(f):>9} {_f(t):>9} {_f(row['ac/floor' + suffix], '.3f'):>9} "
-                       f"{_f(row['floor/torch' + suffix], '.3f'):>11} {_f(row['ac/torch' + suffix], '.3f'):>9}")
+                       f"{_f(row['floor/torch' + suffix], '.3f'):>11} {_f(row['ac/torch' + suffix], '.3f'):>9}{extra}")
     tp = res["throughput"]
     out.append(f"\npipelined: {tp['ops']} x all_reduce(8 B) issued back to back, then awaited "
                f"(median of {tp['rounds']} rounds)")
