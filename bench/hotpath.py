@@ -3,6 +3,8 @@
     python -m bench.hotpath [--loop uvloop|asyncio] [--quick|--smoke] [--json PATH]
 
 Nothing in the library is changed: this script times library pieces from outside.
+By default every variant runs on one Gloo group (asynccoll through ``ac.wrap`` of the
+default group's Gloo backend), so only the Python paths differ (see ``bench/run.py``).
 
 A. Issue side, each step alone, uninstrumented (median over repeats of the mean
    per call of a batch): validation (tensor, backend lookup, reduce op, OpSpec),
@@ -411,7 +413,9 @@ def profile_loop(comm: Any, n: int) -> Any:
     return body
 
 
-def _rank(rank: int, world_size: int, port: int, loop: str, n_issue: int, n_timeline: int) -> dict[str, Any]:
+def _rank(
+    rank: int, world_size: int, port: int, loop: str, n_issue: int, n_timeline: int, groups: str
+) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         import torch
         import torch.distributed as dist
@@ -421,11 +425,16 @@ def _rank(rank: int, world_size: int, port: int, loop: str, n_issue: int, n_time
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
-        comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
-        comm2 = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac2/", store))
+        if groups == "shared":  # every variant on the default group's one Gloo backend
+            gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+            comm, comm2 = ac.wrap(gloo, timeout=60.0), ac.wrap(gloo, timeout=60.0)
+            floor_group = fgroup = None
+        else:
+            comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
+            comm2 = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac2/", store))
+            floor_group, fgroup = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
         say = progress if rank == 0 else (lambda _m: None)
-        floor = FloorBridge(loop, dist.new_group(backend="gloo"))
-        fgroup = dist.new_group(backend="gloo")
+        floor = FloorBridge(loop, floor_group)
         res: dict[str, Any] = {}
         try:
             say("hot path A: issue-side steps, uninstrumented")
@@ -456,7 +465,9 @@ def _rank(rank: int, world_size: int, port: int, loop: str, n_issue: int, n_time
 
 
 def tables(res: dict[str, Any]) -> str:
-    out = [f"asynccoll small all_reduce (8 B) hot path, Gloo, 2 ranks, loop {res['loop']} (rank 0)"]
+    head = (f"asynccoll small all_reduce (8 B) hot path, Gloo, 2 ranks, loop {res['loop']}, "
+            f"groups {res['groups']} (rank 0)")
+    out = [head]
     out.append("\nA. issue side, each step alone (median of the mean per call, batches of 200)")
     for name, us in res["issue"].items():
         out.append(f"  {name:<52} {us:>8.2f} us")
@@ -479,15 +490,18 @@ def tables(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
+    ap.add_argument("--groups", choices=("shared", "own"), default="shared",
+                    help="shared: every variant on one Gloo group (asynccoll via ac.wrap); own: one group each")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=None, help="default bench/results/hotpath_<loop>.json")
     args = ap.parse_args(argv)
     n_issue, n_tl = (3, 60) if args.smoke else ((7, 500) if args.quick else (15, 3000))
-    results = spawn(_rank, (2, free_port(), args.loop, n_issue, n_tl), 2)
-    res = {"loop": args.loop, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results[0]}
+    results = spawn(_rank, (2, free_port(), args.loop, n_issue, n_tl, args.groups), 2)
+    res = {"loop": args.loop, "groups": args.groups, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results[0]}
     print(tables(res))
-    path = Path(args.json or f"bench/results/hotpath_{args.loop}.json")
+    suffix = "" if args.groups == "shared" else "_own"
+    path = Path(args.json or f"bench/results/hotpath_{args.loop}{suffix}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     prof = res.pop("profile")
     path.write_text(json.dumps(res, indent=2))

@@ -11,13 +11,19 @@ shuffled order (the same on both ranks) so drift and noise hit all alike:
 
 1. latency of one all_reduce (8 B .. 32 KB, and a few sizes up to 16 MB):
    ``await comm.all_reduce(t)`` | ``await floor(dist.all_reduce(t, group=g, async_op=True))``
-   | ``dist.all_reduce(t, async_op=True).wait()``, each mode on a Gloo group of its
-   own (asynccoll's, ``g``, the default group); median and p10 per op; ratios
+   | ``dist.all_reduce(t, async_op=True).wait()``; median and p10 per op; ratios
    asynccoll/floor, floor/torch, asynccoll/torch;
 2. pipelined throughput: 1000 small all_reduces issued back to back, then all
    awaited (torch: issue all, then ``wait()`` each); median over rounds;
 3. event-loop lag p99 while 1000 small all_reduces are in flight: a 1 ms
    heartbeat task (perf_counter), with an idle baseline in the same run.
+
+By default (``--groups shared``) the three run on ONE Gloo group: asynccoll wraps the
+default group's Gloo backend (``ac.wrap``; the same backend code as ``ac.init``), so
+only the Python path differs. Measured here, separate groups differ by more than the
+Python path (each group's threads and sockets are in their own state: per-size
+medians swung 0.7-3x between groups on this loaded machine); ``--groups own`` runs
+asynccoll from ``ac.init`` with the floor on a ``new_group()`` for comparison.
 
 Progress goes to stderr; the tables to stdout; JSON and PNG plots to bench/results/.
 On trio, if asynccoll cannot be awaited yet, its column says so and the rest runs.
@@ -56,8 +62,9 @@ SKIP_TRIO = "skipped: asynccoll does not support trio yet"
 class Config:
     """What to run; ``quick`` and ``smoke`` shrink everything."""
 
-    def __init__(self, quick: bool = False, smoke: bool = False) -> None:
+    def __init__(self, quick: bool = False, smoke: bool = False, groups: str = "shared") -> None:
         self.quick, self.smoke = quick or smoke, smoke
+        self.groups = groups
         self.small_iters = 40 if smoke else (400 if quick else 2000)
         self.passes = 1 if smoke else (2 if quick else 4)
         self.sizes = [8, 4096] if smoke else SMALL + ([LARGE[0]] if quick else LARGE)
@@ -323,9 +330,14 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
         store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
         rt = Runtime(loop)
-        comm = await _init(ac, rank, world_size, dist.PrefixStore("ac/", store), loop)
+        if cfg.groups == "shared":  # one Gloo group under all three modes
+            comm = ac.wrap(dist.group.WORLD._get_backend(torch.device("cpu")), timeout=60.0)
+            floor_group = None
+        else:  # a Gloo group of its own for each mode
+            comm = await _init(ac, rank, world_size, dist.PrefixStore("ac/", store), loop)
+            floor_group = dist.new_group(backend="gloo")
         usable = await _asynccoll_usable(comm, loop)
-        floor = FloorBridge(loop, dist.new_group(backend="gloo"))
+        floor = FloorBridge(loop, floor_group)
         ctx = Ctx(rank, comm if usable else None, dist, floor, rt)
         res: dict[str, Any] = {"asynccoll_supported": usable}
         try:
@@ -362,6 +374,7 @@ def _f(x: float | None, fmt: str = ".1f") -> str:
 def tables(res: dict[str, Any]) -> str:
     """The results as text tables."""
     head = (f"all_reduce latency, Gloo, world size {res['world_size']}, loop {res['loop']}, "
+            f"groups {res['config']['groups']}, "
             f"{res['cpus']} CPUs (rank 0, per op, modes alternating op by op)")
     out = [head]
     if not res.get("asynccoll_supported", True):
@@ -408,6 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a quick look)")
     ap.add_argument("--smoke", action="store_true", help="a few iterations only (does it still run?)")
     ap.add_argument("--loop", choices=("asyncio", "uvloop", "trio"), default="asyncio")
+    ap.add_argument(
+        "--groups", choices=("shared", "own"), default="shared",
+        help="shared: the three modes run on ONE Gloo group (asynccoll through ac.wrap() of the default "
+        "group's Gloo backend), so only the Python path differs; own: asynccoll from ac.init(), the floor "
+        "on a new_group(), torch on the default group (per-group transport state then differs too)",
+    )
     ap.add_argument("--json", default=None, help="results file (default bench/results/core_<loop>.json)")
     ap.add_argument("--no-plot", action="store_true", help="do not draw the PNG plots")
     args = ap.parse_args(argv)
@@ -417,9 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("--loop trio: trio is not installed", file=sys.stderr)
             return 2
-    res = run(Config(quick=args.quick, smoke=args.smoke), loop=args.loop)
+    res = run(Config(quick=args.quick, smoke=args.smoke, groups=args.groups), loop=args.loop)
     print(tables(res))
-    path = Path(args.json or f"bench/results/core_{args.loop}.json")
+    suffix = "" if args.groups == "shared" else "_own"
+    path = Path(args.json or f"bench/results/core_{args.loop}{suffix}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=2))
     print(f"\nwrote {path}")
