@@ -45,7 +45,7 @@ from bench._common import free_port, progress, spawn
 MODES = ("separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep")
 
 
-async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, list[float]]:
+async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -116,9 +116,24 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
             if rnd >= args.warmup:
                 samples[mode].append(dt)
                 cpu[mode].append(dc)
+    profile = None
+    if args.profile:  # where a coalesced batch's CPU goes (this rank's loop thread)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        await comm.barrier()
+        prof.enable()
+        for _ in range(args.profile):
+            await coalesced()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        profile = buf.getvalue()
     await comm.close()
     dist.destroy_process_group()
-    return {"wall": samples, "cpu": cpu}
+    return {"wall": samples, "cpu": cpu, "profile": profile}
 
 
 def _rank(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="10 samples x 2 iterations")
     p.add_argument("--smoke", action="store_true", help="2 samples x 1 iteration (does it still run?)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also cProfile N coalesced iterations (rank 0's loop thread) into <json>_profile.txt")
     args = p.parse_args(argv)
     if args.smoke:
         args.repeats, args.warmup, args.inner = 2, 1, 1
@@ -195,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+    if results[0]["profile"]:
+        prof_path = path.with_name(path.stem + "_profile.txt")
+        prof_path.write_text(results[0]["profile"])
+        print(f"wrote {prof_path}")
     if not args.no_plot:
         from bench.plot import plot_coalescing
 
