@@ -342,14 +342,66 @@ async def completion_side(comm: Any, dist: Any, group: Any, n: int) -> dict[str,
     return out
 
 
+def lean_completer(backend: Any) -> None:
+    """Swap ``backend``'s completion thread for a leaner one (an experiment, bench-side).
+
+    Same discipline as ``asynccoll._backends.common.Completer`` (ordered waits,
+    successes batched, reported before blocking), with two changes on the critical
+    path: the success is reported as soon as the queue is empty (``SimpleQueue.empty()``,
+    no ``get_nowait``/``queue.Empty`` probe), and the finished torch Work is dropped
+    after reporting (its destructor, ~2.5 us, off the path; still before the next get()).
+    """
+    from asynccoll._backends import torch_pg
+    from asynccoll._backends.common import Completer
+
+    class LeanCompleter(Completer):
+        def _run(self) -> None:
+            get, empty = self._queue.get, self._queue.empty
+            wait, is_done, on_error, sink = self._wait, self._is_done, self._on_error, self._sink
+            ready: list[Any] = []
+            while True:
+                waitable, target, fixup = get()
+                if waitable is self._STOP:
+                    return
+                if ready and not is_done(waitable):
+                    sink().succeed_all(ready)  # about to block: report what is done first
+                    ready = []
+                error: BaseException | None = None
+                try:
+                    wait(waitable)
+                    if fixup is not None:
+                        fixup()
+                except Exception as exc:  # noqa: BLE001 - as in Completer: any error fails its Work
+                    error = exc
+                if error is not None:
+                    if ready:
+                        sink().succeed_all(ready)
+                        ready = []
+                    sink().fail(target, on_error(error, target))
+                else:
+                    ready.append(target)
+                    if empty() or len(ready) >= self.batch:
+                        sink().succeed_all(ready)
+                        ready = []
+                del waitable, target, fixup, error
+
+    old = backend._waiter
+    backend._waiter = LeanCompleter(
+        "asynccoll-lean-waiter", lambda: backend.sink, torch_pg._wait, torch_pg._is_done, backend._error
+    )
+    old.stop()
+
+
 async def variants(
-    comm: Any, comm_direct: Any, dist: Any, floor: FloorBridge, future_group: Any, n: int, nbytes: int = 8
+    comm: Any, comm_direct: Any, comm_lean: Any, dist: Any, floor: FloorBridge, future_group: Any, n: int,
+    nbytes: int = 8,
 ) -> dict[str, Any]:
     """Latency of candidate cuts, built from outside the library, op by op in a rotating order.
 
     asynccoll         as shipped
     ac_no_waker       the same library, its ledger's ``waker_for`` returning None, so each
                       burst is posted with one plain ``loop.call_soon_threadsafe`` (no LoopWaker)
+    ac_lean           ac_no_waker plus a leaner completion thread (``lean_completer``)
     floor             the thread bridge (``_common.FloorBridge``)
     floor_future      no waiter thread: ``work.get_future()``'s done-callback (on Gloo's own
                       thread) calls ``loop.call_soon_threadsafe(fut.set_result, None)``
@@ -360,6 +412,7 @@ async def variants(
     import torch
 
     comm_direct.ledger._waker_for = lambda _loop: None
+    comm_lean.ledger._waker_for = lambda _loop: None
     loop = asyncio.get_running_loop()
     t = torch.zeros(max(1, nbytes // 4))
 
@@ -368,6 +421,9 @@ async def variants(
 
     async def ac_no_waker() -> None:
         await comm_direct.all_reduce(t)
+
+    async def ac_lean() -> None:
+        await comm_lean.all_reduce(t)
 
     async def floor_op() -> None:
         await floor.all_reduce(t)
@@ -382,7 +438,7 @@ async def variants(
     async def torch_op() -> None:
         dist.all_reduce(t, async_op=True).wait()
 
-    fns = {"asynccoll": asynccoll, "ac_no_waker": ac_no_waker, "floor": floor_op,
+    fns = {"asynccoll": asynccoll, "ac_no_waker": ac_no_waker, "ac_lean": ac_lean, "floor": floor_op,
            "floor_future": floor_future, "torch": torch_op}
     modes = tuple(fns)
     samples: dict[str, list[float]] = {m: [] for m in modes}
@@ -427,14 +483,16 @@ def _rank(
         dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
         if groups == "shared":  # every variant on the default group's one Gloo backend
             gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
-            comm, comm2 = ac.wrap(gloo, timeout=60.0), ac.wrap(gloo, timeout=60.0)
+            comm, comm2, comm3 = (ac.wrap(gloo, timeout=60.0) for _ in range(3))
             floor_group = fgroup = None
         else:
             comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
             comm2 = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac2/", store))
+            comm3 = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac3/", store))
             floor_group, fgroup = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
         say = progress if rank == 0 else (lambda _m: None)
         floor = FloorBridge(loop, floor_group)
+        lean_completer(comm3._cpu_backend)
         res: dict[str, Any] = {}
         try:
             say("hot path A: issue-side steps, uninstrumented")
@@ -449,8 +507,8 @@ def _rank(
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             res["profile"] = buf.getvalue()
             say("hot path D: candidate cuts, measured side by side")
-            res["variants"] = await variants(comm, comm2, dist, floor, fgroup, n_timeline)
-            res["variants_2MB"] = await variants(comm, comm2, dist, floor, fgroup, max(10, n_timeline // 15), 2 << 20)
+            res["variants"] = await variants(comm, comm2, comm3, dist, floor, fgroup, n_timeline)
+            res["variants_2MB"] = await variants(comm, comm2, comm3, dist, floor, fgroup, max(10, n_timeline // 15), 2 << 20)
             say("hot path B: completion-side timeline (instrumented)")
             res["timeline"] = await completion_side(comm, dist, floor.group, n_timeline)
         finally:
@@ -458,6 +516,7 @@ def _rank(
             dist.barrier()
             await comm.close()
             await comm2.close()
+            await comm3.close()
             dist.destroy_process_group()
         return res
 
