@@ -14,10 +14,14 @@ interleaved round by round so drift hits every mode alike:
 Each sample times ``--inner`` iterations of one mode on rank 0; the table shows
 per-iteration wall-time medians (and p10/p90) over ``--repeats`` samples, and the
 median CPU time of rank 0's process (all its threads) per iteration, which is
-less sensitive to other load on the machine. Goals: coalesced <= 1.5x
-flattened, and <= 0.5x torch's coalescing manager.
+less sensitive to other load on the machine. The modes run in a rotating order
+(round r starts at mode r mod 6). Ratios coalesced/flattened and coalesced/torch_cm
+are given for wall and CPU time. Goals: coalesced <= 1.5x flattened, and <= 0.5x
+torch's coalescing manager. Progress goes to stderr; JSON and a PNG plot to
+bench/results/ (``coalescing_<loop>.json``).
 
-    python bench/coalescing.py [--ops 64] [--numel 256] [--repeats 40] [--json out.json]
+    python bench/coalescing.py [--quick|--smoke] [--ops 64] [--numel 256] [--repeats 40]
+                               [--loop asyncio|uvloop] [--json out.json] [--no-plot]
 """
 
 from __future__ import annotations
@@ -25,25 +29,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import free_port, progress, spawn
 
 MODES = ("separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, list[float]]:
+async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -96,9 +98,16 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
     samples: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     for rnd in range(args.warmup + args.repeats):
-        for mode in MODES:
+        done = rnd + 1 - args.warmup
+        if rank == 0 and done >= 1 and (done == 1 or done % 10 == 0 or done == args.repeats):
+            progress(f"coalescing round {done}/{args.repeats} (after {args.warmup} warm-up)")
+        k = rnd % len(MODES)
+        for mode in MODES[k:] + MODES[:k]:
             fn = fns[mode]
-            await comm.barrier()  # start each sample together
+            if mode.startswith("torch"):  # start each sample together, on the group it uses
+                dist.barrier()
+            else:
+                await comm.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(args.inner):
                 await fn()
@@ -107,25 +116,32 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
             if rnd >= args.warmup:
                 samples[mode].append(dt)
                 cpu[mode].append(dc)
+    profile = None
+    if args.profile:  # where a coalesced batch's CPU goes (this rank's loop thread)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        await comm.barrier()
+        prof.enable()
+        for _ in range(args.profile):
+            await coalesced()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        profile = buf.getvalue()
     await comm.close()
     dist.destroy_process_group()
-    return {"wall": samples, "cpu": cpu}
+    return {"wall": samples, "cpu": cpu, "profile": profile}
 
 
-def _child(rank: int, ws: int, port: int, args: argparse.Namespace, q: Any) -> None:
-    try:
-        if args.loop == "uvloop":
-            import uvloop
+def _rank(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
+    if args.loop == "uvloop":
+        import uvloop
 
-            res = uvloop.run(_rank_main(rank, ws, port, args))
-        else:
-            res = asyncio.run(_rank_main(rank, ws, port, args))
-        q.put((rank, res, None))
-    except BaseException as exc:  # report to the parent, whatever it is
-        import traceback
-
-        q.put((rank, None, traceback.format_exc()))
-        raise SystemExit(1) from exc
+        return uvloop.run(_rank_main(rank, ws, port, args))
+    return asyncio.run(_rank_main(rank, ws, port, args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,29 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--inner", type=int, default=5, help="iterations per timed sample")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", default=None, help="default bench/results/coalescing_<loop>.json")
+    p.add_argument("--quick", action="store_true", help="10 samples x 2 iterations")
+    p.add_argument("--smoke", action="store_true", help="2 samples x 1 iteration (does it still run?)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also cProfile N coalesced iterations (rank 0's loop thread) into <json>_profile.txt")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.warmup, args.inner = 2, 1, 1
+    elif args.quick:
+        args.repeats, args.warmup, args.inner = 10, 2, 2
 
     ws = 2
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, ws, port, args, q), daemon=True) for r in range(ws)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(ws):
-            rank, res, err = q.get(timeout=600)
-            if err is not None:
-                print(f"rank {rank} failed:\n{err}", file=sys.stderr)
-                return 1
-            results[rank] = res
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+    results = spawn(_rank, (ws, free_port(), args), ws, limit=900.0)
 
     samples, cpu = results[0]["wall"], results[0]["cpu"]
     table = {}
@@ -172,10 +179,14 @@ def main(argv: list[str] | None = None) -> int:
             "samples": len(s),
         }
     med = {m: table[m]["median_ms"] for m in MODES}
+    cpu_med = {m: table[m]["cpu_median_ms"] for m in MODES}
     ratios = {
         "coalesced/flattened": med["coalesced"] / med["flattened"],
         "coalesced/torch_cm": med["coalesced"] / med["torch_cm"],
+        "torch_cm/flattened": med["torch_cm"] / med["flattened"],
         "separate/coalesced": med["separate"] / med["coalesced"],
+        "cpu coalesced/flattened": cpu_med["coalesced"] / cpu_med["flattened"],
+        "cpu coalesced/torch_cm": cpu_med["coalesced"] / cpu_med["torch_cm"],
     }
     goals = {
         "coalesced <= 1.5x flattened": ratios["coalesced/flattened"] <= 1.5,
@@ -192,17 +203,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<24}{v:>8.2f}x")
     for k, ok in goals.items():
         print(f"goal {k}: {'met' if ok else 'NOT met'}")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(
-                {
-                    "config": {"world_size": ws, "ops": args.ops, "numel": args.numel, "dtype": "float32",
-                               "repeats": args.repeats, "inner": args.inner, "loop": args.loop,
-                               "cpus": os.cpu_count()},
-                    "results": table, "ratios": ratios, "goals": goals,
-                },
-                f, indent=2,
-            )
+    path = Path(args.json_path or f"bench/results/coalescing_{args.loop}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "config": {"world_size": ws, "ops": args.ops, "numel": args.numel, "dtype": "float32",
+                   "repeats": args.repeats, "inner": args.inner, "loop": args.loop, "cpus": os.cpu_count()},
+        "results": table, "ratios": ratios, "goals": goals,
+    }
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    if results[0]["profile"]:
+        prof_path = path.with_name(path.stem + "_profile.txt")
+        prof_path.write_text(results[0]["profile"])
+        print(f"wrote {prof_path}")
+    if not args.no_plot:
+        from bench.plot import plot_coalescing
+
+        for png in plot_coalescing(result, path.with_suffix("")):
+            print(f"wrote {png}")
     return 0
 
 
