@@ -38,12 +38,6 @@ from ._core.diagnostics import Diagnostics
 _BACKENDS = ("auto", "gloo", "nccl")
 
 
-def _waker_factory() -> Callable[[asyncio.AbstractEventLoop], Any] | None:
-    from streams import loop_waker
-
-    return loop_waker
-
-
 def _int(value: Any, what: str, low: int, high: int | None = None) -> int:
     """``value`` as an int in ``[low, high]``, or ``InvalidArgument`` saying what to pass."""
     if isinstance(value, bool):
@@ -412,7 +406,6 @@ async def _connect(
         device=dev,
         store=rdv.prefixed(prefix),
         timeout=timeout,
-        waker_factory=_waker_factory(),
         heartbeat=interval or None,
         detect_failures=detect,
         rebuild=rebuild,
@@ -533,5 +526,4 @@ def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Com
         device=torch.device("cpu"),
         store=store,
         timeout=timeout,
-        waker_factory=_waker_factory(),
     )

@@ -399,8 +399,8 @@ async def variants(
     """Latency of candidate cuts, built from outside the library, op by op in a rotating order.
 
     asynccoll         as shipped
-    ac_no_waker       the same library, its ledger's ``waker_for`` returning None, so each
-                      burst is posted with one plain ``loop.call_soon_threadsafe`` (no LoopWaker)
+    ac_no_waker       a second communicator as shipped (a control since the ledger posts each
+                      burst with one plain ``loop.call_soon_threadsafe``, the cut this measured)
     ac_lean           ac_no_waker plus a leaner completion thread (``lean_completer``)
     floor             the thread bridge (``_common.FloorBridge``)
     floor_future      no waiter thread: ``work.get_future()``'s done-callback (on Gloo's own
@@ -411,8 +411,6 @@ async def variants(
     """
     import torch
 
-    comm_direct.ledger._waker_for = lambda _loop: None
-    comm_lean.ledger._waker_for = lambda _loop: None
     loop = asyncio.get_running_loop()
     t = torch.zeros(max(1, nbytes // 4))
 

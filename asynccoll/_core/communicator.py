@@ -21,7 +21,7 @@ from .objects import ObjectChannel, dumps
 from .ops import OpKind, OpSpec, ReduceOp
 from .shrink import Recovery
 from .shrink import shrink as _shrink
-from .work import Waker, Work
+from .work import Work
 
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
 
@@ -72,7 +72,6 @@ class Communicator:
         device: torch.device,
         store: Any = None,
         timeout: float = 60.0,
-        waker_factory: Callable[[asyncio.AbstractEventLoop], Waker] | None = None,
         heartbeat: float | None = None,
         detect_failures: bool = False,
         rebuild: Callable[[int, int, str], Awaitable[Communicator]] | None = None,
@@ -93,7 +92,6 @@ class Communicator:
         self._ledger = ledger = Ledger(
             rank,
             deadlines=deadline_service(),
-            waker_for=waker_factory or (lambda loop: None),
             on_abort=_weak(self._after_abort),
             diag=diagnostics or Diagnostics(rank=rank, world_size=world_size, backend=backend_name),
         )

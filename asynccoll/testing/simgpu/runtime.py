@@ -197,4 +197,4 @@ def standalone_sink(rank: int) -> Any:
     from ..._core.deadlines import service
     from ..._core.ledger import Ledger
 
-    return Ledger(rank, deadlines=service(), waker_for=lambda loop: None, on_abort=lambda exc: None)
+    return Ledger(rank, deadlines=service(), on_abort=lambda exc: None)
