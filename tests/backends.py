@@ -7,9 +7,17 @@ is skipped with the reason elsewhere.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
 import pytest
 
 from asynccoll._backends.nccl import missing as nccl_missing
+
+if sys.version_info < (3, 11):  # anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 _NCCL_MISSING = nccl_missing()
 
@@ -21,4 +29,33 @@ BACKENDS = [
         marks=pytest.mark.skipif(_NCCL_MISSING is not None, reason=f"NCCL unavailable: {_NCCL_MISSING}"),
     ),
 ]
-LOOPS = ["asyncio", "uvloop"]
+LOOPS = ["asyncio", "uvloop", "trio"]
+"""Every loop the contract names (API.md §10). Test bodies parametrized by loop use
+loop-neutral anyio (sleep, Event, task groups, fail_after, to_thread) so the same body
+runs under each."""
+
+
+async def gather(*fns: Callable[[], Awaitable[Any]], timeout: float = 60) -> list[Any]:
+    """``asyncio.gather`` for any loop: each ``fn()`` runs in a task of one anyio task
+    group; their results in order. The first error cancels the others and propagates."""
+    results: list[Any] = [None] * len(fns)
+
+    async def one(i: int) -> None:
+        results[i] = await fns[i]()
+
+    try:
+        with anyio.fail_after(timeout):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(fns)):
+                    tg.start_soon(one, i)
+    except BaseExceptionGroup as group:  # one failure: raise it as asyncio.gather would
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    return results
+
+
+async def in_task(fn: Callable[[], Awaitable[Any]], timeout: float = 20) -> Any:
+    """Run ``fn()`` in a new task (asyncio task or trio task) and return its value."""
+    (value,) = await gather(fn, timeout=timeout)
+    return value

@@ -8,9 +8,9 @@ exact in every dtype used, including bfloat16.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -19,9 +19,19 @@ from asynccoll._backends.flatten import plan
 from asynccoll._core.ops import OpKind, OpSpec
 from asynccoll.testing import run_ranks
 
+from backends import LOOPS, in_task
+
 pytestmark = pytest.mark.timeout(120)
 
 RUN_TIMEOUT = 60
+
+# asyncio at world sizes 2 and 3; the other loops at 2 (the bodies are loop-neutral).
+RUNS = [
+    pytest.param(2, "asyncio", id="asyncio-2"),
+    pytest.param(3, "asyncio", id="asyncio-3"),
+    pytest.param(2, "uvloop", id="uvloop-2"),
+    pytest.param(2, "trio", id="trio-2"),
+]
 
 
 # ------------------------------------------------------------------ helpers
@@ -179,26 +189,30 @@ async def _interleaved(comm: Any) -> dict[str, Any]:
         work = comm.all_reduce(mine)
         # If the other task's op were captured, it could not complete before the
         # batch is issued, and this wait would time out.
-        out = await asyncio.wait_for(asyncio.create_task(other()), 20)
+        out = await in_task(other, 20)
         assert not work.done(), "a recorded op ran before the batch exited"
         captured = list(group.works)
     assert captured == [work]
     _check("other task", out, torch.full((3,), float(10 * sum(range(1, ws + 1)))))
     _check("batched", mine, torch.full((4,), float(sum(range(1, ws + 1)))))
     # a task created before the body, running concurrently with it
-    gate = asyncio.Event()
+    gate, finished = anyio.Event(), anyio.Event()
     later = torch.full((2,), 1.0)
 
-    async def outside() -> torch.Tensor:
+    async def outside() -> None:
         await gate.wait()
-        return await comm.all_reduce(later)
+        await comm.all_reduce(later)
+        finished.set()
 
-    task = asyncio.create_task(outside())
     batched = torch.full((2,), 2.0)
-    async with comm.coalescing() as group2:
-        comm.all_reduce(batched)
-        gate.set()
-        await asyncio.wait_for(task, 20)
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outside)  # its task exists before the body starts
+            await anyio.sleep(0)
+            async with comm.coalescing() as group2:
+                comm.all_reduce(batched)
+                gate.set()
+                await finished.wait()
     assert len(group2.works) == 1
     _check("outside task", later, torch.full((2,), float(ws)))
     _check("batched 2", batched, torch.full((2,), 2.0 * ws))
@@ -257,7 +271,7 @@ async def _body_raises_after_interleaved_op(comm: Any) -> int:
     try:
         async with comm.coalescing():
             comm.all_reduce(torch.ones(2))
-            await asyncio.create_task(_sum_check(comm))
+            await in_task(lambda: _sum_check(comm))
             raise _BodyError("late")
     except _BodyError:
         pass
@@ -270,17 +284,17 @@ async def _body_raises_after_interleaved_op(comm: Any) -> int:
 async def _body_timeout(comm: Any) -> str:
     ts = [torch.ones(4) for _ in range(3)]
     try:
-        async with asyncio.timeout(0.3):
+        with anyio.fail_after(0.3):
             async with comm.coalescing() as group:
                 for t in ts:
                     comm.all_reduce(t)
-                await asyncio.sleep(30)
+                await anyio.sleep(30)
     except TimeoutError:
         pass
     else:
-        raise AssertionError("asyncio.timeout did not fire")
-    for w in group.works:
-        assert w.done() and isinstance(w.exception(), asyncio.CancelledError)
+        raise AssertionError("fail_after did not fire")
+    for w in group.works:  # asyncio.CancelledError or trio.Cancelled
+        assert w.done() and isinstance(w.exception(), anyio.get_cancelled_exc_class())
     assert comm.state == "ok" and comm.pending == 0
     await _sum_check(comm)
     return "ok"
@@ -332,7 +346,7 @@ async def _misuse(comm: Any) -> list[str]:
                 comm.all_reduce(c)
             return c
 
-        c = await asyncio.create_task(child())
+        c = await in_task(child)
         _check("child batch", c, torch.full((2,), float(ws)))
     _check("outer batch survived the misuse", t, torch.full((3,), float(sum(range(ws)))))
     try:
@@ -418,55 +432,52 @@ async def _single_op(comm: Any) -> list[tuple[str, int]]:
 
 
 # ------------------------------------------------------------------- tests
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_mixed_batch_is_flattened_and_correct(world_size: int) -> None:
-    results = run_ranks(_mixed_batch, world_size=world_size, timeout=RUN_TIMEOUT)
+@pytest.mark.parametrize("world_size,loop", RUNS)
+def test_mixed_batch_is_flattened_and_correct(world_size: int, loop: str) -> None:
+    results = run_ranks(_mixed_batch, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop)
     for rank, res in enumerate(results):
         assert res["members"] == 6 + 3 + 4 + 2 + 4 + 2 + 2 + 1 + 3 + 1
         want = _mixed_expected_calls(rank, world_size)
         assert res["calls"] == want, (rank, res["calls"])
 
 
-def test_mixed_batch_uvloop() -> None:
-    pytest.importorskip("uvloop")
-    results = run_ranks(_mixed_batch, world_size=2, timeout=RUN_TIMEOUT, loop="uvloop")
-    assert [len(r["calls"]) for r in results] == [14, 14]
+@pytest.mark.parametrize("world_size,loop", RUNS)
+def test_other_tasks_are_not_captured(world_size: int, loop: str) -> None:
+    assert run_ranks(_interleaved, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop) == [{"ok": True}] * world_size
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_other_tasks_are_not_captured(world_size: int) -> None:
-    assert run_ranks(_interleaved, world_size=world_size, timeout=RUN_TIMEOUT) == [{"ok": True}] * world_size
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_body_exception_issues_nothing(world_size: int) -> None:
-    results = run_ranks(_body_raises, world_size=world_size, timeout=RUN_TIMEOUT)
+@pytest.mark.parametrize("world_size,loop", RUNS)
+def test_body_exception_issues_nothing(world_size: int, loop: str) -> None:
+    results = run_ranks(_body_raises, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop)
     assert results == [{"seq_after": 1}] * world_size  # only the follow-up took a seq
 
 
-def test_body_exception_after_interleaved_op_leaves_seq_gap() -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_body_exception_after_interleaved_op_leaves_seq_gap(loop: str) -> None:
     # seqs: batch member (1), the other task's op (2), the next op (3): member's seq is not reused
-    assert run_ranks(_body_raises_after_interleaved_op, world_size=2, timeout=RUN_TIMEOUT) == [3, 3]
+    assert run_ranks(_body_raises_after_interleaved_op, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [3, 3]
 
 
-def test_timeout_around_body_cancels_batch() -> None:
-    assert run_ranks(_body_timeout, world_size=2, timeout=RUN_TIMEOUT) == ["ok", "ok"]
+@pytest.mark.parametrize("loop", LOOPS)
+def test_timeout_around_body_cancels_batch(loop: str) -> None:
+    assert run_ranks(_body_timeout, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == ["ok", "ok"]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_wait_false_then_await_group(world_size: int) -> None:
-    results = run_ranks(_wait_false, world_size=world_size, timeout=RUN_TIMEOUT)
+@pytest.mark.parametrize("world_size,loop", RUNS)
+def test_wait_false_then_await_group(world_size: int, loop: str) -> None:
+    results = run_ranks(_wait_false, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop)
     assert results[0] == results[-1]
 
 
-def test_misuse_raises_invalid_argument() -> None:
-    results = run_ranks(_misuse, world_size=2, timeout=RUN_TIMEOUT)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_misuse_raises_invalid_argument(loop: str) -> None:
+    results = run_ranks(_misuse, world_size=2, timeout=RUN_TIMEOUT, loop=loop)
     assert results == [["nested", "await-early", "re-enter", "bad-wait"]] * 2
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_batch_of_non_flattenable_ops(world_size: int) -> None:
-    results = run_ranks(_non_flattenable, world_size=world_size, timeout=RUN_TIMEOUT)
+@pytest.mark.parametrize("world_size,loop", RUNS)
+def test_batch_of_non_flattenable_ops(world_size: int, loop: str) -> None:
+    results = run_ranks(_non_flattenable, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop)
     for rank, res in enumerate(results):
         p2p = {0: ["send"], 1: ["recv"]}.get(rank, [])
         want = ["broadcast"] * world_size + ["reduce", "all_to_all", "gather", "scatter", "barrier"] + p2p
@@ -474,12 +485,14 @@ def test_batch_of_non_flattenable_ops(world_size: int) -> None:
         assert res["members"] == len(want)
 
 
-def test_abort_during_body_fails_members() -> None:
-    assert run_ranks(_aborted_in_body, world_size=2, timeout=RUN_TIMEOUT) == ["aborted", "aborted"]
+@pytest.mark.parametrize("loop", LOOPS)
+def test_abort_during_body_fails_members(loop: str) -> None:
+    assert run_ranks(_aborted_in_body, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == ["aborted", "aborted"]
 
 
-def test_batch_of_one_is_submitted_as_is() -> None:
-    assert run_ranks(_single_op, world_size=2, timeout=RUN_TIMEOUT) == [[("all_reduce", 6)]] * 2
+@pytest.mark.parametrize("loop", LOOPS)
+def test_batch_of_one_is_submitted_as_is(loop: str) -> None:
+    assert run_ranks(_single_op, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [[("all_reduce", 6)]] * 2
 
 
 def test_plan_is_deterministic_and_ordered() -> None:

@@ -1,15 +1,14 @@
 """Every collective x reduce op x dtype, on real processes, for every available backend.
 
 One test body runs on Gloo (world sizes 2 and 3) and on NCCL (world size 1 on a
-single GPU, skipped without one), under asyncio and uvloop. Each rank checks its
+single GPU, skipped without one), under asyncio, uvloop and trio. Each rank checks its
 own results against values computed locally, so a wrong element fails the rank
 and ``run_ranks`` re-raises it here with the rank's traceback.
 """
 
 from __future__ import annotations
 
-import asyncio
-
+import anyio
 import pytest
 import torch
 from backends import BACKENDS, LOOPS
@@ -153,7 +152,7 @@ async def many_in_flight(comm: ac.Communicator) -> float:
     tensors = [torch.full((16,), float(i + comm.rank), device=dev) for i in range(200)]
     works = [comm.all_reduce(t) for t in tensors]
     assert [w.seq for w in works] == list(range(works[0].seq, works[0].seq + 200))
-    results = await asyncio.gather(*works)
+    results = [await w for w in works]  # issued at once, awaited one by one (any loop)
     for i, (w, t, res) in enumerate(zip(works, tensors, results)):
         assert w.done() and w.exception() is None and res is t
         want = float(ws * i + sum(range(ws)))
@@ -174,28 +173,28 @@ async def heartbeat_while_busy(comm: ac.Communicator) -> dict[str, float]:
     A blocking ``work.wait()`` would give it no tick at all while the ops run; the
     check is behavioural (ticks happen during the ops), not a timing bound.
     """
-    loop = asyncio.get_running_loop()
     ticks_during = 0
     busy = False
-    stop = asyncio.Event()
+    stop = anyio.Event()
 
     async def heartbeat() -> None:
         nonlocal ticks_during
         while not stop.is_set():
-            await asyncio.sleep(0.001)
+            await anyio.sleep(0.001)
             ticks_during += busy
 
-    hb = asyncio.create_task(heartbeat())
-    await asyncio.sleep(0.01)
     big = torch.ones(4 << 20, device=comm.device)  # 16 MB
-    t0 = loop.time()
-    busy = True
-    for _ in range(4):
-        await comm.all_reduce(big)
-    busy = False
-    op_time = (loop.time() - t0) / 4
-    stop.set()
-    await hb
+    with anyio.fail_after(50):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            await anyio.sleep(0.01)
+            t0 = anyio.current_time()
+            busy = True
+            for _ in range(4):
+                await comm.all_reduce(big)
+            busy = False
+            op_time = (anyio.current_time() - t0) / 4
+            stop.set()
     assert float(big[0]) == comm.world_size**4
     return {"op_time": op_time, "ticks_during": ticks_during}
 

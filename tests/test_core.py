@@ -7,6 +7,8 @@ import threading
 import time
 from datetime import timedelta
 
+import anyio
+import anyio.to_thread
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,18 +29,21 @@ async def work_api(comm: ac.Communicator) -> dict:
     for _ in range(200):  # the callback runs on the loop, soon after
         if called:
             break
-        await asyncio.sleep(0.005)
+        await anyio.sleep(0.005)
     assert res is t and w.done() and w.exception() is None and w.result() is t
     assert called == [(True, threading.get_ident())]
     # A callback added after completion still runs (on the loop).
     late = []
     w.add_done_callback(late.append)
-    await asyncio.sleep(0)
+    for _ in range(200):
+        if late:
+            break
+        await anyio.sleep(0)
     assert late == [w]
     w2 = comm.broadcast(torch.ones(2, device=comm.device), src=0)
     assert w2.seq == w.seq + 1 and w2.op == "broadcast"
     # Blocking wait from another thread (synchronous code).
-    out = await asyncio.to_thread(w2.wait, 30)
+    out = await anyio.to_thread.run_sync(w2.wait, 30)
     assert out is w2.result()
     # Awaiting twice returns the same result.
     assert (await w2) is out

@@ -2,7 +2,7 @@
 
 Each bad argument once surfaced as a raw OverflowError, TypeError, ValueError or
 torch DistNetworkError; a second communicator on the same explicit address failed
-with EADDRINUSE. Runs under asyncio and uvloop.
+with EADDRINUSE. Runs under asyncio, uvloop and trio.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any, Awaitable, Callable
 import pytest
 import torch
 import torch.distributed as dist
+import trio
 import uvloop
-from backends import LOOPS
+from backends import LOOPS, gather
 
 import asynccoll as ac
 from asynccoll import _init
@@ -26,6 +27,8 @@ from asynccoll.testing import RankContext, run_ranks
 def _run(loop: str, fn: Callable[[], Awaitable[Any]]) -> Any:
     if loop == "uvloop":
         return uvloop.run(fn())
+    if loop == "trio":
+        return trio.run(fn)
     return asyncio.run(fn())
 
 
@@ -132,15 +135,16 @@ async def two_on_one_address(ctx: RankContext) -> list[float]:
     second = await ac.init("gloo", **args)  # the same address again: the process's store is reused
     # Two at once on one store: creations take turns (Gloo's constructor blocks the
     # shared store client; interleaved, they deadlocked until the timeout).
-    third, fourth = await asyncio.gather(ac.init("gloo", **args), ac.init("gloo", **args))
+    third, fourth = await gather(lambda: ac.init("gloo", **args), lambda: ac.init("gloo", **args))
     comms = [first, second, third, fourth]
     # Issued on all, then awaited: the two made together may pair crosswise.
     ts = [torch.full((2,), float(ctx.rank + 1 + 10 * i)) for i in range(len(comms))]
-    await asyncio.gather(*(c.all_reduce(t) for c, t in zip(comms, ts)))
+    for w in [c.all_reduce(t) for c, t in zip(comms, ts)]:
+        await w
     out = [t[0].item() for t in ts]
     assert await second.all_gather_object(ctx.rank) == [0, 1]
     assert key in _init._STORES
-    await asyncio.gather(*(c.close() for c in comms))
+    await gather(*(c.close for c in comms))
     del first, second, third, fourth, comms
     gc.collect()
     assert key not in _init._STORES, "the shared store outlived its communicators"
@@ -159,11 +163,12 @@ def test_two_communicators_on_one_explicit_address(loop: str) -> None:
 
 async def concurrent_on_given_store(ctx: RankContext) -> float:
     args = dict(rank=ctx.rank, world_size=2, store=ctx.store, timeout=30)
-    comms = await asyncio.gather(*(ac.init("gloo", **args) for _ in range(3)))
+    comms = await gather(*(lambda: ac.init("gloo", **args) for _ in range(3)))
     # Which call got which turn may differ between ranks: issue on all, then wait.
     ts = [torch.ones(1) for _ in comms]
-    await asyncio.gather(*(c.all_reduce(t) for c, t in zip(comms, ts)))
-    await asyncio.gather(*(c.close() for c in comms))
+    for w in [c.all_reduce(t) for c, t in zip(comms, ts)]:
+        await w
+    await gather(*(c.close for c in comms))
     return sum(t.item() for t in ts)
 
 

@@ -4,6 +4,8 @@ what a communicator leaves behind: unit tests and real 2-rank runs."""
 from __future__ import annotations
 
 import asyncio
+
+import anyio
 import gc
 import os
 import signal
@@ -186,7 +188,7 @@ async def completion_without_issuing_loop(comm: ac.Communicator) -> dict:
     blocked thread while this loop is blocked (time.sleep) or idle."""
     t = torch.ones(4)
     if comm.rank == 1:
-        await asyncio.sleep(0.3)  # rank 0's op stays pending meanwhile
+        await anyio.sleep(0.3)  # rank 0's op stays pending meanwhile
         await comm.all_reduce(t)
         return {}
     work = comm.all_reduce(t)
@@ -227,7 +229,7 @@ async def state_when_error_is_seen(comm: ac.Communicator) -> str:
         for _ in range(200):
             if comm.state == "aborted":
                 break
-            await asyncio.sleep(0.02)
+            await anyio.sleep(0.02)
         return comm.state
     with pytest.raises(ac.CollectiveTimeout):
         await comm.all_reduce(torch.ones(2), timeout=0.5)

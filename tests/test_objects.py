@@ -8,8 +8,6 @@ stays usable and that no key is left behind.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from backends import LOOPS
 
@@ -45,7 +43,7 @@ async def big_objects(ctx: RankContext) -> list[int]:
     sizes = [0, objects.INLINE - 40, objects.INLINE + 1, objects.CHUNK - 40, objects.CHUNK + 7, 3 * objects.CHUNK]
     works = [comm.all_gather_object(bytes(n) + bytes([r])) for n in sizes]
     works.append(comm.broadcast_object({"r": r, "pad": b"q" * objects.CHUNK} if r == 0 else None, src=0))
-    results = await asyncio.gather(*works)
+    results = [await x for x in works]  # all in flight, awaited one by one (any loop)
     for n, res in zip(sizes, results):
         assert [len(x) for x in res] == [n + 1, n + 1] and [x[-1] for x in res] == [0, 1]
     assert results[-1]["r"] == 0

@@ -3,7 +3,7 @@
 Each case here once crashed a rank (0-d reduce_scatter output: SIGSEGV in Gloo), hung
 the non-roots (0-d gather/scatter chunks were refused on the root only), aborted the
 communicator (dtypes Gloo cannot run fail inside the op), or returned garbage
-(``all_to_all(t, t)``). Runs on real Gloo ranks under asyncio and uvloop.
+(``all_to_all(t, t)``). Runs on real Gloo ranks under asyncio, uvloop and trio.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import asyncio
 import weakref
 from typing import Any, Awaitable, Callable, Mapping
 
+import anyio
 import torch
 
 from . import validate
@@ -13,8 +14,8 @@ from .aio import run_in_thread, settle_within
 from .backend import Backend
 from .coalescing import CoalescingGroup
 from .deadlines import service as deadline_service
-from .errors import CommAborted, InvalidArgument, PeerFailure
 from .diagnostics import Diagnostics
+from .errors import CommAborted, InvalidArgument, PeerFailure
 from .faults import Liveness
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
@@ -486,5 +487,8 @@ async def exit_scope(comm: Communicator, exc: BaseException | None) -> None:
         await comm.close()
         return
     comm.abort(f"left the communicator's scope by {type(exc).__name__}: {exc}")
-    await comm.close()
+    # Shielded: a cancelled scope (trio cancels every later await in it) must still
+    # release every backend; close() of an aborted communicator is bounded.
+    with anyio.CancelScope(shield=True):
+        await comm.close()
 
