@@ -85,9 +85,11 @@ class Rdv:
 class SimCluster:
     """A simulated GPU + NCCL, and ways to build NCCL backends/communicators on it."""
 
-    def __init__(self, *, inprogress_polls: int = 2, abort_drains: bool = True, sync_limit: float = 30.0) -> None:
+    def __init__(
+        self, *, inprogress_polls: int = 2, abort_drains: bool = True, sync_limit: float = 30.0, revoke: bool = True,
+    ) -> None:
         self.gpu = SimGPU(sync_limit=sync_limit, abort_drains=abort_drains)
-        self.nccl = SimNccl(self.gpu, inprogress_polls=inprogress_polls)
+        self.nccl = SimNccl(self.gpu, inprogress_polls=inprogress_polls, revoke=revoke)
         self.runtimes: list[SimCudaRuntime] = []
 
     def lib(self) -> Any:
