@@ -159,7 +159,12 @@ def test_abort_with_a_stalled_revoke_is_bounded_and_cannot_shrink() -> None:
         be0.submit(OpSpec(OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]), timeout=30.0), w)  # rank 1 never joins
         sim.nccl.stall_revoke(be0._comm)
         done = threading.Event()
-        threading.Thread(target=lambda: (be0.abort(), done.set()), daemon=True).start()
+
+        def abort() -> None:
+            be0.abort()
+            done.set()
+
+        threading.Thread(target=abort, daemon=True).start()
         assert done.wait(WAIT)  # bounded although the revoke never completes
         for _ in range(int(WAIT / 0.01)):  # the fallback ncclCommAbort follows the revoke's bound
             if st.aborted:
@@ -212,4 +217,20 @@ def test_sim_revoke_follows_nccl4pys_rules() -> None:
     with SimCluster(revoke=False) as old:
         (be,) = old.backends(1)
         assert not hasattr(be._comm, "revoke") and not old.lib().can_revoke(be._comm)
+        be.close()
+
+
+def test_revoke_needs_a_libnccl_that_has_it() -> None:
+    import types
+
+    from asynccoll._backends.nccl import NcclLib
+
+    with SimCluster() as sim:
+        (be,) = sim.backends(1)
+        assert sim.lib().can_revoke(be._comm)  # the installed libnccl (2.32) has ncclCommRevoke
+        old = types.ModuleType("nccl.core(2.28)")
+        old.__dict__.update(vars(sim.nccl.module))
+        libnccl = types.SimpleNamespace(version=types.SimpleNamespace(major=2, minor=28))
+        old.get_version = lambda: types.SimpleNamespace(libnccl=libnccl)  # type: ignore[attr-defined]
+        assert not NcclLib(old).can_revoke(be._comm)
         be.close()
