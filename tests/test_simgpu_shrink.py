@@ -33,8 +33,10 @@ def nccl_state(sim: SimCluster, comm: Any) -> Any:
     return sim.nccl.state(comm._backends["cuda"]._comm)
 
 
-def death_and_shrink(sim: SimCluster, stall_revoke_on: int | None = None) -> list[Any]:
-    """3 ranks; rank 2 dies after one all_reduce; the survivors see PeerFailure and
+def death_and_shrink(
+    sim: SimCluster, stall_revoke_on: int | None = None, exclude: list[int] | None = [2], **run: Any,  # noqa: B006
+) -> list[Any]:
+    """3 ranks; rank 2 dies after one all_reduce; the survivors see a failure and
     shrink. Returns, per survivor: (parent state, failed_ranks, new rank/size, result)."""
     gpu = sim.gpu
     dead = threading.Event()
@@ -52,11 +54,12 @@ def death_and_shrink(sim: SimCluster, stall_revoke_on: int | None = None) -> lis
             comm.abort("rank 2 died")  # nothing more comes from this rank
             return None
         await asyncio.to_thread(dead.wait, WAIT)
-        with pytest.raises(ac.PeerFailure):
+        # NCCL's RemoteError (PeerFailure), or rank 2's abort news (heartbeats on)
+        with pytest.raises(ac.PeerFailure if not run else ac.CommAborted):
             await asyncio.wait_for(comm.all_reduce(gpu.tensor([1.0])), WAIT)
         assert comm.state == "aborted"
         failed = comm.failed_ranks
-        new = await asyncio.wait_for(comm.shrink(exclude=[2]), WAIT)
+        new = await asyncio.wait_for(comm.shrink(exclude=exclude), WAIT)
         try:
             x = gpu.tensor([float(10 * (comm.rank + 1))])
             await asyncio.wait_for(new.all_reduce(x), WAIT)
@@ -64,7 +67,7 @@ def death_and_shrink(sim: SimCluster, stall_revoke_on: int | None = None) -> lis
         finally:
             await new.close()
 
-    return sim.run_comms(3, body)[:2]
+    return sim.run_comms(3, body, **run)[:2]
 
 
 # ================================================================ after a failure
@@ -87,6 +90,20 @@ def test_dead_rank_survivors_revoke_then_shrink_with_abort_no_fresh_init() -> No
         assert sim.nccl.module.Communicator.init.call_count == 3  # no fresh init
         assert sim.nccl.live() == []
         assert sim.gpu.errors == []
+
+
+def test_with_heartbeats_shrink_without_exclude_drops_the_dead_rank() -> None:
+    # failed_ranks stays empty here (NCCL names no rank; a thread "dying" in the
+    # simulator is no process death for the liveness probe), so shrink() settles
+    # the set by agreement: rank 2 never proposes and is excluded after the grace
+    # period (half the timeout). The NCCL part is the same: revoke, shrink(ABORT).
+    with SimCluster() as sim:
+        out = death_and_shrink(sim, exclude=None, heartbeat=0.25, timeout=4.0)
+        for r, (st, failed, shape, value, _child) in enumerate(out):
+            assert set(failed) <= {2} and shape == (r, 2) and value == 30.0
+            assert st.calls.index("revoke") < st.calls.index("shrink") and st.shrink_flags == [ABORT]
+        assert sim.nccl.module.Communicator.init.call_count == 3
+        assert sim.nccl.live() == [] and sim.gpu.errors == []
 
 
 def test_planned_shrink_of_a_healthy_comm_uses_default() -> None:
