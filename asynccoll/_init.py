@@ -8,6 +8,7 @@ executor threads, bounded by ``timeout``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import operator
 import os
 import socket
@@ -327,7 +328,9 @@ async def _build(
     check: str | None,
     trace_dir: Any,
     heartbeat: float | None = None,
+    nccl_backend: Backend | None = None,
 ) -> Communicator:
+    # nccl_backend: a ready NCCL backend (shrink's ncclCommShrink) used instead of a new init.
     timeout = _check_args(backend, store, master_addr, device, timeout, heartbeat)
     if check not in (None, "fingerprint"):
         raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
@@ -349,7 +352,7 @@ async def _build(
     try:
         lock = await _exclusive(rdv.store, rdv.rank, timeout)
         try:
-            comm = await _connect(rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat)
+            comm = await _connect(rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat, nccl_backend)
         finally:
             lock.release()
     except BaseException:
@@ -364,7 +367,7 @@ async def _build(
 
 async def _connect(
     rdv: Rendezvous, backend: str, use_nccl: bool, device: Any, timeout: float,
-    check: str | None, trace_dir: Any, heartbeat: float | None,
+    check: str | None, trace_dir: Any, heartbeat: float | None, nccl_backend: Backend | None = None,
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous."""
     prefix = await _comm_prefix(rdv, timeout)
@@ -372,7 +375,7 @@ async def _connect(
     if backend in ("gloo", "auto"):
         backends["cpu"] = await _gloo(rdv, prefix, timeout)
     if use_nccl:
-        backends["cuda"] = await _nccl(rdv, prefix, device, timeout)
+        backends["cuda"] = nccl_backend or await _nccl(rdv, prefix, device, timeout)
     dev = getattr(backends.get("cuda"), "device", None) or torch.device("cpu")
     diagnostics = await _diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
@@ -389,11 +392,22 @@ async def _connect(
         # survivor who died meanwhile must not hold the connection that the
         # liveness service and shrink's watch use (a client serialises requests).
         store = await _off_loop(rdv.prefixed(prefix + suffix).clone, timeout, "store")
-        new = await _build(
-            backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
-            store=store, device=device, timeout=timeout, check=check,
-            trace_dir=trace_dir, heartbeat=heartbeat,
-        )
+        # NCCL: ncclCommShrink of the old (revoked) communicator, ABORT flag after a
+        # failure, DEFAULT for a planned shrink; None (a new init) unless every survivor can.
+        shrink_agreed, shrunk = getattr(backends.get("cuda"), "shrink_agreed", None), None
+        if shrink_agreed is not None:
+            job = functools.partial(shrink_agreed, store, new_rank, new_size, excluded, failed, timeout)
+            shrunk = await _off_loop(job, timeout, "nccl shrink")
+        try:
+            new = await _build(
+                backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
+                store=store, device=device, timeout=timeout, check=check,
+                trace_dir=trace_dir, heartbeat=heartbeat, nccl_backend=shrunk,
+            )
+        except BaseException:
+            if shrunk is not None:
+                shrunk.release()  # bounded ncclCommAbort of the unused child
+            raise
         if rdv.key is not None:
             _STORES.hold(rdv.key, new)  # it uses the shared store too
         return new

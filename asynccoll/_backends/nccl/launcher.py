@@ -66,6 +66,7 @@ class NcclBackend(Backend):
     def __init__(
         self, comm: Any, *, rank: int, world_size: int, device: torch.device, lib: Any, runtime: Any,
         watcher: Any = None, health_interval: float = 0.1, abort_timeout: float = 2.0, close_timeout: float = 10.0,
+        use_revoke: bool = True,
     ) -> None:
         import streams
 
@@ -90,6 +91,10 @@ class NcclBackend(Backend):
         self._aborted = False
         self._closed = False
         self._broken = False  # an NCCL error was seen: close() aborts instead of finalizing
+        # abort() revokes (keeps the communicator shrinkable) where NCCL can; _revoked:
+        # it did, and the communicator awaits a shrink or its ncclCommAbort.
+        self._use_revoke = use_revoke
+        self._revoked = False
         self._abort_done: threading.Event | None = None
         self._barrier_buf: torch.Tensor | None = None
         self._next = 0  # gate number of the last job submitted
@@ -98,7 +103,7 @@ class NcclBackend(Backend):
         self._launcher.start()
 
     def __repr__(self) -> str:
-        state = "aborted" if self._aborted else "closed" if self._closed else "ok"
+        state = "revoked" if self._revoked and self._comm is not None else "aborted" if self._aborted else "closed" if self._closed else "ok"
         return f"<NcclBackend rank={self.rank}/{self.world_size} {self.device} {state}>"
 
     # --------------------------------------------------------------- submit
@@ -327,8 +332,31 @@ class NcclBackend(Backend):
 
     # ------------------------------------------------------------ lifecycle
     def abort(self) -> None:
-        """Abort the NCCL communicator: bounded (``abort_timeout``), idempotent."""
+        """Stop the backend: bounded (``abort_timeout``), idempotent.
+
+        Revokes the NCCL communicator where NCCL has ``ncclCommRevoke`` (it stays
+        shrinkable until :meth:`close`/:meth:`release`), else aborts it; see
+        :func:`lifecycle.abort_backend`.
+        """
         lifecycle.abort_backend(self)
+
+    def release(self) -> None:
+        """The communicator was garbage-collected: abort (bounded), nothing will shrink it."""
+        self._use_revoke = False
+        lifecycle.abort_backend(self)
+        lifecycle.discard_revoked(self)
+
+    @property
+    def can_shrink(self) -> bool:
+        """Whether :meth:`shrink` can still use ``ncclCommShrink`` (not ncclCommAbort-ed)."""
+        return lifecycle.can_shrink(self)
+
+    def shrink_agreed(
+        self, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
+        timeout: float,
+    ) -> NcclBackend | None:
+        """:meth:`shrink` when every survivor can, else None; see :func:`lifecycle.shrink_agreed`."""
+        return lifecycle.shrink_agreed(self, store, new_rank, new_size, exclude, abort_pending, timeout)
 
     def close(self) -> None:
         """Finalize (polled, bounded) and destroy the communicator; stop the threads.

@@ -25,6 +25,9 @@ REMOTE_ERROR = 6
 IN_PROGRESS = 7
 _PEER_ERRORS = (SYSTEM_ERROR, REMOTE_ERROR)
 
+#: The first libnccl with ``ncclCommRevoke`` (NCCL 2.29; ``NCCL_REVOKE_DEFAULT``).
+REVOKE_SINCE = (2, 29)
+
 # Dtypes NCCL reduces natively (torch.bool travels as uint8; see encode.reducible).
 _NCCL_DTYPES = {
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -88,6 +91,7 @@ class NcclLib:
 
         nc = module
         self._nc = nc
+        self._revoke_ok: bool | None = None
         self._ops = {
             ReduceOp.SUM: nc.NcclRedOp.SUM, ReduceOp.PROD: nc.NcclRedOp.PROD,
             ReduceOp.MIN: nc.NcclRedOp.MIN, ReduceOp.MAX: nc.NcclRedOp.MAX,
@@ -129,6 +133,25 @@ class NcclLib:
             return str(self._nc.get_error_string(status))
         except Exception:  # an unknown code or a broken library: the number is enough
             return "unknown NCCL error"
+
+    def can_revoke(self, comm: Any) -> bool:
+        """Whether ``comm`` can be revoked: nccl4py has ``Communicator.revoke`` and the
+        loaded libnccl is at least :data:`REVOKE_SINCE` (an older one lacks the symbol)."""
+        if not hasattr(comm, "revoke"):
+            return False
+        ok = self._revoke_ok
+        if ok is None:
+            try:
+                v = self._nc.get_version().libnccl.version
+                ok = (int(v.major), int(v.minor)) >= REVOKE_SINCE
+            except Exception:  # an nccl4py without version info: try revoke, abort if it fails
+                ok = True
+            self._revoke_ok = ok
+        return ok
+
+    def revoke(self, comm: Any) -> None:
+        """Start ``ncclCommRevoke``: in-flight ops stop, the state is InProgress until quiescent."""
+        comm.revoke()
 
     def shrink(self, comm: Any, exclude: list[int], abort_pending: bool) -> Any:
         """``ncclCommShrink`` without ``exclude``; ``abort_pending`` aborts the parent's ops."""

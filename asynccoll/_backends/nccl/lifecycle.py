@@ -22,7 +22,7 @@ from ..._core.errors import (
     InvalidArgument,
     PeerFailure,
 )
-from .lib import _PEER_ERRORS, IN_PROGRESS, SUCCESS, NcclError, NcclLib, missing
+from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, NcclLib, missing
 
 if TYPE_CHECKING:
     from .launcher import NcclBackend
@@ -187,7 +187,14 @@ def _cuda_runtime(index: int) -> Any:
 
 # ------------------------------------------------------------- a backend's end
 def abort_backend(be: NcclBackend) -> None:
-    """Abort the NCCL communicator: bounded (``abort_timeout``), idempotent."""
+    """Stop the backend: bounded (``abort_timeout``), idempotent.
+
+    Where NCCL has ``ncclCommRevoke`` (and ``be._use_revoke``), the communicator is
+    revoked instead of aborted: its in-flight ops stop but it stays shrinkable
+    (``ncclCommShrink``); the destructive ``ncclCommAbort`` comes with
+    :func:`close_backend`, ``release()`` or after the shrink. If the revoke does not
+    quiesce within half the bound, the communicator is aborted as before.
+    """
     with be._lock:
         if be._aborted:
             return
@@ -203,11 +210,13 @@ def abort_backend(be: NcclBackend) -> None:
     be._queue.put(STOP)
     be._rt.release_gate(last)  # nothing stays blocked on wait_stream
     be._watcher.close(timeout=0, drain=False)
-    if be._closed or be._comm is None:
+    comm = be._comm
+    if be._closed or comm is None:
         drop_inflight(be)
         return
     done = be._abort_done = threading.Event()
-    threading.Thread(target=_abort_comm, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
+    target = _revoke_comm if be._use_revoke and be._lib.can_revoke(comm) else _abort_comm
+    threading.Thread(target=target, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
     done.wait(be._abort_timeout)
 
 
@@ -237,6 +246,60 @@ def _abort_comm(be: NcclBackend, done: threading.Event) -> None:
         done.set()
 
 
+def _revoke_comm(be: NcclBackend, done: threading.Event) -> None:
+    # ncclCommRevoke stops the in-flight ops and leaves the communicator
+    # InProgress until it is quiescent; after that it may be shrunk (or
+    # aborted/destroyed), never finalized. Bounded: half of abort_timeout, then
+    # ncclCommAbort as before (also when the lock is held by a call stuck in NCCL).
+    deadline = time.monotonic() + be._abort_timeout / 2
+    got = be._nccl_lock.acquire(timeout=be._abort_timeout / 4)
+    try:
+        comm = be._comm
+        if got and comm is not None and _revoke(be, comm, deadline):
+            be._revoked = True
+        else:
+            comm, be._comm = be._comm, None
+            if comm is not None:
+                abort_quietly(comm)
+    finally:
+        if got:
+            be._nccl_lock.release()
+        # The ops were stopped (revoke) or terminated (abort): their tensors may go.
+        drop_inflight(be)
+        done.set()
+
+
+def _revoke(be: NcclBackend, comm: Any, deadline: float) -> bool:
+    """Revoke ``comm`` and poll until it is quiescent; False: not done by ``deadline``."""
+    try:
+        be._lib.revoke(comm)
+    except Exception:  # NCCLError/NcclInvalid, or a libnccl without the symbol: abort instead
+        return False
+    delay = 1e-4
+    while True:
+        try:
+            status = int(comm.get_async_error())
+        except Exception:  # NcclInvalid: unusable, abort instead
+            return False
+        if status != IN_PROGRESS:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 2e-3)
+
+
+def discard_revoked(be: NcclBackend) -> None:
+    """``ncclCommAbort`` a revoked communicator nobody will shrink (bounded, idempotent)."""
+    if be._abort_done is not None:
+        be._abort_done.wait(be._abort_timeout)  # a revoke still running
+    if not be._revoked or be._comm is None:
+        return
+    done = threading.Event()
+    threading.Thread(target=_abort_comm, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
+    done.wait(be._abort_timeout)
+
+
 def close_backend(be: NcclBackend) -> None:
     """Finalize (polled, bounded) and destroy the communicator; stop the threads.
 
@@ -255,6 +318,7 @@ def close_backend(be: NcclBackend) -> None:
     if be._aborted:
         if be._abort_done is not None:
             be._abort_done.wait(be._abort_timeout)
+        discard_revoked(be)  # finalize after revoke is invalid: abort it
         return
     comm = be._comm
     if comm is None:
@@ -284,18 +348,68 @@ def _finalize(be: NcclBackend, comm: Any) -> bool:
         return False
 
 
+def can_shrink(be: NcclBackend) -> bool:
+    """Whether ``ncclCommShrink`` can run on ``be``: its communicator is alive (healthy,
+    or revoked by abort) and not closed. Waits (bounded) for a revoke still running."""
+    done = be._abort_done
+    if done is not None:
+        done.wait(be._abort_timeout)
+    return not be._closed and be._comm is not None and (not be._aborted or be._revoked)
+
+
+def shrink_agreed(
+    be: NcclBackend, store: Any, new_rank: int, new_size: int, exclude: Sequence[int],
+    abort_pending: bool | None, timeout: float,
+) -> NcclBackend | None:
+    """``shrink_backend`` if every survivor can shrink, else None (build a new one).
+
+    Every survivor calls it (blocking, off the loop) with the new communicator's
+    store: each publishes whether its communicator can still be shrunk (a revoke
+    that fell back to abort cannot), and all take the same way, so no survivor
+    waits in ``ncclCommShrink`` for one that re-initialises.
+    """
+    deadline = time.monotonic() + timeout
+    mine = can_shrink(be)
+    store.set(f"nccl-shrink/{new_rank}", "1" if mine else "0")
+    keys = [f"nccl-shrink/{r}" for r in range(new_size)]
+    store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+    if not all(bytes(v) == b"1" for v in store.multi_get(keys)):
+        discard_revoked(be)  # nobody shrinks it: free it before the new init
+        return None
+    return be.shrink(exclude, abort_pending, timeout=max(0.001, deadline - time.monotonic()))
+
+
+def _poll_parent(be: NcclBackend, comm: Any, deadline: float) -> int | None:
+    """Poll the shrunk parent until it leaves InProgress; None once it was aborted."""
+    delay = 0.0
+    while True:
+        with be._nccl_lock:
+            if be._comm is not comm:
+                return None
+            try:
+                status = int(comm.get_async_error())
+            except Exception:  # NcclInvalid: the communicator is unusable
+                status = INTERNAL_ERROR
+        if status != IN_PROGRESS or time.monotonic() > deadline:
+            return status
+        time.sleep(delay)
+        delay = min(max(delay * 2, 1e-5), 1e-3)
+
+
 def shrink_backend(be: NcclBackend, exclude: Sequence[int], abort_pending: bool | None, timeout: float) -> NcclBackend:
     """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking).
 
     Every surviving rank must call it; excluded ranks must not. ``abort_pending``
-    (default: whether ops are queued or in flight here) shrinks with
-    ``CommShrinkFlag.ABORT``, which first terminates the parent's outstanding
-    ops; otherwise ``DEFAULT``, which needs them quiesced. Survivors are
-    renumbered in order; the new backend gets its own comm stream. Needs the
-    parent communicator alive (after ``abort()`` build a new one with
-    ``create``). Run it off the event loop.
+    (default: whether ops are queued or in flight here, or an error was seen)
+    shrinks with ``CommShrinkFlag.ABORT``, which first terminates the parent's
+    outstanding ops; otherwise ``DEFAULT``, which needs them quiesced. Survivors
+    are renumbered in order; the new backend gets its own comm stream. Needs the
+    parent communicator alive or revoked (``abort()`` revokes where NCCL can);
+    after an ``ncclCommAbort`` build a new one with ``create``. A revoked parent
+    (or one shrunk with ABORT: no resources shared) is aborted once the new
+    communicator is ready. Run it off the event loop.
     """
-    if be._aborted or be._comm is None:
+    if not can_shrink(be):
         raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")
     drop = sorted(set(int(r) for r in exclude))
     if be.rank in drop:
@@ -306,16 +420,24 @@ def shrink_backend(be: NcclBackend, exclude: Sequence[int], abort_pending: bool 
         abort_pending = bool(be._inflight) or not be._queue.empty() or be._broken
     deadline = time.monotonic() + timeout
     with be._nccl_lock:
-        new = be._lib.shrink(be._comm, drop, abort_pending)
+        parent = be._comm
+        if parent is None:
+            raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")
+        new = be._lib.shrink(parent, drop, abort_pending)
     # Non-blocking: both the parent and the child must leave ncclInProgress.
-    status = be._poll(deadline)
+    status = _poll_parent(be, parent, deadline)
     if status not in (SUCCESS, None):
         abort_quietly(new)
         raise be._async_failure(status)
     wait_ready(new, be._lib, deadline, "NCCL shrink")
+    if be._revoked:  # a revoked parent shares nothing with the child: free it now
+        with be._nccl_lock:
+            old, be._comm = be._comm, None
+        if old is not None:
+            abort_quietly(old)
     rank = be.rank - sum(1 for r in drop if r < be.rank)
     return type(be)(
         new, rank=rank, world_size=be.world_size - len(drop), device=be.device,
         lib=be._lib, runtime=be._rt.sibling(), health_interval=be._health_interval,
-        abort_timeout=be._abort_timeout, close_timeout=be._close_timeout,
+        abort_timeout=be._abort_timeout, close_timeout=be._close_timeout, use_revoke=be._use_revoke,
     )

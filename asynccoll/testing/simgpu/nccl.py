@@ -20,7 +20,15 @@ Semantics modelled (ranks are threads of this process, one communicator each):
   all ops of one group progress together (fusion).
 * ``finalize`` (polled), ``destroy``, ``abort`` (frees the handle: later calls
   raise ``NcclInvalid``), ``shrink`` (flags checked, survivors renumbered).
-* faults: :meth:`SimNccl.kill` (peers see ``RemoteError``), :meth:`SimNccl.hang`
+* ``revoke`` (nccl4py's rules): in-flight kernels stop, the state reads
+  ``InProgress`` for ``revoke_polls`` polls, then ``Success`` (quiescent, the
+  earlier error cleared). Afterwards shrink (either flag), abort and destroy are
+  allowed; ``finalize``, data ops, and any call before the revoke was polled to
+  completion are contract breaches (``gpu.errors`` + ``InvalidUsage``).
+  ``SimNccl(revoke=False)`` is an nccl4py/NCCL without ``revoke`` (the
+  autospec is of the real class minus that method).
+* faults: :meth:`SimNccl.kill` (peers see ``RemoteError``), :meth:`SimNccl.stall_revoke`
+  (a revoke never quiesces), :meth:`SimNccl.hang`
   (a rank's kernels never complete), :meth:`SimNccl.set_error`, and
   :meth:`SimNccl.block_calls` (NCCL calls of a rank block until a latch opens).
 """
@@ -41,12 +49,24 @@ import nccl.core as _nc
 import torch
 from nccl.core.interop.torch import _to_nccl_dtype
 
+from .compute import _compute
 from .device import Latch, SimGPU, SimStream, SimTensor, _Item, _key, _plain
 
 Result = _b.Result
 _REAL = _nc.Communicator
 _SIG = {name: inspect.signature(getattr(_REAL, name)) for name in dir(_REAL)
         if not name.startswith("_") and callable(getattr(_REAL, name, None))}
+
+
+def _without(cls: type, name: str) -> type:
+    """``cls``'s interface minus method ``name`` (an older nccl4py), for ``create_autospec``."""
+    ns: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        ns.update({k: v for k, v in vars(klass).items() if k not in ("__dict__", "__weakref__")})
+    ns.pop(name)
+    return type(cls.__name__, (), ns)
+
+
 _COLL = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
 _DATA = (*_COLL, "send", "recv", "alltoall", "gather", "scatter")
 
@@ -124,9 +144,14 @@ class _CommState:
         self.calls: list[str] = []
         self.block: Latch | None = None
         self.fail: dict[str, BaseException] = {}
-        m = mock.create_autospec(_REAL, instance=True, spec_set=True)
+        self.revoked = False
+        self.revoke_polls = 0  # polls left before a revoke reads Success
+        self.revoke_stalled = False  # stall_revoke(): never quiescent
+        self.shrink_flags: list[Any] = []  # the flag of every shrink on this communicator
+        m = mock.create_autospec(sim.spec, instance=True, spec_set=True)
         for name in _SIG:
-            getattr(m, name).side_effect = functools.partial(self.call, name)
+            if hasattr(m, name):
+                getattr(m, name).side_effect = functools.partial(self.call, name)
         self.mock = m
 
     def __repr__(self) -> str:
@@ -150,6 +175,8 @@ class _CommState:
                 raise _nc.NcclInvalid(f"Cannot {name}: Communicator not initialized")
             if name in self.fail:
                 raise self.fail.pop(name)
+            if self.revoked:
+                self._check_revoked(name)
             fn = getattr(self, "_" + name, None)
             if fn is None:
                 raise NotImplementedError(f"nccl4py Communicator.{name} is not simulated")
@@ -268,7 +295,39 @@ class _CommState:
             self.polls_left = max(self.polls_left, self.sim.inprogress_polls)
 
     # ------------------------------------------------------------- state
+    def _check_revoked(self, name: str) -> None:
+        """nccl4py: after revoke only shrink/split/abort/destroy, once it is quiescent."""
+        if name in ("get_async_error", "get_last_error", "abort", "destroy"):
+            return
+        why = None
+        if name == "finalize":
+            why = "finalize() after revoke() (invalid)"
+        elif name not in ("shrink", "split"):
+            why = f"{name}() on a revoked communicator"
+        elif self.revoke_stalled or self.revoke_polls > 0:
+            why = f"{name}() before the revoke was polled to ncclSuccess"
+        if why is not None:
+            self.sim.gpu.errors.append(f"{self!r}: {why}")
+            raise _b.NCCLError(int(Result.InvalidUsage))
+
+    def _revoke(self, flags: int = 0) -> None:
+        if isinstance(flags, bool) or not isinstance(flags, int):
+            raise TypeError(f"flags must be an int, got {flags!r}")
+        if flags != 0:
+            raise _b.NCCLError(int(Result.InvalidArgument))  # reserved: must be 0
+        if self.revoked:
+            return
+        self.revoked = True
+        self._abort_launches()  # in-flight ops stop (their Works fail upstream)
+        self.revoke_polls = max(1, self.sim.revoke_polls)
+
     def _get_async_error(self) -> Any:
+        if self.revoked and (self.revoke_stalled or self.revoke_polls > 0):
+            if not self.revoke_stalled:
+                self.revoke_polls -= 1
+            if self.revoke_stalled or self.revoke_polls > 0:
+                return Result.InProgress
+            self.error = 0  # quiescent: ncclSuccess
         if self.error:
             return Result(self.error)
         if not self.world.complete():
@@ -321,6 +380,7 @@ class _CommState:
         if self.rank in drop:
             self.sim.gpu.errors.append(f"{self!r}: an excluded rank called shrink")
             raise _b.NCCLError(int(Result.InvalidUsage))
+        self.shrink_flags.append(flag)
         busy = any(not la.finished() for la in self.launches)
         if flag == _nc.CommShrinkFlag.ABORT:
             self._abort_launches()
@@ -339,9 +399,12 @@ class _CommState:
 class SimNccl:
     """The NCCL of every simulated rank in this process (see the module docstring)."""
 
-    def __init__(self, gpu: SimGPU, *, inprogress_polls: int = 2) -> None:
+    def __init__(self, gpu: SimGPU, *, inprogress_polls: int = 2, revoke: bool = True, revoke_polls: int = 3) -> None:
         self.gpu = gpu
         self.inprogress_polls = inprogress_polls
+        self.revoke_polls = revoke_polls
+        #: The nccl4py ``Communicator`` interface simulated (``revoke=False``: one without revoke).
+        self.spec: type = _REAL if revoke else _without(_REAL, "revoke")
         self.comms: list[_CommState] = []
         self._worlds: dict[Any, _World] = {}
         self._by_mock: dict[int, _CommState] = {}
@@ -352,7 +415,7 @@ class SimNccl:
         for name in ("NcclRedOp", "NCCLConfig", "UniqueId", "CommShrinkFlag", "NcclInvalid",
                      "NcclDataType", "get_error_string", "get_version"):
             setattr(m, name, getattr(_nc, name))
-        m.Communicator = mock.create_autospec(_REAL, spec_set=True)  # type: ignore[attr-defined]
+        m.Communicator = mock.create_autospec(self.spec, spec_set=True)  # type: ignore[attr-defined]
         m.Communicator.init.side_effect = self._init  # type: ignore[attr-defined]
         m.group_start = mock.create_autospec(_nc.group_start, side_effect=self._group_start)  # type: ignore[attr-defined]
         m.group_end = mock.create_autospec(_nc.group_end, side_effect=self._group_end)  # type: ignore[attr-defined]
@@ -373,6 +436,10 @@ class SimNccl:
                 if other is not st and other.valid:
                     other.error = int(Result.RemoteError)
             self.gpu._cv.notify_all()
+
+    def stall_revoke(self, comm: Any) -> None:
+        """A revoke of ``comm`` never quiesces (its state stays ``InProgress``)."""
+        self.state(comm).revoke_stalled = True
 
     def hang(self, comm: Any) -> None:
         """The kernels of ``comm``'s rank never complete (no error is reported)."""
@@ -536,44 +603,4 @@ class SimNccl:
             _plain(r.recv).copy_(_plain(s.send))
         s.done = r.done = True
         del op.comm.world.p2p[op.key]
-
-
-def _reduce(xs: list[torch.Tensor], op: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    wide = torch.float64 if (dtype.is_floating_point or dtype in (torch.bfloat16,)) else torch.int64
-    st = torch.stack([x.reshape(-1).to(wide) for x in xs])
-    R = _nc.NcclRedOp
-    if op == R.SUM:
-        out = st.sum(0)
-    elif op == R.PROD:
-        out = st.prod(0)
-    elif op == R.MAX:
-        out = st.amax(0)
-    elif op == R.MIN:
-        out = st.amin(0)
-    elif op == R.AVG:
-        out = st.sum(0) / n if wide is torch.float64 else torch.div(st.sum(0), n, rounding_mode="trunc")
-    else:
-        raise ValueError(f"unknown NCCL reduce op {op}")
-    return out.to(dtype)
-
-
-def _compute(ops: list[_Op], n: int) -> None:
-    kind, count = ops[0].kind, ops[0].count
-    if kind in ("allreduce", "reduce"):
-        res = _reduce([_plain(o.send).reshape(-1)[:count] for o in ops], ops[0].op, n, ops[0].dtype)
-        for rank, o in enumerate(ops):
-            if kind == "allreduce" or rank == o.root:
-                _plain(o.recv).reshape(-1)[:count].copy_(res)
-    elif kind == "broadcast":
-        src = _plain(ops[ops[0].root].send).reshape(-1).clone()
-        for o in ops:
-            _plain(o.recv).reshape(-1).copy_(src)
-    elif kind == "allgather":
-        res = torch.cat([_plain(o.send).reshape(-1)[:count] for o in ops])
-        for o in ops:
-            _plain(o.recv).reshape(-1)[: res.numel()].copy_(res)
-    elif kind == "reduce_scatter":
-        res = _reduce([_plain(o.send).reshape(-1)[: count * n] for o in ops], ops[0].op, n, ops[0].dtype)
-        for rank, o in enumerate(ops):
-            _plain(o.recv).reshape(-1).copy_(res[rank * count:(rank + 1) * count])
 

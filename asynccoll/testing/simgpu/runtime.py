@@ -85,9 +85,11 @@ class Rdv:
 class SimCluster:
     """A simulated GPU + NCCL, and ways to build NCCL backends/communicators on it."""
 
-    def __init__(self, *, inprogress_polls: int = 2, abort_drains: bool = True, sync_limit: float = 30.0) -> None:
+    def __init__(
+        self, *, inprogress_polls: int = 2, abort_drains: bool = True, sync_limit: float = 30.0, revoke: bool = True,
+    ) -> None:
         self.gpu = SimGPU(sync_limit=sync_limit, abort_drains=abort_drains)
-        self.nccl = SimNccl(self.gpu, inprogress_polls=inprogress_polls)
+        self.nccl = SimNccl(self.gpu, inprogress_polls=inprogress_polls, revoke=revoke)
         self.runtimes: list[SimCudaRuntime] = []
 
     def lib(self) -> Any:
@@ -121,11 +123,12 @@ class SimCluster:
         return backends
 
     def run_comms(self, world_size: int, fn: Callable[[Any], Awaitable[Any]], *, backend: str = "nccl",
-                  timeout: float = 20.0) -> list[Any]:
+                  timeout: float = 20.0, heartbeat: float | None = 0) -> list[Any]:
         """``async with asynccoll.init(backend, ...) as comm: await fn(comm)`` on every rank.
 
         Ranks are threads with their own event loops; rendezvous through one HashStore;
-        NCCL is built on this simulator (``patch_init``); heartbeats are off.
+        NCCL is built on this simulator (``patch_init``); heartbeats are off unless
+        ``heartbeat`` (seconds, or None for ``init``'s default) says otherwise.
         """
         import torch.distributed as dist
 
@@ -135,7 +138,7 @@ class SimCluster:
 
         async def rank_main(r: int) -> Any:
             async with _init.init(backend, rank=r, world_size=world_size, store=store, timeout=timeout,
-                                  heartbeat=0) as comm:
+                                  heartbeat=heartbeat) as comm:
                 return await fn(comm)
 
         with self.patch_init():
