@@ -20,6 +20,8 @@ demo: venv
 	$(BIN)/python examples/quickstart.py
 
 test: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 bench: venv

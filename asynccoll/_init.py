@@ -7,7 +7,6 @@ executor threads, bounded by ``timeout``.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import operator
 import os
@@ -26,6 +25,7 @@ from ._core import validate
 from ._core.aio import run_in_thread
 from ._core.backend import Backend
 from ._core.communicator import Communicator, exit_scope
+from ._core.diagnostics import Diagnostics
 from ._core.errors import (
     AsyncCollError,
     BackendUnavailable,
@@ -34,7 +34,6 @@ from ._core.errors import (
     InvalidArgument,
     PeerFailure,
 )
-from ._core.diagnostics import Diagnostics
 
 _BACKENDS = ("auto", "gloo", "nccl")
 

@@ -95,7 +95,7 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         problems.append({"kind": "missing", "ranks": missing,
                          "text": f"no trace files from {_ranks(missing)} (crashed, killed, or another trace_dir?)"})
     seen_errors: set[str] = set()
-    for r, data in ranks.items():
+    for data in ranks.values():
         if data["error_type"] and data["error"] not in seen_errors:
             seen_errors.add(data["error"])
             holders = [q for q, d in ranks.items() if d["error"] == data["error"]]

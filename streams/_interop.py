@@ -49,7 +49,8 @@ def current_stream(obj: Any = None) -> torch.cuda.Stream:
         require_cuda("current_stream")
         return torch.cuda.current_stream(obj.device)
     if _is_torch_stream(obj):
-        return obj
+        stream: torch.cuda.Stream = obj
+        return stream
     if hasattr(obj, "__cuda_stream__"):
         require_cuda("current_stream")
         ptr = _stream_ptr(obj)

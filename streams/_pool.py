@@ -169,7 +169,8 @@ class EventPool:
                 return self._free.pop()
             self.created += 1
         if self._factory is not None:
-            return self._factory()
+            event: torch.cuda.Event = self._factory()
+            return event
         with torch.cuda.device(index):
             return torch.cuda.Event(enable_timing=self.timing, blocking=self.blocking)
 

@@ -80,7 +80,7 @@ class LoopWaker:
         for fn, args in batch:
             try:
                 fn(*args)
-            except Exception as exc:  # a callable's failure must not drop the rest
+            except Exception as exc:  # noqa: BLE001 - a callable's failure must not drop the rest
                 self._loop.call_exception_handler(
                     {"message": f"exception in LoopWaker callback {fn!r}", "exception": exc}
                 )

@@ -238,7 +238,7 @@ class EventWatcher:
                 entry = self._current = self._queue.popleft()
             try:
                 done = self._wait(entry.event)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure here is reported, not raised (see the surrounding code)
                 self._current = None
                 self._fail(entry, exc)
                 continue
@@ -248,7 +248,7 @@ class EventWatcher:
                 continue
             try:
                 entry.callback(*entry.args)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure here is reported, not raised (see the surrounding code)
                 self._error_handler(f"exception in EventWatcher callback {entry.callback!r}", exc)
         self._discard()
 
@@ -278,7 +278,7 @@ class EventWatcher:
             return
         try:
             entry.on_fail(exc)
-        except Exception as exc2:
+        except Exception as exc2:  # noqa: BLE001 - any failure here is reported, not raised (see the surrounding code)
             self._error_handler(f"exception in EventWatcher on_fail {entry.on_fail!r}", exc2)
 
 

@@ -176,7 +176,7 @@ async def shrink_twice(comm: ac.Communicator) -> list:
     """4 -> 3 -> 2: the last rank dies each time; survivors shrink and carry on."""
     sums = []
     original = comm.rank
-    for round_ in range(2):
+    for _ in range(2):
         t = torch.full((8,), float(original + 1))
         await comm.all_reduce(t)
         sums.append(float(t[0]))

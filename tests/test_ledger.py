@@ -4,8 +4,6 @@ what a communicator leaves behind: unit tests and real 2-rank runs."""
 from __future__ import annotations
 
 import asyncio
-
-import anyio
 import gc
 import os
 import signal
@@ -16,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from backends import LOOPS

@@ -190,7 +190,7 @@ def test_sim_communicator_has_exactly_nccl4pys_interface() -> None:
         with pytest.raises(TypeError):
             sim.nccl.module.group_end(True)  # simulate is keyword-only
         with pytest.raises(AttributeError):
-            sim.nccl.module.Communicator.init_rank  # not an nccl4py name
+            sim.nccl.module.Communicator.init_rank  # noqa: B018 - not an nccl4py name
         bes[0].close()
         with pytest.raises(nc.NcclInvalid):
             comm.get_async_error()  # destroyed: nccl4py's null communicator

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from typing import Any, Awaitable, Callable, Mapping
 

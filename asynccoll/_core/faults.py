@@ -205,7 +205,7 @@ class _Service:
         try:
             conn = root.clone()
             conn.set_timeout(timedelta(days=1))
-        except Exception:  # a store without clone/timeouts: census falls back to heartbeats
+        except Exception:  # noqa: BLE001 - a store without clone/timeouts: census falls back to heartbeats
             self.inbox = None
         else:
             self._answerer = threading.Thread(
@@ -241,7 +241,7 @@ class _Service:
                     self._wake.set()
                 elif kind == "s":
                     return
-            except Exception:  # the store server is gone (its host died) or the inbox broke
+            except Exception:  # noqa: BLE001 - the store server is gone (its host died) or the inbox broke
                 return
 
     # -------------------------------------------------------------- beater
@@ -300,7 +300,7 @@ class _Service:
         if self._answerer is not None and self.inbox is not None:
             try:
                 self._root.queue_push(self.inbox, "s")
-            except Exception:  # the server is gone: the answerer has ended already
+            except Exception:  # noqa: BLE001 - the server is gone: the answerer has ended already
                 return
 
     @classmethod
@@ -364,7 +364,7 @@ class Liveness:
         others = self._others()
         try:
             self._last = {r: (self._read(r), now) for r in others}
-        except Exception:  # counted from the next beat on
+        except Exception:  # noqa: BLE001 - counted from the next beat on
             self._last = {r: (-1, now) for r in others}
         self._beat()
         self._due = now + self.interval
@@ -495,7 +495,7 @@ class Liveness:
                         return recorded
                     time.sleep(_POLL)
             return self._agree(self.probe(self._others(), eliminate=True))
-        except Exception:  # the store is unreachable: say what is known
+        except Exception:  # noqa: BLE001 - the store is unreachable: say what is known
             return known
 
     def probe(
@@ -594,7 +594,7 @@ class Liveness:
                     self._deliver(self._store.get("aborted").decode(errors="replace"))
                 elif self.detect:
                     self._check_peers()
-        except Exception as exc:  # the store is gone: its host rank died
+        except Exception as exc:  # noqa: BLE001 - the store is gone: its host rank died
             if self.detect and not self._aborted:
                 failure = PeerFailure(f"rendezvous store unreachable: {exc}")
                 failure.__cause__ = exc

@@ -295,7 +295,7 @@ class FingerprintChecker:
                 if verdict is True:
                     try:
                         entry.submit()
-                    except Exception as exc:  # reported on the Work: its caller is gone
+                    except Exception as exc:  # noqa: BLE001 - reported on the Work: its caller is gone
                         failures.append((entry.works, exc))
                         self._broken = True
                 else:
@@ -477,7 +477,7 @@ def _reader(ref: weakref.ReferenceType[FingerprintChecker], sockets: list[socket
                 return
             try:
                 writing = me._round(poller, events, by_fd, out_fds, writing)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure here is reported, not raised (see the surrounding code)
                 me._crashed(exc)
                 return
             del me

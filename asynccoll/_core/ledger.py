@@ -24,7 +24,6 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import enum
 import threading

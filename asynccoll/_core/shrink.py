@@ -170,11 +170,11 @@ async def _build(comm: Recovery, rebuild: Any, agreed: set[int], failed: bool) -
         async with anyio.create_task_group() as tg:
 
             async def build() -> None:
-                built.append(await rebuild(*args, **kwargs))
+                built.append(await rebuild(*args, **kwargs))  # noqa: B023 - each closure runs and ends within this iteration (task group)
                 tg.cancel_scope.cancel()
 
             async def watch() -> None:
-                lost.append(await _watch(store, f"shrink/retry/{suffix}", liveness, others))
+                lost.append(await _watch(store, f"shrink/retry/{suffix}", liveness, others))  # noqa: B023 - each closure runs and ends within this iteration (task group)
                 tg.cancel_scope.cancel()  # the build's thread ends at the backend's own timeout
 
             tg.start_soon(build)

@@ -77,7 +77,7 @@ class CudaRuntime:
 
     # ------------------------------------------------------------------ gate
     def _gate(self) -> int:
-        from cuda.bindings import driver as cu  # type: ignore[import-untyped]
+        from cuda.bindings import driver as cu
 
         with self._gate_lock:
             if self._gate_dev == 0:
@@ -94,7 +94,7 @@ class CudaRuntime:
 
     def gate_wait(self, stream: Any, n: int) -> None:
         """Enqueue on ``stream``: wait until job ``n`` passed the comm stream. Never blocks."""
-        from cuda.bindings import driver as cu  # type: ignore[import-untyped]
+        from cuda.bindings import driver as cu
 
         dev = self._gate()
         with torch.cuda.device(self.index):
@@ -106,7 +106,7 @@ class CudaRuntime:
 
     def gate_signal(self, n: int) -> None:
         """Enqueue on the comm stream: job ``n`` is over (launcher thread only)."""
-        from cuda.bindings import driver as cu  # type: ignore[import-untyped]
+        from cuda.bindings import driver as cu
 
         dev = self._gate()
         (err,) = cu.cuStreamWriteValue32(
@@ -124,7 +124,7 @@ class CudaRuntime:
 
     def close(self, clean: bool) -> None:
         """Free the gate memory, only when no stream can still wait on it (``clean``)."""
-        from cuda.bindings import driver as cu  # type: ignore[import-untyped]
+        from cuda.bindings import driver as cu
 
         with self._gate_lock:
             host, self._gate_host, self._gate_dev = self._gate_host, 0, 0

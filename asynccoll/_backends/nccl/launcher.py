@@ -34,9 +34,8 @@ from ..._core.backend import Backend
 from ..._core.errors import CollectiveTimeout, CommAborted, InvalidArgument, PeerFailure
 from ..._core.ops import OpSpec
 from ..._core.work import Bundle, Work
-from . import encode
+from . import encode, lifecycle
 from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError
-from . import lifecycle
 from .lifecycle import STOP as _STOP
 
 _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
@@ -108,6 +107,7 @@ class NcclBackend(Backend):
 
     # --------------------------------------------------------------- submit
     def submit(self, spec: OpSpec, work: Work | Bundle) -> None:
+        assert isinstance(work, Work)  # the communicator submits Works (Bundles are Gloo's flattening)
         self.submit_batch((spec,), (work,))
 
     def submit_batch(self, specs: Sequence[OpSpec], works: Sequence[Work]) -> None:
@@ -136,7 +136,7 @@ class NcclBackend(Backend):
     def _run(self) -> None:
         try:
             self._rt.bind_thread()
-        except Exception:  # noqa: S110 - a bad device shows up as the first op's error
+        except Exception:  # noqa: BLE001, S110 - a bad device shows up as the first op's error
             pass
         get = self._queue.get
         while True:
@@ -152,7 +152,7 @@ class NcclBackend(Backend):
                 continue
             try:
                 self._launch(job)
-            except Exception as exc:  # e.g. a CUDA error on the comm stream
+            except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
                 self._fail_job(job, self._translate(exc, job), issued=True)
 
     def _launch(self, job: _Job) -> None:
@@ -172,7 +172,7 @@ class NcclBackend(Backend):
                     self._lib.group_start()
                 for spec in job.specs:
                     encode.enqueue(spec, self._comm, self._lib, handle, self.rank, self.world_size, post, self._scratch)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure here is reported, not raised (see the surrounding code)
                 if grouped:  # close the half-built group without launching it here alone
                     self._discard_group()
                 self._fail_job(job, self._translate(exc, job), issued=False)
@@ -180,7 +180,7 @@ class NcclBackend(Backend):
             if grouped:
                 try:
                     self._lib.group_end()
-                except Exception as exc:  # NCCL refused the group: nothing was launched
+                except Exception as exc:  # noqa: BLE001 - NCCL refused the group: nothing was launched
                     self._fail_job(job, self._translate(exc, job), issued=False)
                     return
         status = self._poll(time.monotonic() + job.timeout)
@@ -208,7 +208,7 @@ class NcclBackend(Backend):
         job.state = _LAUNCHED
         try:
             self._watcher.watch(job.done, self._completed, job, on_fail=functools.partial(self._watch_failed, job))
-        except Exception as exc:  # watcher closed by abort/close
+        except Exception as exc:  # noqa: BLE001 - watcher closed by abort/close
             self._watch_failed(job, exc)
 
     def _scratch(self) -> torch.Tensor:
@@ -220,7 +220,7 @@ class NcclBackend(Backend):
     def _discard_group(self) -> None:
         try:
             self._lib.group_discard()
-        except Exception:  # the group state is lost anyway; the comm is marked broken
+        except Exception:  # noqa: BLE001 - the group state is lost anyway; the comm is marked broken
             self._broken = True
 
     def _poll(self, deadline: float) -> int | None:
@@ -232,7 +232,7 @@ class NcclBackend(Backend):
                     return None
                 try:
                     status = int(self._comm.get_async_error())
-                except Exception:  # NcclInvalid: the communicator is unusable
+                except Exception:  # noqa: BLE001 - NcclInvalid: the communicator is unusable
                     status = INTERNAL_ERROR
             if status != IN_PROGRESS or time.monotonic() > deadline:
                 return status
@@ -245,7 +245,7 @@ class NcclBackend(Backend):
                 return
             try:
                 status = int(self._comm.get_async_error())
-            except Exception:  # NcclInvalid: the communicator is unusable
+            except Exception:  # noqa: BLE001 - NcclInvalid: the communicator is unusable
                 status = INTERNAL_ERROR
         if status not in (SUCCESS, IN_PROGRESS):
             with self._lock:
@@ -290,7 +290,7 @@ class NcclBackend(Backend):
         if not issued:
             try:  # let wait_stream waiters pass: the op will never run
                 self._rt.gate_signal(job.n)
-            except Exception:  # noqa: S110 - abort() releases the gate from the host
+            except Exception:  # noqa: BLE001, S110 - abort() releases the gate from the host
                 pass
         if not self._aborted:
             works = list(job.works)
@@ -310,7 +310,7 @@ class NcclBackend(Backend):
             if not self._aborted:
                 try:
                     last = str(self._comm.get_last_error() or "")
-                except Exception:  # noqa: S110 - the status code alone is reported
+                except Exception:  # noqa: BLE001, S110 - the status code alone is reported
                     pass
         msg = f"NCCL reported error {status} ({text}) on rank {self.rank}" + (f": {last}" if last else "")
         exc: CommAborted = PeerFailure(msg) if status in _PEER_ERRORS else CommAborted(msg)

@@ -47,12 +47,12 @@ def library_problem(importer: Callable[[str], Any] = importlib.import_module) ->
     for mod in ("cuda.bindings.driver", "nccl.core"):
         try:
             importer(mod)
-        except Exception as exc:  # ImportError, or OSError from a broken native library
+        except Exception as exc:  # noqa: BLE001 - ImportError, or OSError from a broken native library
             return f"NCCL backend needs {mod.split('.')[0]}: importing {mod} failed ({exc}); {_HOW}"
     try:
         nc = importer("nccl.core")
         nc.get_version()  # loads libnccl.so
-    except Exception as exc:  # OSError/RuntimeError: libnccl missing or unloadable
+    except Exception as exc:  # noqa: BLE001 - OSError/RuntimeError: libnccl missing or unloadable
         return f"NCCL backend cannot load libnccl ({exc}); {_HOW}"
     return None
 
@@ -131,7 +131,7 @@ class NcclLib:
     def error_string(self, status: int) -> str:
         try:
             return str(self._nc.get_error_string(status))
-        except Exception:  # an unknown code or a broken library: the number is enough
+        except Exception:  # noqa: BLE001 - an unknown code or a broken library: the number is enough
             return "unknown NCCL error"
 
     def can_revoke(self, comm: Any) -> bool:
@@ -144,7 +144,7 @@ class NcclLib:
             try:
                 v = self._nc.get_version().libnccl.version
                 ok = (int(v.major), int(v.minor)) >= REVOKE_SINCE
-            except Exception:  # an nccl4py without version info: try revoke, abort if it fails
+            except Exception:  # noqa: BLE001 - an nccl4py without version info: try revoke, abort if it fails
                 ok = True
             self._revoke_ok = ok
         return ok

@@ -58,7 +58,7 @@ def abort_quietly(comm: Any) -> None:
     """``comm.abort()``, for a communicator being thrown away after another error."""
     try:
         comm.abort()
-    except Exception:  # the original error is what gets reported; abort frees what it can
+    except Exception:  # noqa: BLE001, S110 - the original error is what gets reported; abort frees what it can
         pass
 
 
@@ -273,13 +273,13 @@ def _revoke(be: NcclBackend, comm: Any, deadline: float) -> bool:
     """Revoke ``comm`` and poll until it is quiescent; False: not done by ``deadline``."""
     try:
         be._lib.revoke(comm)
-    except Exception:  # NCCLError/NcclInvalid, or a libnccl without the symbol: abort instead
+    except Exception:  # noqa: BLE001 - NCCLError/NcclInvalid, or a libnccl without the symbol: abort instead
         return False
     delay = 1e-4
     while True:
         try:
             status = int(comm.get_async_error())
-        except Exception:  # NcclInvalid: unusable, abort instead
+        except Exception:  # noqa: BLE001 - NcclInvalid: unusable, abort instead
             return False
         if status != IN_PROGRESS:
             return True
@@ -344,7 +344,7 @@ def _finalize(be: NcclBackend, comm: Any) -> bool:
             be._comm = None
             comm.destroy()
         return True
-    except Exception:  # NCCLError from finalize/destroy: fall back to abort
+    except Exception:  # noqa: BLE001 - NCCLError from finalize/destroy: fall back to abort
         return False
 
 
@@ -388,7 +388,7 @@ def _poll_parent(be: NcclBackend, comm: Any, deadline: float) -> int | None:
                 return None
             try:
                 status = int(comm.get_async_error())
-            except Exception:  # NcclInvalid: the communicator is unusable
+            except Exception:  # noqa: BLE001 - NcclInvalid: the communicator is unusable
                 status = INTERNAL_ERROR
         if status != IN_PROGRESS or time.monotonic() > deadline:
             return status

@@ -44,7 +44,7 @@ import types
 from typing import Any
 from unittest import mock
 
-import nccl.bindings.nccl as _b  # type: ignore[import-untyped]
+import nccl.bindings.nccl as _b
 import nccl.core as _nc
 import torch
 from nccl.core.interop.torch import _to_nccl_dtype
@@ -416,7 +416,7 @@ class SimNccl:
                      "NcclDataType", "get_error_string", "get_version"):
             setattr(m, name, getattr(_nc, name))
         m.Communicator = mock.create_autospec(self.spec, spec_set=True)  # type: ignore[attr-defined]
-        m.Communicator.init.side_effect = self._init  # type: ignore[attr-defined]
+        m.Communicator.init.side_effect = self._init
         m.group_start = mock.create_autospec(_nc.group_start, side_effect=self._group_start)  # type: ignore[attr-defined]
         m.group_end = mock.create_autospec(_nc.group_end, side_effect=self._group_end)  # type: ignore[attr-defined]
         m.get_unique_id = mock.create_autospec(_nc.get_unique_id, side_effect=self._unique_id)  # type: ignore[attr-defined]

@@ -154,11 +154,11 @@ class SimCluster:
         async def nccl(rdv: Any, prefix: str, device: Any, timeout: float) -> Any:
             return await self.create(rdv, prefix + "nccl/", timeout)
 
-        _init._nccl_missing, _init._nccl = (lambda: None), nccl  # type: ignore[assignment]
+        _init._nccl_missing, _init._nccl = (lambda: None), nccl
         try:
             yield
         finally:
-            _init._nccl_missing, _init._nccl = saved  # type: ignore[assignment]
+            _init._nccl_missing, _init._nccl = saved
 
     def close(self) -> None:
         self.gpu.close()
@@ -178,7 +178,7 @@ def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60
     def main(r: int) -> None:
         try:
             results[r] = asyncio.run(fn(r))  # type: ignore[arg-type]
-        except BaseException as exc:  # handed to the caller below
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             errors[r] = exc
 
     threads = [threading.Thread(target=main, args=(r,), name=f"simrank{r}", daemon=True) for r in range(n)]
