@@ -10,12 +10,13 @@ Gloo may sum in another order).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import copy
 import dataclasses
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
 import torch
 import torch.distributed as dist
@@ -133,7 +134,7 @@ async def train_gradsync(comm: ac.Communicator, model: Net, case: Case) -> list[
                     with contextlib.nullcontext() if last else sync.no_sync():
                         loss = torch.nn.functional.mse_loss(model(x, use_extra(case, comm.rank, step)), y)
                         if case.thread:
-                            await asyncio.to_thread(loss.backward)
+                            await anyio.to_thread.run_sync(loss.backward)
                         else:
                             loss.backward()
                 if case.step_in_wait:
@@ -390,7 +391,7 @@ async def peer_dies_mid_training(comm: ac.Communicator, thread: bool) -> str:
             x, y = batch(comm.rank, step, 0)
             loss = torch.nn.functional.mse_loss(model(x), y)
             if thread:
-                await asyncio.to_thread(loss.backward)   # a hook may raise there: the comm is aborted
+                await anyio.to_thread.run_sync(loss.backward)   # a hook may raise there: the comm is aborted
             else:
                 loss.backward()
             await sync.wait()                            # or here: PeerFailure

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -388,12 +389,19 @@ class Communicator:
         self._ledger.abort(cause)
 
     def _after_abort(self, error: BaseException) -> None:
-        """The ledger aborted (any thread): record it, stop the transport and tell the peers."""
+        """The ledger aborted (any thread): tell the peers, stop the transport, record it.
+
+        The peers' news and the backends come first: a failure to write the
+        diagnostics must never keep them waiting.
+        """
         self._ledger.release()
-        self._diag.aborted(error)  # the flight record goes to trace_dir
         if self._liveness is not None:
             # Tell the peers (a no-op when the news came from a peer: that thread is done).
             self._liveness.publish_abort(error)
+        try:
+            self._diag.aborted(error)  # the flight record goes to trace_dir (before the checker closes)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must never stop the abort
+            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
         if self._objects is not None:
             self._objects.shutdown()
         for backend in self._backends.values():

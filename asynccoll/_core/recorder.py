@@ -125,7 +125,13 @@ class FlightRecorder:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The recorded ops, oldest first, as plain JSON-ready dicts."""
-        return [_as_dict(rec) for rec in list(self._ring)]
+        while True:  # another thread may append meanwhile (the abort path reads it off the loop)
+            try:
+                records = list(self._ring)
+                break
+            except RuntimeError:  # "deque mutated during iteration": copy again
+                continue
+        return [_as_dict(rec) for rec in records]
 
 
 def _as_dict(rec: list[Any]) -> dict[str, Any]:
