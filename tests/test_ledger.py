@@ -52,7 +52,7 @@ def test_deadline_added_while_the_timer_examines_the_heap_is_not_lost() -> None:
 
     class Racing(_Target):
         def is_live(self, seq: int) -> bool:
-            if seq == 1 and not injected:
+            if seq == 1 and not injected and time.monotonic() >= due1:  # seq 1 is due now
                 injected.append(True)
                 # Another thread registers an earlier deadline right now.
                 t = threading.Thread(target=client.add, args=(2, 0.01, time.monotonic() - 1.0))
@@ -63,9 +63,11 @@ def test_deadline_added_while_the_timer_examines_the_heap_is_not_lost() -> None:
     racing = Racing()
     client._target = lambda: racing  # type: ignore[method-assign,assignment]
     racing.live.update({1, 2})
-    client.add(1, 0.05)
+    due1 = time.monotonic() + 0.05
+    client.add(1, 0.05, due1)
     assert racing.done.wait(5.0), f"a deadline was lost: fired {racing.fired}"
-    assert sorted(racing.fired) == [1, 2]
+    assert injected, "the race was not provoked"
+    assert sorted(racing.fired) == [1, 2]  # each once (the first timer also fired seq 1 twice)
     client.close()
 
 
