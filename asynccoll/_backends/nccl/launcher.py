@@ -35,7 +35,7 @@ from ..._core.errors import CollectiveTimeout, CommAborted, InvalidArgument, Pee
 from ..._core.ops import OpSpec
 from ..._core.work import Bundle, Work
 from . import encode, lifecycle
-from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError
+from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, poll_async_error
 from .lifecycle import STOP as _STOP
 
 _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
@@ -225,19 +225,7 @@ class NcclBackend(Backend):
 
     def _poll(self, deadline: float) -> int | None:
         """Poll ``get_async_error`` until it leaves InProgress; None once aborted."""
-        delay = 0.0
-        while True:
-            with self._nccl_lock:
-                if self._aborted:
-                    return None
-                try:
-                    status = int(self._comm.get_async_error())
-                except Exception:  # noqa: BLE001 - NcclInvalid: the communicator is unusable
-                    status = INTERNAL_ERROR
-            if status != IN_PROGRESS or time.monotonic() > deadline:
-                return status
-            time.sleep(delay)
-            delay = min(max(delay * 2, 1e-5), 1e-3)
+        return poll_async_error(self._nccl_lock, lambda: None if self._aborted else self._comm, deadline)
 
     def _health_check(self) -> None:
         with self._nccl_lock:

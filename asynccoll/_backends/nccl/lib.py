@@ -8,6 +8,7 @@ simulated communicator behind the *real* wrapper (``asynccoll.testing.simgpu``).
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Any, Callable
 
 import torch
@@ -158,3 +159,25 @@ class NcclLib:
         nc = self._nc
         flag = nc.CommShrinkFlag.ABORT if abort_pending else nc.CommShrinkFlag.DEFAULT
         return comm.shrink(list(exclude), self.config(), flag)
+
+
+def poll_async_error(lock: Any, current: Any, deadline: float) -> int | None:
+    """Poll ``get_async_error`` of the communicator ``current()`` returns until it leaves
+    InProgress or ``deadline`` passes; None once ``current()`` returns None (aborted).
+
+    ``lock`` serialises every NCCL call against abort (nccl4py frees the handle).
+    """
+    delay = 0.0
+    while True:
+        with lock:
+            comm = current()
+            if comm is None:
+                return None
+            try:
+                status = int(comm.get_async_error())
+            except Exception:  # noqa: BLE001 - NcclInvalid: the communicator is unusable
+                status = INTERNAL_ERROR
+        if status != IN_PROGRESS or time.monotonic() > deadline:
+            return status
+        time.sleep(delay)
+        delay = min(max(delay * 2, 1e-5), 1e-3)

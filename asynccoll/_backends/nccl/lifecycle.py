@@ -22,7 +22,7 @@ from ..._core.errors import (
     InvalidArgument,
     PeerFailure,
 )
-from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, NcclLib, missing
+from .lib import _PEER_ERRORS, IN_PROGRESS, SUCCESS, NcclError, NcclLib, missing, poll_async_error
 
 if TYPE_CHECKING:
     from .launcher import NcclBackend
@@ -381,19 +381,7 @@ def shrink_agreed(
 
 def _poll_parent(be: NcclBackend, comm: Any, deadline: float) -> int | None:
     """Poll the shrunk parent until it leaves InProgress; None once it was aborted."""
-    delay = 0.0
-    while True:
-        with be._nccl_lock:
-            if be._comm is not comm:
-                return None
-            try:
-                status = int(comm.get_async_error())
-            except Exception:  # noqa: BLE001 - NcclInvalid: the communicator is unusable
-                status = INTERNAL_ERROR
-        if status != IN_PROGRESS or time.monotonic() > deadline:
-            return status
-        time.sleep(delay)
-        delay = min(max(delay * 2, 1e-5), 1e-3)
+    return poll_async_error(be._nccl_lock, lambda: comm if be._comm is comm else None, deadline)
 
 
 def shrink_backend(be: NcclBackend, exclude: Sequence[int], abort_pending: bool | None, timeout: float) -> NcclBackend:
