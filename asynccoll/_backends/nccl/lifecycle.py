@@ -215,8 +215,8 @@ def abort_backend(be: NcclBackend) -> None:
         drop_inflight(be)
         return
     done = be._abort_done = threading.Event()
-    target = _revoke_comm if be._use_revoke and be._lib.can_revoke(comm) else _abort_comm
-    threading.Thread(target=target, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
+    revoke = be._use_revoke and be._lib.can_revoke(comm)
+    threading.Thread(target=_stop_comm, args=(be, done, revoke), name="asynccoll-nccl-abort", daemon=True).start()
     done.wait(be._abort_timeout)
 
 
@@ -229,33 +229,22 @@ def drop_inflight(be: NcclBackend) -> None:
         be._stuck.clear()
 
 
-def _abort_comm(be: NcclBackend, done: threading.Event) -> None:
-    # The launcher holds _nccl_lock only around single non-blocking calls and
-    # re-checks _aborted under it, so normally the lock comes at once. If a
-    # call hangs inside NCCL, ncclCommAbort is what unblocks it: abort anyway.
-    got = be._nccl_lock.acquire(timeout=be._abort_timeout / 2)
-    try:
-        comm, be._comm = be._comm, None
-        if comm is not None:
-            abort_quietly(comm)
-    finally:
-        if got:
-            be._nccl_lock.release()
-        # Kernels are terminated: the tensors of issued-but-unfinished ops may go.
-        drop_inflight(be)
-        done.set()
+def _stop_comm(be: NcclBackend, done: threading.Event, revoke: bool = False) -> None:
+    """Stop the communicator's ops: ``ncclCommRevoke`` (``revoke``, keeps it shrinkable)
+    or ``ncclCommAbort``; bounded by ``abort_timeout``.
 
-
-def _revoke_comm(be: NcclBackend, done: threading.Event) -> None:
-    # ncclCommRevoke stops the in-flight ops and leaves the communicator
-    # InProgress until it is quiescent; after that it may be shrunk (or
-    # aborted/destroyed), never finalized. Bounded: half of abort_timeout, then
-    # ncclCommAbort as before (also when the lock is held by a call stuck in NCCL).
+    The launcher holds ``_nccl_lock`` only around single non-blocking calls and
+    re-checks ``_aborted`` under it, so normally the lock comes at once. If a call
+    hangs inside NCCL, ``ncclCommAbort`` is what unblocks it: abort anyway. A revoke
+    leaves the communicator InProgress until it is quiescent; after that it may be
+    shrunk (or aborted/destroyed), never finalized. It gets half of ``abort_timeout``
+    (a quarter to take the lock), then ``ncclCommAbort`` as before.
+    """
     deadline = time.monotonic() + be._abort_timeout / 2
-    got = be._nccl_lock.acquire(timeout=be._abort_timeout / 4)
+    got = be._nccl_lock.acquire(timeout=be._abort_timeout / (4 if revoke else 2))
     try:
         comm = be._comm
-        if got and comm is not None and _revoke(be, comm, deadline):
+        if revoke and got and comm is not None and _revoke(be, comm, deadline):
             be._revoked = True
         else:
             comm, be._comm = be._comm, None
@@ -296,7 +285,7 @@ def discard_revoked(be: NcclBackend) -> None:
     if not be._revoked or be._comm is None:
         return
     done = threading.Event()
-    threading.Thread(target=_abort_comm, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
+    threading.Thread(target=_stop_comm, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
     done.wait(be._abort_timeout)
 
 
@@ -330,7 +319,7 @@ def close_backend(be: NcclBackend) -> None:
         be._aborted = True
     be._rt.release_gate(be._next)
     done = be._abort_done = threading.Event()
-    threading.Thread(target=_abort_comm, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
+    threading.Thread(target=_stop_comm, args=(be, done), name="asynccoll-nccl-abort", daemon=True).start()
     done.wait(be._abort_timeout)
 
 
