@@ -14,14 +14,15 @@ A. Issue side, each step alone, uninstrumented (median over repeats of the mean
 
 B. Completion side, one op in flight at a time, a timeline stamped with
    ``perf_counter_ns`` by wrappers installed on this process's objects (the
-   completion thread's wait function, ``ledger.succeed_all``, the loop waker's
-   ``post`` and ``_drain``): issue returns -> the completion thread's ``wait()``
-   returns -> ``succeed_all`` -> ``post`` -> the loop drains -> the task resumes.
+   completion thread's wait function, ``ledger.succeed_all``, ``Wakeups.deliver``
+   and the wake-ups it posts): issue returns -> the completion thread's ``wait()``
+   returns -> ``succeed_all`` -> ``deliver`` -> the loop runs the wake-ups -> the
+   task resumes.
    The floor bridge and torch's blocking ``wait()`` are stamped alike, the three
    alternating op by op.
 
-D. Candidate cuts measured from outside (``variants``): asynccoll without its
-   LoopWaker, and a floor without a waiter thread (``get_future()`` callback).
+D. asynccoll side by side with the floor, a floor without a waiter thread
+   (``get_future()`` callback) and torch (``variants``).
 
 C. cProfile of the event-loop thread over a run of awaited small all_reduces:
    the top functions by own time (bench/results/hotpath_<loop>_profile.txt).
@@ -208,7 +209,7 @@ class Timeline:
 
 def instrument(comm: Any, tl: Timeline) -> None:
     """Wrap this process's objects (not the library's code) so each step stamps ``tl``."""
-    import streams
+    from asynccoll._core import work as work_mod
 
     backend = comm._cpu_backend
     ledger = comm.ledger
@@ -233,28 +234,27 @@ def instrument(comm: Any, tl: Timeline) -> None:
         tl.mark("succeed_out")
 
     ledger.succeed_all = succeed_all
-    waker = streams.loop_waker(asyncio.get_running_loop())
-    orig_post, orig_drain = waker.post, waker._drain
+    orig_deliver, orig_run_all = work_mod.Wakeups.deliver, work_mod._run_all
 
-    def post(fn: Any, *args: Any) -> bool:
+    def deliver(self: Any) -> None:
         tl.mark("post")
-        return orig_post(fn, *args)
+        orig_deliver(self)
 
-    def drain() -> None:
+    def run_all(items: Any) -> None:
         tl.mark("drain")
-        orig_drain()
+        orig_run_all(items)
 
-    waker.post = post
-    waker._drain = drain
+    work_mod.Wakeups.deliver = deliver  # type: ignore[method-assign]
+    work_mod._run_all = run_all
 
 
 STEPS_AC = [
     ("issue: comm.all_reduce() returns", "t0", "ret"),
     ("issue return -> completion thread's wait() returns", "ret", "wait_ret"),
     ("wait() returns -> ledger.succeed_all entered", "wait_ret", "succeed_in"),
-    ("succeed_all: settle + Wakeups.deliver -> waker.post", "succeed_in", "post"),
-    ("waker.post -> loop runs _drain (loop wake-up)", "post", "drain"),
-    ("_drain -> fut result -> task resumed", "drain", "resume"),
+    ("succeed_all: settle -> Wakeups.deliver", "succeed_in", "post"),
+    ("deliver (call_soon_threadsafe) -> the loop runs the wake-ups", "post", "drain"),
+    ("wake-ups (fut result) -> task resumed", "drain", "resume"),
     ("total", "t0", "resume"),
 ]
 STEPS_FLOOR = [
@@ -342,39 +342,15 @@ async def completion_side(comm: Any, dist: Any, group: Any, n: int) -> dict[str,
     return out
 
 
-def lean_completer(backend: Any) -> None:
-    """Swap ``backend``'s completion thread for a fresh one (a control since the lean loop
-    this experiment measured became ``Completer`` itself).
-
-    Same discipline as ``asynccoll._backends.common.Completer`` (ordered waits,
-    successes batched, reported before blocking), with two changes on the critical
-    path: the success is reported as soon as the queue is empty (``SimpleQueue.empty()``,
-    no ``get_nowait``/``queue.Empty`` probe), and the finished torch Work is dropped
-    after reporting (its destructor, ~2.5 us, off the path; still before the next get()).
-    """
-    from asynccoll._backends import torch_pg
-    from asynccoll._backends.common import Completer
-
-    # The lean loop measured here became the library's Completer: this is now a control.
-    LeanCompleter = Completer
-
-    old = backend._waiter
-    backend._waiter = LeanCompleter(
-        "asynccoll-lean-waiter", lambda: backend.sink, torch_pg._wait, torch_pg._is_done, backend._error
-    )
-    old.stop()
-
-
 async def variants(
-    comm: Any, comm_direct: Any, comm_lean: Any, dist: Any, floor: FloorBridge, future_group: Any, n: int,
+    comm: Any, dist: Any, floor: FloorBridge, future_group: Any, n: int,
     nbytes: int = 8,
 ) -> dict[str, Any]:
     """Latency of candidate cuts, built from outside the library, op by op in a rotating order.
 
-    asynccoll         as shipped
-    ac_no_waker       a second communicator as shipped (a control since the ledger posts each
-                      burst with one plain ``loop.call_soon_threadsafe``, the cut this measured)
-    ac_lean           ac_no_waker plus a leaner completion thread (``lean_completer``)
+    asynccoll         as shipped (the two cuts this section first measured — one plain
+                      ``call_soon_threadsafe`` per burst instead of ``streams.LoopWaker``, and
+                      a leaner completion loop — are in the library now)
     floor             the thread bridge (``_common.FloorBridge``)
     floor_future      no waiter thread: ``work.get_future()``'s done-callback (on Gloo's own
                       thread) calls ``loop.call_soon_threadsafe(fut.set_result, None)``
@@ -390,12 +366,6 @@ async def variants(
     async def asynccoll() -> None:
         await comm.all_reduce(t)
 
-    async def ac_no_waker() -> None:
-        await comm_direct.all_reduce(t)
-
-    async def ac_lean() -> None:
-        await comm_lean.all_reduce(t)
-
     async def floor_op() -> None:
         await floor.all_reduce(t)
 
@@ -409,8 +379,7 @@ async def variants(
     async def torch_op() -> None:
         dist.all_reduce(t, async_op=True).wait()
 
-    fns = {"asynccoll": asynccoll, "ac_no_waker": ac_no_waker, "ac_lean": ac_lean, "floor": floor_op,
-           "floor_future": floor_future, "torch": torch_op}
+    fns = {"asynccoll": asynccoll, "floor": floor_op, "floor_future": floor_future, "torch": torch_op}
     modes = tuple(fns)
     samples: dict[str, list[float]] = {m: [] for m in modes}
     dist.barrier()
@@ -454,16 +423,13 @@ def _rank(
         dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
         if groups == "shared":  # every variant on the default group's one Gloo backend
             gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
-            comm, comm2, comm3 = (ac.wrap(gloo, timeout=60.0) for _ in range(3))
+            comm = ac.wrap(gloo, timeout=60.0)
             floor_group = fgroup = None
         else:
             comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
-            comm2 = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac2/", store))
-            comm3 = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac3/", store))
             floor_group, fgroup = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
         say = progress if rank == 0 else (lambda _m: None)
         floor = FloorBridge(loop, floor_group)
-        lean_completer(comm3._cpu_backend)
         res: dict[str, Any] = {}
         try:
             say("hot path A: issue-side steps, uninstrumented")
@@ -478,16 +444,14 @@ def _rank(
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             res["profile"] = buf.getvalue()
             say("hot path D: candidate cuts, measured side by side")
-            res["variants"] = await variants(comm, comm2, comm3, dist, floor, fgroup, n_timeline)
-            res["variants_2MB"] = await variants(comm, comm2, comm3, dist, floor, fgroup, max(10, n_timeline // 15), 2 << 20)
+            res["variants"] = await variants(comm, dist, floor, fgroup, n_timeline)
+            res["variants_2MB"] = await variants(comm, dist, floor, fgroup, max(10, n_timeline // 15), 2 << 20)
             say("hot path B: completion-side timeline (instrumented)")
             res["timeline"] = await completion_side(comm, dist, floor.group, n_timeline)
         finally:
             floor.close()
             dist.barrier()
             await comm.close()
-            await comm2.close()
-            await comm3.close()
             dist.destroy_process_group()
         return res
 
@@ -509,7 +473,7 @@ def tables(res: dict[str, Any]) -> str:
         for row in m["steps"]:
             out.append(f"    {row['step']:<66} {row['median_us']:>10.1f} {row['p10_us']:>8.1f}")
     for key, what in (("variants", "8 B"), ("variants_2MB", "2 MiB")):
-        out.append(f"\nD. candidate cuts, one all_reduce of {what}, the variants alternating op by op")
+        out.append(f"\nD. asynccoll beside the floors and torch, one all_reduce of {what}, alternating op by op")
         out.append(f"    {'variant':<14} {'median us':>10} {'p10 us':>8} {'/floor med':>11} {'/floor p10':>11}")
         for m, row in res[key].items():
             out.append(f"    {m:<14} {row['median_us']:>10.1f} {row['p10_us']:>8.1f} {row['vs_floor_median']:>11.3f} "
