@@ -5,19 +5,19 @@ awaitable :class:`Work`. CPU tensors run on torch's Gloo, CUDA tensors on NCCL
 (through nccl4py). See ``README.md`` and the contract in ``API.md``.
 """
 
+from ._base.errors import AsyncCollError as AsyncCollError
+from ._base.errors import BackendUnavailable as BackendUnavailable
+from ._base.errors import CollectiveMismatch as CollectiveMismatch
+from ._base.errors import CollectiveTimeout as CollectiveTimeout
+from ._base.errors import CommAborted as CommAborted
+from ._base.errors import CommClosed as CommClosed
+from ._base.errors import InvalidArgument as InvalidArgument
+from ._base.errors import PeerFailure as PeerFailure
+from ._base.ops import ReduceOp as ReduceOp
+from ._bootstrap.init import init as init
+from ._bootstrap.init import wrap as wrap
 from ._core.communicator import Communicator as Communicator
-from ._core.errors import AsyncCollError as AsyncCollError
-from ._core.errors import BackendUnavailable as BackendUnavailable
-from ._core.errors import CollectiveMismatch as CollectiveMismatch
-from ._core.errors import CollectiveTimeout as CollectiveTimeout
-from ._core.errors import CommAborted as CommAborted
-from ._core.errors import CommClosed as CommClosed
-from ._core.errors import InvalidArgument as InvalidArgument
-from ._core.errors import PeerFailure as PeerFailure
-from ._core.ops import ReduceOp as ReduceOp
 from ._core.work import Work as Work
-from ._init import init as init
-from ._init import wrap as wrap
 from ._train import GradSync as GradSync
 
 __version__ = "0.1.0"

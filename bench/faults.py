@@ -193,14 +193,14 @@ async def _asynccoll_death(rank: int, store: Any, params: dict[str, Any]) -> dic
 
 def _instrument() -> dict[str, float]:
     """Time inside shrink: when the excluded set is settled, how long the Gloo group takes."""
-    import asynccoll._core.shrink as shrink_mod
-    import asynccoll._init as init_mod
+    import asynccoll._bootstrap.build as init_mod
+    import asynccoll._faults.shrink as shrink_mod
 
     marks: dict[str, float] = {}
     # (_settle since the census record; before that, shrink called agree(): the
     # same bench then measures the previous commit for a before/after table.)
     name = "_settle" if hasattr(shrink_mod, "_settle") else "agree"
-    settle, gloo = getattr(shrink_mod, name), init_mod._gloo
+    settle, gloo = getattr(shrink_mod, name), init_mod.build_gloo
 
     def timed_settle(*args: Any) -> Any:
         out = settle(*args)
@@ -214,7 +214,7 @@ def _instrument() -> dict[str, float]:
         return out
 
     setattr(shrink_mod, name, timed_settle)
-    init_mod._gloo = timed_gloo  # type: ignore[assignment]
+    init_mod.build_gloo = timed_gloo  # type: ignore[assignment]
     return marks
 
 

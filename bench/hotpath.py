@@ -72,8 +72,8 @@ async def issue_side(comm: Any, dist: Any, n: int, reps: int) -> dict[str, float
 
     import torch
 
+    from asynccoll._base.ops import OpKind, OpSpec, ReduceOp
     from asynccoll._core import validate
-    from asynccoll._core.ops import OpKind, OpSpec, ReduceOp
     from asynccoll._core.work import Work
 
     t = torch.zeros(2)

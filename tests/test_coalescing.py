@@ -17,7 +17,7 @@ from backends import LOOPS, in_task
 
 import asynccoll as ac
 from asynccoll._backends.flatten import plan
-from asynccoll._core.ops import OpKind, OpSpec
+from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import asynccoll as ac
-from asynccoll._core.ops import OpKind, OpSpec, ReduceOp
-from asynccoll._core.recorder import FlightRecorder
+from asynccoll._base.ops import OpKind, OpSpec, ReduceOp
+from asynccoll._base.recorder import FlightRecorder
 from asynccoll.testing import run_ranks, skip_collective
 
 pytestmark = pytest.mark.timeout(180)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import asynccoll as ac
-from asynccoll._core.faults import _Service
+from asynccoll._faults.liveness import _Service
 from asynccoll.testing import RankContext, crash, crash_later, freeze, run_ranks
 
 
@@ -207,7 +207,7 @@ def test_dropped_communicator_stops_beating_and_threads_end() -> None:
 
 async def shrink_reuses_the_census(comm: ac.Communicator) -> dict:
     """After a death, every survivor shrinks on the census record: no agreement round."""
-    import asynccoll._core.shrink as shrink_mod
+    import asynccoll._faults.shrink as shrink_mod
 
     def no_agreement(*args: object) -> set:
         raise AssertionError("shrink ran an agreement round although the census recorded the failure")

@@ -20,7 +20,7 @@ import uvloop
 from backends import LOOPS, gather
 
 import asynccoll as ac
-from asynccoll import _init
+from asynccoll._bootstrap import rendezvous, stores
 from asynccoll.testing import RankContext, run_ranks
 
 
@@ -107,7 +107,7 @@ def test_port_in_use_is_invalid_argument(loop: str) -> None:
             port = busy.getsockname()[1]
             with pytest.raises(ac.InvalidArgument, match="in use"):
                 await ac.init("gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=port, timeout=5)
-        assert (("127.0.0.1", port)) not in _init._STORES
+        assert (("127.0.0.1", port)) not in stores.STORES
 
     _run(loop, main)
 
@@ -143,11 +143,11 @@ async def two_on_one_address(ctx: RankContext) -> list[float]:
         await w
     out = [t[0].item() for t in ts]
     assert await second.all_gather_object(ctx.rank) == [0, 1]
-    assert key in _init._STORES
+    assert key in stores.STORES
     await gather(*(c.close for c in comms))
     del first, second, third, fourth, comms
     gc.collect()
-    assert key not in _init._STORES, "the shared store outlived its communicators"
+    assert key not in stores.STORES, "the shared store outlived its communicators"
     return out
 
 
@@ -195,13 +195,13 @@ def test_creation_errors_are_typed(loop: str) -> None:
         ]
         for text, kind in cases:
             with pytest.raises(kind) as info:
-                await _init._off_loop(raising(text), 5, "gloo init")
+                await rendezvous.off_loop(raising(text), 5, "gloo init")
             assert isinstance(info.value.__cause__, dist.DistNetworkError)
         with pytest.raises(ac.InvalidArgument):  # already typed: unchanged
 
             def invalid() -> None:
                 raise ac.InvalidArgument("x")
 
-            await _init._off_loop(invalid, 5, "gloo init")
+            await rendezvous.off_loop(invalid, 5, "gloo init")
 
     _run(loop, main)

@@ -20,7 +20,7 @@ import torch
 from backends import LOOPS
 
 import asynccoll as ac
-from asynccoll._core.deadlines import DeadlineService
+from asynccoll._base.deadlines import DeadlineService
 from asynccoll._core.ledger import Ledger
 from asynccoll.testing import RankContext, run_ranks, skip_collective
 

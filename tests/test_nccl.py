@@ -27,7 +27,7 @@ import torch
 import asynccoll as ac
 import streams
 from asynccoll._backends import nccl
-from asynccoll._core.ops import ReduceOp
+from asynccoll._base.ops import ReduceOp
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_MISSING = nccl.missing()

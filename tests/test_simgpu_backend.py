@@ -19,7 +19,7 @@ import torch
 
 import asynccoll as ac
 from asynccoll._backends import nccl
-from asynccoll._core.ops import OpKind, OpSpec
+from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import SimCluster
 

@@ -2,7 +2,7 @@
 
 The NCCL below is :class:`asynccoll.testing.simgpu.SimNccl` (autospecs of nccl4py's
 real ``Communicator``); everything above it is real: ``asynccoll.init``, the
-Communicator, its ledger, ``_core/shrink.py``, ``NcclBackend``, ``NcclLib``.
+Communicator, its ledger, ``_faults/shrink.py``, ``NcclBackend``, ``NcclLib``.
 
 Ranks are threads (``SimCluster.run_comms``) with heartbeats off, so a peer's
 death reaches the survivors only as NCCL's ``RemoteError`` (a ``PeerFailure``
@@ -20,7 +20,7 @@ import pytest
 from nccl.bindings.nccl import NCCLError, Result
 
 import asynccoll as ac
-from asynccoll._core.ops import OpKind, OpSpec
+from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import SimCluster
 

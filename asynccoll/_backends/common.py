@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 import torch
 
+from .._base.errors import CollectiveTimeout, CommAborted, PeerFailure
+from .._base.ops import ReduceOp
 from .._core.backend import Sink
-from .._core.errors import CollectiveTimeout, CommAborted, PeerFailure
-from .._core.ops import ReduceOp
 from .._core.work import Bundle, Work
 
 Target = Work | Bundle

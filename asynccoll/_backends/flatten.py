@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from .._core.ops import OpKind, OpSpec
+from .._base.ops import OpKind, OpSpec
 from .._core.work import Bundle, Work
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from .._base.errors import InvalidArgument, PeerFailure
+from .._base.ops import OpKind, OpSpec, ReduceOp
 from .._core.backend import Backend
-from .._core.errors import InvalidArgument, PeerFailure
-from .._core.ops import OpKind, OpSpec, ReduceOp
 from .._core.work import Bundle, Work
 from .common import Completer, avg_fixup, strand, translate
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Iterable, Protocol, Sequence
 
-from .ops import OpSpec
+from .._base.ops import OpSpec
 from .work import Bundle, Work
 
 

@@ -42,10 +42,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Generator
 
-from .aio import current_task as _current_task
-from .errors import InvalidArgument
+from .._base.aio import current_task as _current_task
+from .._base.errors import InvalidArgument
+from .._base.ops import OpSpec
 from .ledger import State
-from .ops import OpSpec
 from .work import Bundle, Work
 
 if TYPE_CHECKING:

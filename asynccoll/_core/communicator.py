@@ -9,19 +9,19 @@ from typing import Any, Awaitable, Callable, Mapping
 import anyio
 import torch
 
+from .._base.aio import run_in_thread, settle_within
+from .._base.deadlines import service as deadline_service
+from .._base.errors import CommAborted, InvalidArgument, PeerFailure
+from .._base.ops import OpKind, OpSpec, ReduceOp
+from .._diag.diagnostics import Diagnostics
+from .._faults.liveness import Liveness
+from .._faults.shrink import Recovery
+from .._faults.shrink import shrink as _shrink
 from . import validate
-from .aio import run_in_thread, settle_within
 from .backend import Backend
 from .coalescing import CoalescingGroup
-from .deadlines import service as deadline_service
-from .diagnostics import Diagnostics
-from .errors import CommAborted, InvalidArgument, PeerFailure
-from .faults import Liveness
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
-from .ops import OpKind, OpSpec, ReduceOp
-from .shrink import Recovery
-from .shrink import shrink as _shrink
 from .work import Work
 
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path

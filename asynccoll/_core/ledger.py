@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from .deadlines import DeadlineClient, DeadlineService
-from .diagnostics import Diagnostics, now
-from .errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
+from .._base.deadlines import DeadlineClient, DeadlineService
+from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
+from .._diag.diagnostics import Diagnostics, now
 from .work import _DONE, _FAILED, Bundle, Wakeups, Work
 
 Target = Work | Bundle

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from .errors import InvalidArgument
+from .._base.errors import InvalidArgument
 
 # TCPStore refuses a value over 8 MiB ("Invalid payload size ... max: 8388608") by
 # dropping the client's connection, which breaks every user of that client (every

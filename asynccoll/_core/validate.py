@@ -13,8 +13,8 @@ from typing import Any, Mapping, cast
 
 import torch
 
-from .errors import InvalidArgument
-from .ops import ReduceOp
+from .._base.errors import InvalidArgument
+from .._base.ops import ReduceOp
 
 #: Longest timeout accepted, in seconds (about 31 years): larger values overflow
 #: ``datetime.timedelta`` and C++ millisecond counts inside torch and Gloo.

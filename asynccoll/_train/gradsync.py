@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from .._core.errors import InvalidArgument
-from .._core.ops import ReduceOp
+from .._base.errors import InvalidArgument
+from .._base.ops import ReduceOp
 from . import buckets as _buckets
 from .buckets import MIB, Bucket
 

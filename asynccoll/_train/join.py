@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._core.errors import InvalidArgument
-from .._core.ops import ReduceOp
+from .._base.errors import InvalidArgument
+from .._base.ops import ReduceOp
 
 if TYPE_CHECKING:
     from .gradsync import GradSync

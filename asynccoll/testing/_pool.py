@@ -24,7 +24,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .._core.errors import CommAborted
+from .._base.errors import CommAborted
 from . import _worker
 from ._errors import RanksTimedOut, RemoteTraceback
 

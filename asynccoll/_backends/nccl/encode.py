@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..._core.errors import InvalidArgument
-from ..._core.ops import OpKind, OpSpec, ReduceOp
+from ..._base.errors import InvalidArgument
+from ..._base.ops import OpKind, OpSpec, ReduceOp
 from .lib import _COMPLEX, _NCCL_DTYPES, _REDUCING
 
 Post = list[Callable[[], object]]

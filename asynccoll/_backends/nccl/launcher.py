@@ -30,9 +30,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..._base.errors import CollectiveTimeout, CommAborted, InvalidArgument, PeerFailure
+from ..._base.ops import OpSpec
 from ..._core.backend import Backend
-from ..._core.errors import CollectiveTimeout, CommAborted, InvalidArgument, PeerFailure
-from ..._core.ops import OpSpec
 from ..._core.work import Bundle, Work
 from . import encode, lifecycle
 from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, poll_async_error

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..._core.ops import OpKind, ReduceOp
+from ..._base.ops import OpKind, ReduceOp
 
 # ncclResult_t values (nccl.h, stable ABI; the contract tests pin them to
 # ``nccl.bindings.nccl.Result``).

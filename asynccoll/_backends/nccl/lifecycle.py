@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from ..._core.errors import (
+from ..._base.errors import (
     BackendUnavailable,
     CollectiveTimeout,
     CommAborted,

@@ -132,13 +132,13 @@ class SimCluster:
         """
         import torch.distributed as dist
 
-        from ... import _init
+        from ..._bootstrap.init import init
 
         store = dist.HashStore()
 
         async def rank_main(r: int) -> Any:
-            async with _init.init(backend, rank=r, world_size=world_size, store=store, timeout=timeout,
-                                  heartbeat=heartbeat) as comm:
+            async with init(backend, rank=r, world_size=world_size, store=store, timeout=timeout,
+                            heartbeat=heartbeat) as comm:
                 return await fn(comm)
 
         with self.patch_init():
@@ -147,18 +147,18 @@ class SimCluster:
     @contextlib.contextmanager
     def patch_init(self) -> Iterator[None]:
         """Make ``asynccoll.init`` see CUDA + nccl4py and build NCCL on the simulator."""
-        from ... import _init
+        from ..._bootstrap import build
 
-        saved = _init._nccl_missing, _init._nccl
+        saved = build.nccl_missing, build.build_nccl
 
         async def nccl(rdv: Any, prefix: str, device: Any, timeout: float) -> Any:
             return await self.create(rdv, prefix + "nccl/", timeout)
 
-        _init._nccl_missing, _init._nccl = (lambda: None), nccl
+        build.nccl_missing, build.build_nccl = (lambda: None), nccl
         try:
             yield
         finally:
-            _init._nccl_missing, _init._nccl = saved
+            build.nccl_missing, build.build_nccl = saved
 
     def close(self) -> None:
         self.gpu.close()
@@ -197,7 +197,7 @@ def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60
 def standalone_sink(rank: int) -> Any:
     """A ledger for a backend used without a communicator (its outcomes settle the Works;
     a failure marks it aborted, as it would the communicator)."""
-    from ..._core.deadlines import service
+    from ..._base.deadlines import service
     from ..._core.ledger import Ledger
 
     return Ledger(rank, deadlines=service(), on_abort=lambda exc: None)

@@ -63,7 +63,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, Callable, NamedTuple
 
-from .errors import CommAborted, PeerFailure
+from .._base.errors import CommAborted, PeerFailure
 
 #: Peers on another machine (no process table to read): how long the one
 #: silent peer's request must stay unread before elimination names it. A live

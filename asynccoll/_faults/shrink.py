@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
 import anyio
 import anyio.to_thread
 
-from .errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
-from .faults import decode_ranks, encode_ranks
-from .objects import poll_keys
+from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
+from .._core.objects import poll_keys
+from .liveness import decode_ranks, encode_ranks
 
 
 def _encode(ranks: Iterable[int]) -> str:
@@ -80,7 +80,7 @@ def agree(store: Any, rank: int, world_size: int, exclude: set[int], timeout: fl
 
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from .._core.communicator import Communicator
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import CollectiveMismatch
-from .ops import OpKind, OpSpec
+from .._base.errors import CollectiveMismatch
+from .._base.ops import OpKind, OpSpec
 
 FIELDS = ("op", "dtype", "shape", "root", "reduce_op")
 SEP, MEMBERS = "\x1f", "\x1e"

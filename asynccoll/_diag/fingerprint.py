@@ -48,14 +48,14 @@ import time
 import weakref
 from typing import Any, Callable, Literal, Sequence
 
-from .backend import Backend, Sink
-from .errors import CommAborted, PeerFailure
+from .._base.errors import CommAborted, PeerFailure
+from .._base.ops import OpKind, OpSpec
+from .._core.backend import Backend, Sink
+from .._core.objects import poll_keys
+from .._core.work import Bundle, Work
 from .mismatch import MEMBERS as _MEM
 from .mismatch import P2P as _P2P
 from .mismatch import fingerprint, mismatch, object_fingerprint
-from .objects import poll_keys
-from .ops import OpKind, OpSpec
-from .work import Bundle, Work
 
 _FRAME = "\x1d"
 _LEN = struct.Struct("!I")

@@ -22,13 +22,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from .._base.recorder import DEFAULT_CAPACITY, FlightRecorder, outcome
+from .._core.work import _FAILED
 from . import trace
-from .recorder import DEFAULT_CAPACITY, FlightRecorder, outcome
-from .work import _FAILED
 
 if TYPE_CHECKING:
+    from .._core.work import Work
     from .fingerprint import FingerprintChecker
-    from .work import Work
 
 now = time.time  # wall clock: the ranks' records line up in one timeline
 

@@ -1,0 +1,149 @@
+"""The process's TCPStores (one per address, shared by its communicators) and the
+per-store creation lock that makes each rank build its communicators in order."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .._base.aio import run_in_thread
+from .._base.errors import AsyncCollError, CollectiveTimeout, InvalidArgument
+
+
+class _StoreCache:
+    """One TCPStore per ``(master_addr, master_port)`` per process, shared by its communicators.
+
+    A second server on the same port would fail with EADDRINUSE; the contract's
+    "many communicators in one process" reuses the first store instead (each
+    communicator still gets its own prefix). A store is dropped when no
+    communicator built on it is alive.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key_locks: dict[tuple[str, int], threading.Lock] = {}
+        self._stores: dict[tuple[str, int], list[Any]] = {}  # key -> [store, holders]
+
+    def acquire(self, key: tuple[str, int], create: Callable[[], Any]) -> Any:
+        """The store for ``key`` (made by ``create`` if none), with one hold taken. Blocking."""
+        with self._lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:  # one creation per key; other keys proceed
+            with self._lock:
+                entry = self._stores.get(key)
+                if entry is not None:
+                    entry[1] += 1
+                    return entry[0]
+            store = create()
+            with self._lock:
+                self._stores[key] = [store, 1]
+            return store
+
+    def hold(self, key: tuple[str, int], owner: object) -> None:
+        """One more hold on ``key``'s store, released when ``owner`` is garbage-collected."""
+        with self._lock:
+            entry = self._stores.get(key)
+            if entry is None:
+                return
+            entry[1] += 1
+        weakref.finalize(owner, self.release, key)
+
+    def release(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            entry = self._stores.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._stores[key]
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        with self._lock:
+            return key in self._stores
+
+
+STORES = _StoreCache()
+
+# Creation of communicators on one store, per process, one at a time. Gloo's
+# constructor blocks inside the store client, which serves one request at a time:
+# two creations interleaved on one client can each wait for a key that the other
+# rank publishes only through the blocked client (a deadlock until the timeout).
+# One at a time, each process builds its n-th communicator before its (n+1)-th,
+# and the n-th pair with each other across ranks.
+_CREATION_LOCKS: weakref.WeakKeyDictionary[Any, dict[int, threading.Lock]] = weakref.WeakKeyDictionary()
+_CREATION_GUARD = threading.Lock()
+
+
+async def exclusive(store: Any, rank: int, timeout: float) -> threading.Lock:
+    """Take ``rank``'s creation lock of ``store`` off the loop, within ``timeout``; the
+    caller releases it. (Ranks run as threads of one process, as in the simulated-GPU
+    tests, each have their own: only one rank's creations may not interleave.)"""
+    with _CREATION_GUARD:
+        lock = _CREATION_LOCKS.setdefault(store, {}).setdefault(rank, threading.Lock())
+
+    def late(got: bool) -> None:  # cancelled while waiting: give it back once taken
+        if got:
+            lock.release()
+
+    got = await run_in_thread(lambda: lock.acquire(True, timeout), None, on_late=late)
+    if not got:
+        raise CollectiveTimeout(
+            f"another communicator on this store was still being created after {timeout} s "
+            "(creations on one store run one at a time)"
+        )
+    return lock
+
+
+def _store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Exception:
+    """A TCPStore constructor's DistNetworkError/DistStoreError as the contract's error."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    low = text.lower()
+    if "eaddrinuse" in low or "address already in use" in low:
+        return InvalidArgument(
+            f"master_port {port} is already in use on this host (by another process): pick a free "
+            f"port, or pass store= ({text})"
+        )
+    if "timed out" in low or "timeout" in low:
+        return CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s: {text}")
+    return InvalidArgument(
+        f"no asynccoll/torch store answers at {addr}:{port} (check master_addr and master_port): {text}"
+    )
+
+
+async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, tuple[str, int]]:
+    """The process's TCPStore for ``addr:port`` (shared), with one hold taken for the caller."""
+    # Under torchrun's agent the store already runs; every rank is a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_server = rank == 0 and not agent_store
+    key = (addr, port)
+
+    def create() -> Any:
+        try:
+            socket.getaddrinfo(addr, port)
+        except (OSError, UnicodeError) as exc:
+            raise InvalidArgument(f"master_addr {addr!r} does not resolve to an address: {exc}") from None
+        try:
+            return dist.TCPStore(
+                addr, port, world_size, is_server,
+                timeout=timedelta(seconds=timeout), wait_for_workers=False,
+            )
+        except (dist.DistError, RuntimeError) as exc:  # DistNetworkError, DistStoreError
+            raise _store_error(exc, addr, port, timeout) from exc
+
+    try:
+        # A hold the thread still takes after we stopped waiting is given back.
+        store = await run_in_thread(
+            lambda: STORES.acquire(key, create), timeout, on_late=lambda _: STORES.release(key)
+        )
+    except AsyncCollError:
+        raise
+    except TimeoutError:
+        raise CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s") from None
+    return store, key
+
+

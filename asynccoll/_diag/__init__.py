@@ -1,0 +1,2 @@
+"""Diagnostics: the per-communicator record, fingerprint checking, mismatch reports and
+trace files."""

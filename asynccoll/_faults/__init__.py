@@ -1,0 +1,1 @@
+"""Fault handling: liveness (heartbeats, census, abort news) and shrinking to the survivors."""
