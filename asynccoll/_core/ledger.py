@@ -245,7 +245,7 @@ class Ledger:
     def expired(self, seq: int) -> None:
         """The deadline service's report: ``seq`` is past its deadline."""
         work = self.pending.get(seq)
-        if work is not None:
+        if work is not None and not work.done():  # done() settles an op that finished unseen
             self.fail(
                 work,
                 CollectiveTimeout(

@@ -6,6 +6,12 @@ service, ``abort()`` on any thread). Settling sets the state at once, so every
 waiter — on any event loop, or blocked in ``wait()`` on any thread — sees the
 outcome without depending on the loop that issued the op. Waking is batched by
 the ledger (:class:`Wakeups`): one wake-up per event loop for a whole burst.
+
+A backend that can tell cheaply whether an op has finished installs a *poke*
+(:meth:`Work.set_poke`): whoever starts waiting on a pending Work, or asks whether
+it is done, pokes it first, so that an op which already finished is settled on
+the spot, on the asking thread, without waking the backend's completion thread
+(``_backends/common.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class Work:
         "_event",
         "_keep",
         "_stream_hook",
+        "_poke",
         "__weakref__",
     )
 
@@ -59,6 +66,8 @@ class Work:
         self._event: threading.Event | None = None
         # Set by device backends: makes a stream wait for the op (``wait_stream``).
         self._stream_hook: Callable[[Any], None] | None = None
+        # Set by the backend's completion queue (``set_poke``); None once settled.
+        self._poke: Callable[[bool], None] | None = None
 
     # ------------------------------------------------------------------ settle
     def _settle(self, state: int, value: Any, wake: Wakeups) -> bool:
@@ -76,6 +85,7 @@ class Work:
             callbacks, self._callbacks = self._callbacks, None
             event = self._event
         self._keep = None
+        self._poke = None
         if event is not None:
             event.set()
         if waiters is not None:
@@ -106,19 +116,60 @@ class Work:
                     threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None))
                 )
 
+    # ------------------------------------------------------------ backend side
+    def set_poke(self, poke: Callable[[bool], None]) -> None:
+        """Install the backend's poke (called by a backend at submit, any thread).
+
+        ``poke(False)`` settles, on the calling thread, whatever of the backend's
+        queue has already finished; ``poke(True)`` asks the backend's completion
+        thread to wait for what has not. The Work pokes before anyone waits on it
+        while it is pending (``await``, ``wait()``, ``add_done_callback``: both
+        calls) or asks whether it is done (``done()``, ``result()``,
+        ``exception()``: the first only). A Work that someone already waits on
+        when the poke is installed (an op held back and submitted later) is
+        poked at once.
+        """
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._poke = poke
+            waited = self._waiters is not None or self._callbacks is not None or self._event is not None
+        if waited:
+            self._nudge(True)
+
+    def _nudge(self, wait: bool) -> None:
+        """Poke a pending Work: settle it here if it finished; if ``wait`` and it has
+        not, have the backend's completion thread wait for it."""
+        poke = self._poke
+        if poke is None:
+            return
+        poke(False)
+        if wait and self._state == _PENDING:
+            poke(True)
+
     # ------------------------------------------------------------------ public
     def done(self) -> bool:
         """True once the operation finished, successfully or not."""
+        if self._state == _PENDING and self._poke is not None:
+            self._nudge(False)
         return self._state != _PENDING
 
     def exception(self) -> BaseException | None:
         """The failure, or None on success. Raises ``InvalidStateError`` while pending."""
         if self._state == _PENDING:
-            raise asyncio.InvalidStateError(f"{self!r} is still pending")
+            self._nudge(False)
+            if self._state == _PENDING:
+                raise asyncio.InvalidStateError(f"{self!r} is still pending")
         return self._value if self._state == _FAILED else None
 
     def result(self) -> Any:
         """The output (tensor, list or object); raises the failure. Never blocks."""
+        state = self._state
+        if state == _DONE:
+            return self._value
+        if state == _FAILED:
+            raise self._value
+        self._nudge(False)
         state = self._state
         if state == _DONE:
             return self._value
@@ -135,11 +186,14 @@ class Work:
         """
         loop: Any = _get_running_loop() or _trio_token()
         with self._lock:
-            if self._state == _PENDING:
+            pending = self._state == _PENDING
+            if pending:
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append((loop, fn))
-                return
+        if pending:
+            self._nudge(True)
+            return
         if loop is None:
             self._run_callback(fn)
         elif isinstance(loop, asyncio.AbstractEventLoop):
@@ -158,6 +212,7 @@ class Work:
                 if self._state == _PENDING and self._event is None:
                     self._event = threading.Event()
                 event = self._event
+            self._nudge(True)
             if event is not None and not event.wait(timeout):
                 raise TimeoutError(f"{self!r} not done after {timeout} s")
         return self.result()
@@ -172,10 +227,13 @@ class Work:
             hook(stream)
 
     def __await__(self) -> Generator[Any, None, Any]:
+        poked = self._poke
+        if poked is not None and self._state == _PENDING:
+            self._nudge(True)  # settled here if it already finished; else the backend waits for it
         if self._state == _PENDING:
             loop = _get_running_loop()
             if loop is None:  # not asyncio: trio (anything else raises there)
-                return (yield from self._trio_wait().__await__())
+                return (yield from self._trio_wait(poked).__await__())
             fut = loop.create_future()
             with self._lock:
                 pending = self._state == _PENDING
@@ -183,11 +241,14 @@ class Work:
                     if self._waiters is None:
                         self._waiters = []
                     self._waiters.append(fut)
+                    late = poked is None and self._poke is not None
             if pending:
+                if late:  # the poke came between the check above and the registration
+                    self._nudge(True)
                 yield from fut.__await__()
         return self.result()
 
-    async def _trio_wait(self) -> Any:
+    async def _trio_wait(self, poked: Any) -> Any:
         import trio
 
         waiter = _TrioWaiter(trio.lowlevel.current_task(), trio.lowlevel.current_trio_token())
@@ -197,7 +258,10 @@ class Work:
                 if self._waiters is None:
                     self._waiters = []
                 self._waiters.append(waiter)
+                late = poked is None and self._poke is not None
         if pending:
+            if late:
+                self._nudge(True)
 
             def abort(_: Any) -> Any:
                 # Cancelling the wait cancels only the wait (a later wake finds it gone).
