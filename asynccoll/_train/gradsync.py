@@ -44,6 +44,8 @@ from .._base.ops import ReduceOp
 from . import buckets as _buckets
 from .buckets import MIB, Bucket
 
+_STRIDED = torch.strided
+
 
 class GradSync:
     """Average (or sum) gradients across the ranks of ``comm`` during backward.
@@ -131,6 +133,7 @@ class GradSync:
         self._ready = [False] * n       # copied into its bucket in this step
         self._buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * n
+        self._slots: list[tuple[Bucket, int]] = []  # parameter -> (its bucket, its slot)
         self._build(list(reversed(range(n))))
         # The order in which gradients arrive in the first synchronised step; the
         # buckets are then rebuilt in rank 0's order (None once done).
@@ -160,6 +163,7 @@ class GradSync:
         for b, bucket in enumerate(self._buckets):
             for slot, i in enumerate(bucket.members):
                 self._where[i] = (b, slot)
+        self._slots = [(self._buckets[b], slot) for b, slot in self._where]
         if old:  # the used flags of the last reduction live on (join shadows them)
             for bucket in old:
                 for slot, i in enumerate(bucket.members):
@@ -197,14 +201,21 @@ class GradSync:
 
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of parameter ``i`` (backward's thread)."""
+        """Post-accumulate-grad hook of parameter ``i`` (backward's thread).
+
+        The hot path of backward, once per parameter: one scaled copy into the
+        bucket and a little bookkeeping (no ``torch.no_grad()`` context: backward
+        runs without grad mode unless ``create_graph``; ``Bucket.put`` handles the
+        rest).
+        """
         with self._lock:
             if self._closed:
                 return
             self._used[i] = True
             if self._no_sync:
                 return
-            if self._ready[i]:
+            ready = self._ready
+            if ready[i]:
                 err = RuntimeError(
                     f"GradSync: parameter {i} received a gradient twice in one step; call "
                     "`await sync.wait()` after each backward, or use `with sync.no_sync():` "
@@ -216,14 +227,26 @@ class GradSync:
                 self._open_step()
             if self._seen is not None:
                 self._seen.append(i)
-            b, slot = self._where[i]
-            bucket = self._buckets[b]
-            with torch.no_grad():
-                bucket.put(slot, param.grad, self._scale)
-            self._ready[i] = True
+            bucket, slot = self._slots[i]
+            grad = param.grad
+            if (
+                grad is not None and grad is not bucket.grads[slot] and not grad.requires_grad
+                and grad.layout is _STRIDED
+            ):
+                scale = self._scale
+                if scale is None:
+                    bucket.views[slot].copy_(grad)
+                else:
+                    torch.mul(grad, scale, out=bucket.views[slot])
+            else:
+                with torch.no_grad():
+                    bucket.put(slot, grad, self._scale)
+            ready[i] = True
             bucket.pending -= 1
-            while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-                self._issue(self._buckets[self._next])
+            if not bucket.pending and bucket.index == self._next:
+                buckets = self._buckets
+                while self._next < len(buckets) and buckets[self._next].pending == 0:
+                    self._issue(buckets[self._next])
 
     def _open_step(self) -> None:
         """First event of a synchronised step (lock held): under join, say "still training"."""
