@@ -48,6 +48,7 @@ from typing import Any
 from bench._common import (
     FloorBridge,
     free_port,
+    machine,
     median,
     orders,
     pct,
@@ -491,8 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="default bench/results/hotpath_<loop>.json")
     args = ap.parse_args(argv)
     n_issue, n_tl = (3, 60) if args.smoke else ((7, 500) if args.quick else (15, 3000))
+    before = machine()
     results = spawn(_rank, (2, free_port(), args.loop, n_issue, n_tl, args.groups), 2)
-    res = {"loop": args.loop, "groups": args.groups, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results[0]}
+    res = {"loop": args.loop, "groups": args.groups, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": before, "machine_after": machine(), **results[0]}
     print(tables(res))
     suffix = "" if args.groups == "shared" else "_own"
     path = Path(args.json or f"bench/results/hotpath_{args.loop}{suffix}.json")
