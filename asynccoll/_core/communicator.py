@@ -169,12 +169,14 @@ class Communicator:
     ) -> Work:
         spec.timeout = self.timeout if timeout is None else validate.timeout(timeout, self.timeout)
         ledger = self._ledger
+        batch = ledger.batch.get()
         with ledger.lock:
+            if batch is not None and batch.takes():  # recorded; issued, with its deadline, when the batch exits
+                member = ledger.reserve_member(_OP_NAMES[spec.kind], value, keep, batch.head)
+                batch.record(backend, spec, member)
+                ledger.issued(member, spec, batch.works[0].seq)
+                return member
             work = ledger.reserve(_OP_NAMES[spec.kind], value, keep)
-            batch = ledger.batch.get()
-            if batch is not None and batch.add(backend, spec, work):
-                ledger.issued(work, spec, batch.works[0].seq)
-                return work  # issued, with its deadline, when the batch exits
             ledger.issued(work, spec)
             try:
                 backend.submit(spec, work)
@@ -182,6 +184,9 @@ class Communicator:
                 ledger.discard((work,))
                 raise
             ledger.commit(work, spec.timeout)
+        # Settle here what already finished before this op (outside the lock): the
+        # completion queue stays short without waking its thread (backends/common.py).
+        work.done()
         return work
 
     # ------------------------------------------------------------ collectives

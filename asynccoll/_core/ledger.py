@@ -27,13 +27,12 @@ from __future__ import annotations
 import contextvars
 import enum
 import threading
-import time
 from typing import Any, Callable, Iterable, Sequence
 
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
 from .._diag.diagnostics import Diagnostics, now
-from .work import _DONE, _FAILED, Bundle, Wakeups, Work
+from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
 
 Target = Work | Bundle
 
@@ -145,12 +144,24 @@ class Ledger:
         """The backend took ``work``: its deadline starts (caller holds ``lock``)."""
         self._deadlines.add(work.seq, timeout, deadline)
 
+    def reserve_member(self, op: str, value: Any, keep: Any, batch: BatchWork | None) -> MemberWork:
+        """The next seq's Work as a member of a coalesced batch (``batch``; None: the
+        first member, which opens the batch's one pending entry). Caller holds ``lock``."""
+        if self.state is not _OK or self.closing:
+            raise self.unusable()
+        seq = self._seq = self._seq + 1
+        if batch is None:
+            batch = BatchWork(seq, abort_error)
+            self.pending[seq] = batch
+        work = MemberWork(op, seq, value, keep, batch)
+        batch.members.append(work)
+        return work
+
     def commit_all(self, works: Sequence[Work], timeout: float) -> None:
-        """One deadline, the same instant, for every member of a batch."""
-        deadline = time.monotonic() + timeout
-        add = self._deadlines.add
-        for work in works:
-            add(work.seq, timeout, deadline)
+        """A coalesced batch is issued (caller holds ``lock``): its ONE deadline starts."""
+        batch = works[0]._batch  # type: ignore[attr-defined]
+        batch.remaining = len(batch.members)
+        self._deadlines.add(batch.seq, timeout)
 
     def discard(self, works: Sequence[Work]) -> None:
         """Forget Works that were never issued (refused, or a failed coalescing body).
@@ -169,10 +180,13 @@ class Ledger:
             self._recorder.discard(first)  # the seqs will be reused
 
     def fail_unissued(self, works: Sequence[Work], exc: BaseException) -> None:
-        """Settle discarded Works with ``exc`` without aborting anything."""
+        """Settle discarded Works with ``exc`` without aborting anything (and the
+        batches of discarded members: whoever waits on a member waits there)."""
         wake = Wakeups()
         for work in works:
             work._settle(_FAILED, exc, wake)
+        for batch in {id(w._batch): w._batch for w in works if type(w) is MemberWork}.values():
+            batch._settle(_FAILED, exc, wake)
         wake.deliver()
 
     # ----------------------------------------------------------------- settle
@@ -197,10 +211,14 @@ class Ledger:
         wake.deliver()
 
     def _succeed(self, target: Target, value: Any, wake: Wakeups) -> None:
-        if type(target) is Work:
+        kind = type(target)
+        if kind is Work:
             self.pending.pop(target.seq, None)
-            if target._settle(_DONE, value, wake):
+            if target._settle(_DONE, value, wake):  # type: ignore[union-attr]
                 self._recorder.ended(target.seq, "done", now())
+            return
+        if kind is MemberWork:
+            self._members_done(target._batch, 1, wake)  # type: ignore[union-attr]
             return
         assert isinstance(target, Bundle)
         if target.finish is not None:
@@ -212,14 +230,29 @@ class Ledger:
                 self.fail(target, failure)
                 return
         target.keep = None
-        # Last to first: callers await first to last, so the first wake-up finds
-        # every member done.
-        for work in reversed(target.works):
+        works = target.works
+        batch = getattr(works[0], "_batch", None)
+        if batch is not None and all(type(w) is MemberWork and w._batch is batch for w in works):
+            self._members_done(batch, len(works), wake)  # the common case: one count for all
+            return
+        for work in reversed(works):
             self._succeed(work, None, wake)
+
+    def _members_done(self, batch: BatchWork, n: int, wake: Wakeups) -> None:
+        """``n`` members of ``batch`` succeeded; the last report settles the batch."""
+        with batch._lock:
+            batch.remaining -= n
+            last = batch.remaining <= 0
+        if last:
+            self.pending.pop(batch.seq, None)
+            if batch._settle(_DONE, None, wake):
+                ended, t = self._recorder.ended, now()
+                for member in batch.members:
+                    ended(member.seq, "done", t)
 
     def fail(self, target: Target, exc: BaseException) -> None:
         """``target`` failed (any thread): it raises ``exc``; the communicator aborts."""
-        works = [target] if type(target) is Work else list(target.works)  # type: ignore[union-attr]
+        works = [target] if isinstance(target, Work) else list(target.works)
         with self.lock:
             first = self.state is _OK
             if first:
@@ -234,7 +267,7 @@ class Ledger:
         ended = self.diag.ended
         for i, work in enumerate(works):
             if work._settle(_FAILED, exc if i == 0 else clone_error(exc), wake):
-                ended(work)
+                self._ended(work, ended)
         error = self.error if first else None
         if error is not None:
             self._fail_pending(others, error, wake)
@@ -245,14 +278,18 @@ class Ledger:
     def expired(self, seq: int) -> None:
         """The deadline service's report: ``seq`` is past its deadline."""
         work = self.pending.get(seq)
-        if work is not None and not work.done():  # done() settles an op that finished unseen
-            self.fail(
-                work,
-                CollectiveTimeout(
-                    f"{work.op} (seq {seq}) on rank {self.rank} did not complete within its deadline",
-                    seq=seq, op=work.op,
-                ),
-            )
+        if work is None or work.done():  # done() settles an op that finished unseen
+            return
+        named: Work = work
+        if type(work) is BatchWork:  # the batch's first pending member is the one that timed out
+            named = next((m for m in work.members if not m.done()), work)
+        self.fail(
+            work,
+            CollectiveTimeout(
+                f"{named.op} (seq {named.seq}) on rank {self.rank} did not complete within its deadline",
+                seq=named.seq, op=named.op,
+            ),
+        )
 
     def abort(self, cause: BaseException) -> bool:
         """Fail every pending Work with ``CommAborted`` (caused by ``cause``).
@@ -278,7 +315,16 @@ class Ledger:
         ended = self.diag.ended
         for work in works:
             if work._settle(_FAILED, abort_error(error), wake):
-                ended(work)
+                self._ended(work, ended)
+
+    @staticmethod
+    def _ended(work: Work, ended: Callable[[Work], None]) -> None:
+        """Record how a failed Work ended (a batch: each of its members)."""
+        if type(work) is BatchWork:
+            for member in work.members:
+                ended(member)
+        else:
+            ended(work)
 
     # ------------------------------------------------------------------ close
     def begin_close(self) -> bool:

@@ -17,6 +17,7 @@ the spot, on the asking thread, without waking the backend's completion thread
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 from typing import Any, Callable, Generator
@@ -50,6 +51,9 @@ class Work:
         "__weakref__",
     )
 
+    #: True for a :class:`BatchWork` (settling it settles its members).
+    _fans_out = False
+
     def __init__(self, op: str, seq: int, value: Any = None, keep: Any = None) -> None:
         self.op = op
         self.seq = seq
@@ -78,6 +82,8 @@ class Work:
         with self._lock:
             if self._state != _PENDING:
                 return False
+            if self._fans_out:  # a batch: its members first, before anyone is woken
+                self._fan_out(state, value)
             self._state = state
             if state == _FAILED or value is not None:
                 self._value = value
@@ -101,6 +107,9 @@ class Work:
                 else:
                     wake.add(loop, self._run_callback, fn)
         return True
+
+    def _fan_out(self, state: int, value: Any) -> None:
+        """A batch writes its outcome into its members here (:class:`BatchWork`)."""
 
     def _run_callback(self, fn: Callable[[Work], Any]) -> None:
         try:
@@ -129,12 +138,12 @@ class Work:
         when the poke is installed (an op held back and submitted later) is
         poked at once.
         """
-        with self._lock:
-            if self._state != _PENDING:
-                return
-            self._poke = poke
-            waited = self._waiters is not None or self._callbacks is not None or self._event is not None
-        if waited:
+        # No lock: the poke is written before the waiters are read, and every waiter
+        # reads the poke after registering, so one of the two sides always pokes.
+        if self._state != _PENDING:
+            return
+        self._poke = poke
+        if self._waiters is not None or self._callbacks is not None or self._event is not None:
             self._nudge(True)
 
     def _nudge(self, wait: bool) -> None:
@@ -276,6 +285,111 @@ class Work:
         return f"<Work {self.op} seq={self.seq} {state}>"
 
 
+class BatchWork(Work):
+    """The one pending entry of a coalesced batch; its members are :class:`MemberWork` s.
+
+    It holds the batch's place in the ledger's ``pending`` (under its first member's
+    seq) and its one deadline, and whoever waits on a pending member waits on it.
+    Settling it writes the outcome into every member still pending, under the lock
+    the members share, before anyone is woken: success into all of them; a failure
+    into the first pending member as it is and into the others as ``clone(error)``
+    (each Work raises its own exception object). A member whose backend op failed
+    is settled on its own first (the ledger then aborts, which settles the batch).
+    Backends that run part of the batch install their pokes through its members.
+    """
+
+    __slots__ = ("members", "remaining", "_pokes", "_relay", "_clone")
+
+    _fans_out = True
+
+    def __init__(self, seq: int, clone: Callable[[BaseException], BaseException]) -> None:
+        super().__init__("coalesced", seq)
+        self.members: list[MemberWork] = []
+        #: Members whose success has not been reported yet (set when the batch is issued).
+        self.remaining = 0
+        self._pokes: list[Callable[[bool], None]] = []
+        self._relay = self._poke_all  # one bound method, handed to every member
+        self._clone = clone
+
+    def set_poke(self, poke: Callable[[bool], None]) -> None:
+        """Several backends (or queues) may run parts of one batch: every poke is kept."""
+        if self._state != _PENDING:
+            return
+        if poke not in self._pokes:
+            self._pokes.append(poke)
+        self._poke = self._relay
+        if self._waiters is not None or self._callbacks is not None or self._event is not None:
+            self._nudge(True)
+
+    def _poke_all(self, ring: bool) -> None:
+        for poke in tuple(self._pokes):
+            poke(ring)
+
+    def _fan_out(self, state: int, value: Any) -> None:
+        """Write the batch's outcome into its pending members (caller holds the lock)."""
+        first = True
+        for member in self.members:
+            if member._state != _PENDING:
+                continue
+            if state == _FAILED:
+                member._value = value if first else self._clone(value)
+                first = False
+            member._state = state
+            member._keep = None
+            member._poke = None
+        self._pokes = []
+
+
+class MemberWork(Work):
+    """A member of a coalesced batch: its own seq, op and result, the rest its batch's.
+
+    Light: no lock, pending entry, deadline or waiters of its own. Waiting on a
+    pending member (``await``, ``wait()``, ``add_done_callback``) waits on its
+    :class:`BatchWork`, which writes the member's outcome before waking anyone.
+    """
+
+    __slots__ = ("_batch",)
+
+    def __init__(self, op: str, seq: int, value: Any, keep: Any, batch: BatchWork) -> None:
+        # Work.__init__ without a lock of its own (the batch's is shared).
+        self.op = op
+        self.seq = seq
+        self._state = _PENDING
+        self._value = value
+        self._keep = keep
+        self._lock = batch._lock
+        self._waiters = None
+        self._callbacks = None
+        self._event = None
+        self._stream_hook = None
+        self._poke = batch._relay
+        self._batch = batch
+
+    def set_poke(self, poke: Callable[[bool], None]) -> None:
+        self._batch.set_poke(poke)
+
+    def add_done_callback(self, fn: Callable[[Work], Any]) -> None:
+        if self._state == _PENDING:
+            self._batch.add_done_callback(lambda _batch: fn(self))
+        else:
+            super().add_done_callback(fn)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._state == _PENDING:
+            try:
+                self._batch.wait(timeout)
+            except Exception:  # noqa: BLE001 - the batch failed: this member's own outcome is below
+                if self._state == _PENDING:
+                    raise  # the wait timed out
+        return self.result()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._state == _PENDING:
+            with contextlib.suppress(Exception):  # the batch failed: this member's own outcome is below
+                yield from self._batch.__await__()
+        return self.result()
+
+
 class _TrioWaiter:
     """A trio task parked on a Work; woken on its own run through the run's token."""
 
@@ -336,8 +450,10 @@ class Bundle:
 class Wakeups:
     """Wake-ups gathered while settling a burst of Works, delivered once per loop.
 
-    ``deliver()`` runs the items of the calling thread's own running loop at once
-    and posts each other loop's items in ONE ``call_soon_threadsafe`` (trio:
+    ``deliver()`` posts each loop's items in ONE call: ``call_soon`` for the calling
+    thread's own running loop (never inline: a Work may be settled inside another
+    call on that thread — an await, an issue — whose caller must not see user
+    callbacks run in the middle of it), ``call_soon_threadsafe`` for any other (trio:
     ``run_sync_soon``), so settling a thousand Works costs each loop one wake-up.
     (Measured against ``streams.LoopWaker``'s extra queue: the plain call is
     15-28 µs faster per small op, and the completion thread already batches.)
@@ -361,7 +477,7 @@ class Wakeups:
         running = _get_running_loop()
         for loop, items in self._by_loop.items():
             if loop is running:
-                _run_all(items)
+                loop.call_soon(_run_all, items)
                 continue
             try:
                 if isinstance(loop, asyncio.AbstractEventLoop):
