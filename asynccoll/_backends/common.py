@@ -170,7 +170,9 @@ class Completer:
         """A Work's poke (``Work.set_poke``): settle what finished, here; or ring."""
         if ring:
             self._ring(True)
-        elif self._fifo:
+            return
+        fifo = self._fifo
+        if fifo and self._is_done(fifo[0][0]):  # the common "nothing finished yet" costs one call
             self._reap()
 
     def _ring(self, urgent: bool) -> None:

@@ -172,12 +172,10 @@ class Communicator:
         batch = ledger.batch.get()
         with ledger.lock:
             if batch is not None and batch.takes():  # recorded; issued, with its deadline, when the batch exits
-                member = ledger.reserve_member(_OP_NAMES[spec.kind], value, keep, batch.head)
+                member = ledger.reserve_member(_OP_NAMES[spec.kind], value, keep, batch.head, spec)
                 batch.record(backend, spec, member)
-                ledger.issued(member, spec, batch.works[0].seq)
                 return member
-            work = ledger.reserve(_OP_NAMES[spec.kind], value, keep)
-            ledger.issued(work, spec)
+            work = ledger.reserve(_OP_NAMES[spec.kind], value, keep, spec)
             try:
                 backend.submit(spec, work)
             except BaseException:

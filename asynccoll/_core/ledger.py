@@ -127,13 +127,16 @@ class Ledger:
             return exc
         return CommClosed("communicator is closed" if self.state is _CLOSED else "communicator is closing")
 
-    def reserve(self, op: str, value: Any = None, keep: Any = None) -> Work:
-        """The next seq's pending Work. Caller holds ``lock``; raises if unusable."""
+    def reserve(self, op: str, value: Any = None, keep: Any = None, spec: Any = None) -> Work:
+        """The next seq's pending Work, recorded as issued if ``spec`` is given (else see
+        :meth:`issued`). Caller holds ``lock``; raises if unusable."""
         if self.state is not _OK or self.closing:
             raise self.unusable()
         seq = self._seq = self._seq + 1
         work = Work(op, seq, value, keep)
         self.pending[seq] = work
+        if spec is not None:
+            self._recorder.issued(seq, op, spec, now())
         return work
 
     def issued(self, work: Work, spec: Any, batch: int | None = None, root: int = -1) -> None:
@@ -144,9 +147,10 @@ class Ledger:
         """The backend took ``work``: its deadline starts (caller holds ``lock``)."""
         self._deadlines.add(work.seq, timeout, deadline)
 
-    def reserve_member(self, op: str, value: Any, keep: Any, batch: BatchWork | None) -> MemberWork:
+    def reserve_member(self, op: str, value: Any, keep: Any, batch: BatchWork | None, spec: Any) -> MemberWork:
         """The next seq's Work as a member of a coalesced batch (``batch``; None: the
-        first member, which opens the batch's one pending entry). Caller holds ``lock``."""
+        first member, which opens the batch's one pending entry), recorded as issued
+        in that batch. Caller holds ``lock``."""
         if self.state is not _OK or self.closing:
             raise self.unusable()
         seq = self._seq = self._seq + 1
@@ -155,6 +159,7 @@ class Ledger:
             self.pending[seq] = batch
         work = MemberWork(op, seq, value, keep, batch)
         batch.members.append(work)
+        self._recorder.issued(seq, op, spec, now(), batch.seq)
         return work
 
     def commit_all(self, works: Sequence[Work], timeout: float) -> None:

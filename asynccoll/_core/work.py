@@ -159,8 +159,10 @@ class Work:
     # ------------------------------------------------------------------ public
     def done(self) -> bool:
         """True once the operation finished, successfully or not."""
-        if self._state == _PENDING and self._poke is not None:
-            self._nudge(False)
+        if self._state == _PENDING:
+            poke = self._poke
+            if poke is not None:
+                poke(False)  # settles it here if it finished unseen
         return self._state != _PENDING
 
     def exception(self) -> BaseException | None:
