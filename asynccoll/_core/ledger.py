@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
+from .._base.recorder import outcome
 from .._diag.diagnostics import Diagnostics, now
 from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
 
@@ -67,17 +68,33 @@ def clone_error(error: BaseException) -> BaseException:
 
 def abort_error(error: BaseException) -> CommAborted:
     """The error a pending Work gets when the communicator aborts because of ``error``."""
-    exc: CommAborted
+    return abort_errors(error)()
+
+
+def abort_errors(error: BaseException) -> Callable[[], CommAborted]:
+    """A maker of :func:`abort_error` s of ``error``: the message is formatted once,
+    and each call returns a fresh exception (one per Work, see :func:`clone_error`)."""
+    cause: BaseException | None
     if isinstance(error, PeerFailure):
-        exc = PeerFailure(str(error), error.ranks)
-        exc.__cause__ = error.__cause__
-    elif isinstance(error, CommAborted):
-        exc = CommAborted(str(error))
-        exc.__cause__ = error.__cause__
+        text, ranks, cause = str(error), error.ranks, error.__cause__
+
+        def make() -> CommAborted:
+            exc = PeerFailure(text, ranks)
+            exc.__cause__ = cause
+            return exc
+
+        return make
+    if isinstance(error, CommAborted):
+        text, cause = str(error), error.__cause__
     else:
-        exc = CommAborted(f"communicator aborted: {error}")
-        exc.__cause__ = error
-    return exc
+        text, cause = f"communicator aborted: {error}", error
+
+    def make_aborted() -> CommAborted:
+        exc = CommAborted(text)
+        exc.__cause__ = cause
+        return exc
+
+    return make_aborted
 
 
 class Ledger:
@@ -317,10 +334,22 @@ class Ledger:
         return True
 
     def _fail_pending(self, works: list[Work], error: BaseException, wake: Wakeups) -> None:
-        ended = self.diag.ended
+        """Fail every one of ``works`` with its own ``abort_error(error)``: the hot loop
+        of an abort (a thousand waiters), so the message and the recorded outcome are
+        made once for all."""
+        if not works:
+            return
+        make = abort_errors(error)
+        sample = make()
+        state, text = outcome(sample)
+        ended, t = self._recorder.ended, now()
         for work in works:
-            if work._settle(_FAILED, abort_error(error), wake):
-                self._ended(work, ended)
+            if work._settle(_FAILED, make(), wake):
+                if type(work) is BatchWork:
+                    for member in work.members:
+                        self.diag.ended(member)
+                else:
+                    ended(work.seq, state, t, text)
 
     @staticmethod
     def _ended(work: Work, ended: Callable[[Work], None]) -> None:

@@ -95,11 +95,12 @@ class Work:
         if event is not None:
             event.set()
         if waiters is not None:
+            resolve = (_fail, self._value) if state == _FAILED else (_succeed, self._value)
             for fut in waiters:
                 if type(fut) is _TrioWaiter:
                     wake.add(fut.token, _TrioWaiter.wake, fut)
                 else:
-                    wake.add(fut.get_loop(), _wake, fut)
+                    wake.add(fut.get_loop(), _resolve, (fut, resolve))
         if callbacks is not None:
             for loop, fn in callbacks:
                 if loop is None:
@@ -238,13 +239,16 @@ class Work:
             hook(stream)
 
     def __await__(self) -> Generator[Any, None, Any]:
+        # Not a generator itself: a waiting task drives its asyncio future directly,
+        # and settling the Work gives that future the Work's outcome (``_resolve``),
+        # so waking a task costs no frame of ours (an abort wakes thousands).
         poked = self._poke
         if poked is not None and self._state == _PENDING:
             self._nudge(True)  # settled here if it already finished; else the backend waits for it
         if self._state == _PENDING:
             loop = _get_running_loop()
             if loop is None:  # not asyncio: trio (anything else raises there)
-                return (yield from self._trio_wait(poked).__await__())
+                return self._trio_wait(poked).__await__()
             fut = loop.create_future()
             with self._lock:
                 pending = self._state == _PENDING
@@ -256,8 +260,8 @@ class Work:
             if pending:
                 if late:  # the poke came between the check above and the registration
                     self._nudge(True)
-                yield from fut.__await__()
-        return self.result()
+                return fut.__await__()
+        return _ready(self)
 
     async def _trio_wait(self, poked: Any) -> Any:
         import trio
@@ -420,9 +424,25 @@ def _trio_token() -> Any:
         return None
 
 
-def _wake(fut: asyncio.Future[Any]) -> None:
+def _ready(work: Work) -> Generator[Any, None, Any]:
+    """``await`` of a settled Work: its result at once."""
+    return work.result()
+    yield  # pragma: no cover - unreachable: it makes this a generator
+
+
+def _succeed(fut: asyncio.Future[Any], value: Any) -> None:
+    fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future[Any], exc: Any) -> None:
+    fut.set_exception(exc)
+
+
+def _resolve(item: tuple[asyncio.Future[Any], tuple[Callable[[asyncio.Future[Any], Any], None], Any]]) -> None:
+    """On the waiter's loop: give its future the Work's outcome (unless it was cancelled)."""
+    fut, (how, value) = item
     if not fut.done():
-        fut.set_result(None)
+        how(fut, value)
 
 
 class Bundle:
