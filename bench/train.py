@@ -20,7 +20,8 @@ A step is forward, backward, gradient sync, ``SGD(momentum=0.9).step()`` and
 ``zero_grad()``. Variants run in blocks of ``--steps`` steps, alternating
 (``ddp, gradsync, ..., ddp, gradsync, ...``, the order rotated every round) so
 that the machine's noise hits all alike; reported: the median step time of each
-variant over all its blocks' steps, and its ratio to the DDP variant of the same
+variant over all its blocks' steps (and the median CPU time of the rank-0 process,
+every thread, per step: less sensitive to a loaded machine), and its ratio to the DDP variant of the same
 backward style and bucket size (``ddp`` when there is none). At the end every
 synchronising variant must hold the same parameters (they trained on the same
 data): checked.
@@ -124,6 +125,7 @@ class _Variant:
         self.params = list(self.model.parameters())
         self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9)
         self.times: list[float] = []
+        self.cpu: list[float] = []  # this process's CPU time per step, every thread
 
     def bucket_mb(self) -> list[float] | None:
         """The bucket sizes in use (MiB), in reduction order where known."""
@@ -177,9 +179,10 @@ async def _bench_model(comm: Any, dist: Any, model: str, args: argparse.Namespac
             await comm.barrier()
             for _ in range(args.steps):
                 x, y = _batch(comm.rank, step_no[v.name], width)
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 await v.step(x, y)
                 v.times.append(time.perf_counter() - t0)
+                v.cpu.append(time.process_time() - c0)
                 step_no[v.name] += 1
     # Same data, same number of steps: every synchronising variant ends with the same parameters.
     synced = [v for v in variants if v.kind != "local"]
@@ -203,6 +206,8 @@ async def _bench_model(comm: Any, dist: Any, model: str, args: argparse.Namespac
             "vs": ref_name,
             "ratio_vs_ddp": med[v.name] / med[ref_name],
             "ratio_vs_ddp_p10": p10[v.name] / p10[ref_name],
+            "cpu_ms": statistics.median(v.cpu) * 1e3,
+            "cpu_ratio_vs_ddp": statistics.median(v.cpu) / statistics.median(variants[names.index(ref_name)].cpu),
             "steps": len(v.times),
             "buckets_mb": v.bucket_mb(),
             "times_ms": [t * 1e3 for t in v.times],
@@ -295,11 +300,13 @@ def _table(res: dict[str, Any]) -> str:
             f"{m['model']}: {m['layers']} x Linear({m['width']}), {m['params_mb']:.1f} MiB of parameters, "
             f"batch {m['batch']}; GradSync buckets (MiB): {buckets}"
         )
-        lines.append(f"  {'variant':<20} {'median ms':>10} {'p10 ms':>8} {'vs':>12} {'ratio':>7} {'p10':>7} {'steps':>6}")
+        lines.append(f"  {'variant':<20} {'median ms':>10} {'p10 ms':>8} {'vs':>12} {'ratio':>7} {'p10':>7} "
+                     f"{'cpu ms':>7} {'cpu r':>6} {'steps':>6}")
         for name, row in m["variants"].items():
             lines.append(
                 f"  {name:<20} {row['median_ms']:>10.2f} {row['p10_ms']:>8.2f} {row['vs']:>12} "
-                f"{row['ratio_vs_ddp']:>7.3f} {row['ratio_vs_ddp_p10']:>7.3f} {row['steps']:>6}"
+                f"{row['ratio_vs_ddp']:>7.3f} {row['ratio_vs_ddp_p10']:>7.3f} {row['cpu_ms']:>7.2f} "
+                f"{row['cpu_ratio_vs_ddp']:>6.3f} {row['steps']:>6}"
             )
         for name, row in m["variants"].items():
             if row["buckets_mb"]:
