@@ -1,6 +1,6 @@
 """Every figure of issue 20 (per-op cost) in one run, with its goal, its floor and a verdict.
 
-    python -m bench.perf [--quick] [--noisy] [--only SECTION ...] [--out bench/results]
+    python -m bench.perf [--quick] [--noisy] [--only SECTION ...] [--out bench/results] [--readme]
 
 Sections (each spawns its own ranks on this machine; all on Gloo, CPU):
 
@@ -22,7 +22,8 @@ after each section), ``perf.md`` (the summary table: goal, measured, p10, floor,
 load, verdict), ``perf_summary.png`` (each figure against its goal) and the
 sections' own plots, under ``--out``. A verdict needs a quiet machine: a section
 that started or ended with a 1-minute load average above 1.5 gets "no verdict"
-unless ``--noisy`` is given. About 3 minutes on a quiet machine (``--quick``: about
+unless ``--noisy`` is given; ``--readme`` then writes the table into the README's
+performance section (refused for a loaded run). About 3 minutes on a quiet machine (``--quick``: about
 1; ``--smoke``: one round of each, for the test suite).
 """
 
@@ -205,6 +206,32 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+README_BEGIN = "<!-- bench.perf: begin (written by python -m bench.perf --readme) -->"
+README_END = "<!-- bench.perf: end -->"
+
+
+def update_readme(path: Path, rows: list[Row], header: dict[str, Any], noisy: bool) -> str:
+    """Put this run's table between the README's markers; refuses a loaded run unless ``noisy``."""
+    loaded = [r for r in rows if not quiet(r.machine, r.machine_after)]
+    if loaded and not noisy:
+        return f"README not updated: {len(loaded)} figure(s) taken at load > {QUIET_LOAD} (--noisy to write them anyway)"
+    text = path.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return f"README not updated: no {README_BEGIN!r} ... {README_END!r} block in {path}"
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    lines = [README_BEGIN, "", f"Measured {header['when']} ({header['size']} run, {header['machine']['cpus']} CPUs, "
+             f"load average at most {max(max(r.machine['loadavg'][0], r.machine_after['loadavg'][0]) for r in rows):.2f}"
+             f"{'; loaded: not a verdict' if loaded else ''}):", "",
+             "| goal | target | measured | p10 | floor | verdict |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        floor = f"{r.floor:.3f} ({r.floor_note})" if r.floor is not None else r.floor_note
+        p10 = f"{r.p10:.3f}" if r.p10 is not None else "-"
+        lines.append(f"| {r.goal} | {r.target} | {r.measured:.3f} | {p10} | {floor} | {r.verdict} |")
+    path.write_text(head + "\n".join(lines) + "\n\n" + README_END + tail)
+    return f"README updated: {path}"
+
+
 def plot(rows: list[Row], path: Path) -> bool:
     """Each figure against its goal: measured / goal (``>=`` goals inverted), 1.0 = the goal."""
     try:
@@ -247,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noisy", action="store_true", help="give verdicts even when the load was above 1.5")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--readme", nargs="?", const="README.md", default=None, metavar="PATH",
+                    help="also write the table into the README's performance section (quiet runs only)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if plot(rows, out / "perf_summary.png"):
         written.append(out / "perf_summary.png")
     print("wrote " + ", ".join(str(p) for p in written))
+    if args.readme:
+        print(update_readme(Path(args.readme), rows, header, args.noisy))
     return 0
 
 
