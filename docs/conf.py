@@ -43,7 +43,7 @@ autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True
 autoclass_content = "class"
-autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_default_options = {"members": True}
 add_module_names = True
 python_display_short_literal_types = True
 

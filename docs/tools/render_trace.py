@@ -122,7 +122,12 @@ def screenshots(url: str, chromium: str, out: Path, trace: dict[str, Any]) -> No
                 title = page.locator("span.pf-middle-ellipsis-left", has_text=re.compile(rf"^rank {r}\b"))
                 title.first.click()
             page.wait_for_timeout(1500)
-            page.screenshot(path=str(out / "trace-hang.png"))
+            # Down to the last track only (the rest of the window is empty).
+            bottom = page.evaluate(
+                "() => Math.max(...Array.from(document.querySelectorAll('.pf-track'), e => e.getBoundingClientRect().bottom))"
+            )
+            clip = {"x": 0, "y": 0, "width": 1600, "height": min(760, int(bottom) + 8)}
+            page.screenshot(path=str(out / "trace-hang.png"), clip=clip)
             # Zoom in on the last steps before the hang: Perfetto zooms while W is held,
             # around the point under the mouse.
             ops = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -137,7 +142,7 @@ def screenshots(url: str, chromium: str, out: Path, trace: dict[str, Any]) -> No
                 page.wait_for_timeout(300)
                 page.keyboard.up("w")
                 page.wait_for_timeout(700)
-            page.screenshot(path=str(out / "trace-steps.png"))
+            page.screenshot(path=str(out / "trace-steps.png"), clip=clip)
         finally:
             browser.close()
 
