@@ -215,6 +215,42 @@ def test_each_fixup_runs_once_when_threads_race_to_settle() -> None:
     completer.stop(join_timeout=5)
 
 
+@pytest.mark.timeout(30)
+def test_a_failed_flattened_batch_settles_its_one_pending_entry() -> None:
+    """A batch's members fail through a Bundle (a flattened op that failed): the batch's
+    pending entry, whose seq is its first member's, must fail too, or whoever awaits the
+    batch hangs (it did: the failure popped the entry by the first member's seq)."""
+    from asynccoll._base.ops import OpKind, OpSpec
+    from asynccoll._core.work import Bundle
+
+    ledger = Ledger(0, deadlines=DeadlineService(), on_abort=lambda _e: None)
+    sink = Sink(ledger)
+    completer = Completer(
+        "test-completer", lambda: sink, _wait, _is_done,  # type: ignore[arg-type, return-value]
+        lambda exc, _t: ac.PeerFailure(f"lost: {exc}"),
+    )
+    spec = OpSpec(OpKind.ALL_REDUCE, torch.ones(2))
+    with ledger.lock:
+        head = None
+        members = []
+        for i in range(3):
+            m = ledger.reserve_member("all_reduce", i, None, head, spec)
+            head = m._batch
+            members.append(m)
+        ledger.commit_all(members, 30.0)
+    op = Op()
+    completer.watch(op, Bundle(list(members), "all_reduce"))
+    op.finish(RuntimeError("Connection closed by peer"))
+
+    async def main() -> list[Any]:
+        return await asyncio.wait_for(asyncio.gather(*members, return_exceptions=True), 10)
+
+    got = asyncio.run(main())
+    assert all(isinstance(e, ac.CommAborted) for e in got), got
+    assert head is not None and head.done() and not ledger.pending
+    completer.stop(join_timeout=5)
+
+
 # ------------------------------------------------------------------ real Gloo
 def _alone(timeout: float) -> Any:
     return ac.init("gloo", rank=0, world_size=1, store=dist.HashStore(), timeout=timeout)

@@ -155,11 +155,7 @@ class Completer:
     def watch(self, waitable: Any, target: Target, fixup: Callable[[], object] | None = None) -> None:
         fifo = self._fifo
         fifo.append([waitable, target, fixup])
-        if isinstance(target, Work):
-            target.set_poke(self.poke)
-        else:
-            for work in target.works:
-                work.set_poke(self.poke)
+        target.set_poke(self.poke)
         if self._eager:
             self._ring(True)
         elif len(fifo) >= self._limit:

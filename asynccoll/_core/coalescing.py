@@ -179,9 +179,10 @@ class CoalescingGroup:
             if head is not None and not head.done():
                 with contextlib.suppress(Exception):  # the members' own outcomes are raised below
                     await head  # the one wait of the whole batch
-            for work in batch.works:  # in call order: the first failure is raised
-                if (exc := work.exception()) is not None:
-                    raise exc
+            if head is None or head.exception() is not None:  # a success wrote success into every member
+                for work in batch.works:  # in call order: the first failure is raised
+                    if (exc := work.exception()) is not None:
+                        raise exc
         return None
 
     def _discard(self, exc: BaseException) -> None:

@@ -25,6 +25,7 @@ from .objects import ObjectChannel, dumps
 from .work import Work
 
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
+_ALL_REDUCE = OpKind.ALL_REDUCE
 
 
 def _weak(method: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -193,8 +194,8 @@ class Communicator:
     ) -> Work:
         """Reduce ``tensor`` across ranks, in place. Work result: ``tensor``."""
         t = validate.tensor(tensor, "tensor")
-        backend = self._backend_for(t)
-        spec = OpSpec(OpKind.ALL_REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.name))
+        backend = (self._cpu_backend if t.is_cpu else None) or self._backend_for(t)  # the hot path: one call less
+        spec = OpSpec(_ALL_REDUCE, t, None, validate.reduce_op(op, t.dtype, backend.name))
         return self._issue(backend, spec, t, t, timeout)
 
     def broadcast(self, tensor: Any, src: int, *, timeout: float | None = None) -> Work:

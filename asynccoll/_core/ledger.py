@@ -281,7 +281,8 @@ class Ledger:
                 self.state = _ABORTED  # before any waiter can see the error
                 self.error = exc if isinstance(exc, CommAborted) else abort_error(exc)
             for work in works:
-                self.pending.pop(work.seq, None)
+                if type(work) is not MemberWork:  # a member's seq may name its batch's entry: that stays
+                    self.pending.pop(work.seq, None)
             others = list(self.pending.values()) if first else []
             if first:
                 self.pending.clear()

@@ -109,6 +109,8 @@ _TORCH = Caps("torch", move=None, as_bytes=False, reduce=None)
 # them meaningfully (their scale and zero point are not data).
 _QUANTIZED = _dtypes("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
 
+_SUM = ReduceOp.SUM
+
 #: Capabilities by ``Backend.name``.
 CAPS: dict[str, Caps] = {"gloo": _GLOO, "nccl": _NCCL, "torch": _TORCH}
 
@@ -148,7 +150,7 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
 def reduce_op(op: Any, dtype: torch.dtype, backend: str = "torch") -> ReduceOp:
     """``op`` as a ReduceOp that ``backend`` can apply to ``dtype``."""
     table = CAPS.get(backend, _TORCH)
-    if op is ReduceOp.SUM and (dtype in table.sum if table.sum is not None else dtype not in _QUANTIZED):
+    if op is _SUM and (dtype in table.sum if table.sum is not None else dtype not in _QUANTIZED):
         return op  # the common case, first
     if dtype in _QUANTIZED:
         raise InvalidArgument(f"quantized tensors ({dtype}) cannot be reduced; reduce a float tensor instead")

@@ -465,6 +465,17 @@ class Bundle:
         self.finish = finish
         self.keep = keep
 
+    def set_poke(self, poke: Callable[[bool], None]) -> None:
+        """Install ``poke`` on every member (``Work.set_poke``); members of one batch share it."""
+        batch = None
+        for work in self.works:
+            if type(work) is MemberWork:
+                if work._batch is not batch:
+                    batch = work._batch
+                    batch.set_poke(poke)
+            else:
+                work.set_poke(poke)
+
     def __repr__(self) -> str:
         return f"<Bundle {self.op} seqs={[w.seq for w in self.works]}>"
 
