@@ -11,16 +11,20 @@ import functools
 import os
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from .._backends import gloo
 from .._backends.torch_pg import TorchGroupBackend
 from .._base.errors import BackendUnavailable, InvalidArgument
 from .._core.backend import Backend
 from .._core.communicator import Communicator
+from .._core.seams import Membership
 from .._diag.diagnostics import Diagnostics
+from .._faults.liveness import Liveness
+from .._faults.shrink import shrink
 from .args import check_args
 from .rendezvous import Rendezvous, comm_prefix, off_loop, rendezvous
 from .stores import STORES, exclusive
@@ -33,7 +37,9 @@ async def build_gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroup
         return dist.ProcessGroupGloo(store, rdv.rank, rdv.world_size, timedelta(seconds=timeout))
 
     pg = await off_loop(build, timeout, "gloo init")
-    return TorchGroupBackend(pg, name="gloo", device_type="cpu", world_size=rdv.world_size, timeout=timeout)
+    return TorchGroupBackend(
+        pg, name="gloo", device_type="cpu", world_size=rdv.world_size, timeout=timeout, caps=gloo.CAPS
+    )
 
 
 async def build_nccl(rdv: Rendezvous, prefix: str, device: Any, timeout: float) -> Backend:
@@ -110,12 +116,17 @@ async def connect(
         backends["cpu"] = await build_gloo(rdv, prefix, timeout)
     if use_nccl:
         backends["cuda"] = nccl_backend or await build_nccl(rdv, prefix, device, timeout)
-    dev = getattr(backends.get("cuda"), "device", None) or torch.device("cpu")
+    cuda = backends.get("cuda")
+    dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
     diagnostics = await build_diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
     # for; otherwise a slower census-only beat that names ranks Gloo lost.
     detect = heartbeat is not None or use_nccl
     interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
+    store = rdv.prefixed(prefix)
+
+    def liveness(on_failure: Callable[[BaseException], None]) -> Membership:
+        return Liveness(store, rdv.rank, rdv.world_size, interval=interval, detect=detect, on_failure=on_failure)
 
     async def rebuild(
         new_rank: int, new_size: int, suffix: str, failed: bool = False, excluded: tuple[int, ...] = ()
@@ -128,9 +139,9 @@ async def connect(
         store = await off_loop(rdv.prefixed(prefix + suffix).clone, timeout, "store")
         # NCCL: ncclCommShrink of the old (revoked) communicator, ABORT flag after a
         # failure, DEFAULT for a planned shrink; None (a new init) unless every survivor can.
-        shrink_agreed, shrunk = getattr(backends.get("cuda"), "shrink_agreed", None), None
-        if shrink_agreed is not None:
-            job = functools.partial(shrink_agreed, store, new_rank, new_size, excluded, failed, timeout)
+        shrunk = None
+        if cuda is not None:  # Backend.shrink_agreed: None where there is no native shrink
+            job = functools.partial(cuda.shrink_agreed, store, new_rank, new_size, excluded, failed, timeout)
             shrunk = await off_loop(job, timeout, "nccl shrink")
         try:
             new = await build_communicator(
@@ -152,11 +163,11 @@ async def connect(
         backends=backends,
         backend_name=backend,
         device=dev,
-        store=rdv.prefixed(prefix),
+        store=store,
         timeout=timeout,
-        heartbeat=interval or None,
-        detect_failures=detect,
+        liveness=liveness if interval and rdv.world_size > 1 else None,
         rebuild=rebuild,
+        recover=shrink,
         diagnostics=diagnostics,
     )
 

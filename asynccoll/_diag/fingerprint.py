@@ -516,24 +516,27 @@ def store_host(store: Any) -> str | None:
 
 
 class CheckedBackend(Backend):
-    """A backend whose submissions wait for the fingerprint check (see ``FingerprintChecker``)."""
+    """A backend whose submissions wait for the fingerprint check (see ``FingerprintChecker``).
+
+    Every declared attribute of :class:`Backend` is forwarded explicitly: what the
+    inner backend can run and serves, its census, its native shrink, its release.
+    """
 
     def __init__(self, inner: Backend, checker: FingerprintChecker) -> None:
         self._inner = inner
         self._checker = checker
         self.name = inner.name
         self.device_type = inner.device_type
-
-    def __getattr__(self, name: str) -> Any:  # device, census, ... of the real backend
-        return getattr(self._inner, name)
+        self.caps = inner.caps
+        self.device = inner.device
 
     @property
-    def census(self) -> Any:
-        return getattr(self._inner, "census", None)
+    def census(self) -> Callable[[], tuple[int, ...]] | None:
+        return self._inner.census
 
     @census.setter
-    def census(self, fn: Any) -> None:
-        self._inner.census = fn  # type: ignore[attr-defined]
+    def census(self, fn: Callable[[], tuple[int, ...]] | None) -> None:
+        self._inner.census = fn
 
     def bind(self, sink: Sink) -> None:
         self.sink = sink
@@ -556,3 +559,13 @@ class CheckedBackend(Backend):
     def close(self) -> None:
         self._checker.close()
         self._inner.close()
+
+    def release(self) -> None:
+        self._checker.close()
+        self._inner.release()
+
+    def shrink_agreed(
+        self, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
+        timeout: float,
+    ) -> Backend | None:
+        return self._inner.shrink_agreed(store, new_rank, new_size, exclude, abort_pending, timeout)
