@@ -3,15 +3,19 @@
 
 Nothing here blocks the event loop: building each backend (Gloo's full-mesh
 connect, NCCL's polled init) runs on executor threads, bounded by ``timeout``.
+
+Backends are made by :class:`Factories`, passed explicitly from ``init`` down to every
+rebuild (the simulated GPU's test kit passes one that builds NCCL on its simulator).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import weakref
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +59,21 @@ def nccl_missing() -> str | None:
     return missing()
 
 
+@dataclasses.dataclass(frozen=True)
+class Factories:
+    """How the bootstrap makes each backend; the defaults are the real ones."""
+
+    #: ``await gloo(rdv, prefix, timeout)``: the Gloo backend of a met rendezvous.
+    gloo: Callable[[Rendezvous, str, float], Awaitable[Backend]] = build_gloo
+    #: ``await nccl(rdv, prefix, device, timeout)``: the NCCL backend.
+    nccl: Callable[[Rendezvous, str, Any, float], Awaitable[Backend]] = build_nccl
+    #: Why NCCL cannot run here (what to install), or None when it can.
+    nccl_missing: Callable[[], str | None] = nccl_missing
+
+
+REAL = Factories()
+
+
 async def build_communicator(
     backend: str,
     *,
@@ -69,6 +88,7 @@ async def build_communicator(
     trace_dir: Any,
     heartbeat: float | None = None,
     nccl_backend: Backend | None = None,
+    factories: Factories = REAL,
 ) -> Communicator:
     # nccl_backend: a ready NCCL backend (shrink's ncclCommShrink) used instead of a new init.
     timeout = check_args(backend, store, master_addr, device, timeout, heartbeat)
@@ -80,7 +100,7 @@ async def build_communicator(
     if backend in ("nccl", "auto"):
         # "auto" serves CUDA tensors with NCCL whenever CUDA, nccl4py, cuda-bindings
         # and libnccl are all usable here; "nccl" insists on them.
-        missing = nccl_missing()
+        missing = factories.nccl_missing()
         if missing is None:
             use_nccl = True
         elif backend == "nccl":
@@ -92,7 +112,9 @@ async def build_communicator(
     try:
         lock = await exclusive(rdv.store, rdv.rank, timeout)
         try:
-            comm = await connect(rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat, nccl_backend)
+            comm = await connect(
+                rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat, nccl_backend, factories
+            )
         finally:
             lock.release()
     except BaseException:
@@ -108,14 +130,15 @@ async def build_communicator(
 async def connect(
     rdv: Rendezvous, backend: str, use_nccl: bool, device: Any, timeout: float,
     check: str | None, trace_dir: Any, heartbeat: float | None, nccl_backend: Backend | None = None,
+    factories: Factories = REAL,
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous."""
     prefix = await comm_prefix(rdv, timeout)
     backends: dict[str | None, Backend] = {}
     if backend in ("gloo", "auto"):
-        backends["cpu"] = await build_gloo(rdv, prefix, timeout)
+        backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
     if use_nccl:
-        backends["cuda"] = nccl_backend or await build_nccl(rdv, prefix, device, timeout)
+        backends["cuda"] = nccl_backend or await factories.nccl(rdv, prefix, device, timeout)
     cuda = backends.get("cuda")
     dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
     diagnostics = await build_diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
@@ -147,7 +170,7 @@ async def connect(
             new = await build_communicator(
                 backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
                 store=store, device=device, timeout=timeout, check=check,
-                trace_dir=trace_dir, heartbeat=heartbeat, nccl_backend=shrunk,
+                trace_dir=trace_dir, heartbeat=heartbeat, nccl_backend=shrunk, factories=factories,
             )
         except BaseException:
             if shrunk is not None:

@@ -19,7 +19,7 @@ from .._core import validate
 from .._core.backend import ANY
 from .._core.communicator import Communicator, exit_scope
 from .._faults.shrink import shrink
-from .build import build_communicator
+from .build import Factories, build_communicator
 
 
 class _Init:
@@ -78,6 +78,14 @@ def init(
             check=check, trace_dir=trace_dir, heartbeat=heartbeat,
         )
     )
+
+
+def init_with(factories: Factories, backend: str = "auto", **kwargs: Any) -> _Init:
+    """``init(backend, **kwargs)`` with the backends that ``factories`` make (also in every
+    ``shrink()``): the seam for the test kit's simulated GPU and for benches."""
+    opening = init(backend, **kwargs)
+    opening._kwargs["factories"] = factories
+    return opening
 
 
 def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Communicator:
