@@ -202,7 +202,8 @@ async def build_diagnostics(
     """The communicator's diagnostics (API.md §6); with ``check``, wraps ``backends`` in place."""
     checker = None
     if check == "fingerprint" and rdv.world_size > 1:
-        from .._diag.fingerprint import FingerprintChecker, store_host
+        from .._diag.fingerprint import FingerprintChecker
+        from .._diag.mesh import store_host
 
         store = rdv.prefixed(prefix)
         host = store_host(rdv.store)
