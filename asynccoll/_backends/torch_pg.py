@@ -20,7 +20,7 @@ from torch._C import _distributed_c10d as c10d
 
 from .._base.errors import InvalidArgument, PeerFailure
 from .._base.ops import OpKind, OpSpec, ReduceOp
-from .._core.backend import ANY, Backend, Caps
+from .._core.backend import ANY, Backend, Capabilities
 from .._core.work import Bundle, Work
 from .common import Completer, avg_fixup, strand, translate
 
@@ -52,7 +52,7 @@ class TorchGroupBackend(Backend):
         device_type: str | None,
         world_size: int,
         timeout: float,
-        caps: Caps = ANY,
+        caps: Capabilities = ANY,
     ) -> None:
         self.name = name
         self.device_type = device_type

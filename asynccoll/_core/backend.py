@@ -9,8 +9,8 @@ A failure makes the communicator abort, so a backend does not abort itself on
 errors. Backends never touch Work internals.
 
 What a backend can do is declared on it, with the defaults below, never discovered
-with ``hasattr``: :attr:`Backend.caps` (the dtypes it moves and reduces, which
-``validate.py`` asks), :attr:`Backend.device`, :attr:`Backend.census` (used by a
+with ``hasattr``: :attr:`Backend.caps` (:class:`Capabilities`: the dtypes it moves
+and reduces, which ``validate.py`` asks), :attr:`Backend.device`, :attr:`Backend.census` (used by a
 backend whose transport errors do not name the failed peer) and
 :meth:`Backend.shrink_agreed` (a native shrink). A wrapper forwards each of them
 explicitly.
@@ -35,6 +35,32 @@ def dtypes(*names: str) -> frozenset[torch.dtype]:
 def dtype_names(dts: frozenset[torch.dtype]) -> str:
     """``dts`` for a message: sorted names without ``torch.``."""
     return ", ".join(sorted(str(d).replace("torch.", "") for d in dts))
+
+
+class Capabilities(Protocol):
+    """What ``validate.py`` asks of a backend's :attr:`Backend.caps` (see :class:`Caps`).
+
+    :class:`Caps` is the plain table; a backend may declare a richer object of the same
+    shape (NCCL's depends on the device's compute capability).
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def move(self) -> frozenset[torch.dtype] | None: ...
+
+    @property
+    def as_bytes(self) -> bool: ...
+
+    @property
+    def reduce(self) -> Mapping[ReduceOp, frozenset[torch.dtype]] | None: ...
+
+    @property
+    def sum(self) -> frozenset[torch.dtype] | None: ...
+
+    @property
+    def text(self) -> Mapping[ReduceOp, str]: ...
 
 
 class Caps:
@@ -88,7 +114,7 @@ class Backend(abc.ABC):
     #: The tensor device type this backend serves; ``None`` serves any device.
     device_type: str | None = None
     #: What it can run: dtypes per reduce op and the dtypes it moves (``validate.py``).
-    caps: Caps = ANY
+    caps: Capabilities = ANY
     #: The one device its tensors live on (NCCL: its CUDA device); None: not tied to one.
     device: torch.device | None = None
     #: Names the failed ranks after a transport error that does not say which (Gloo's

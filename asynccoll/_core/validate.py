@@ -2,7 +2,7 @@
 
 Each check uses only what the calling rank holds, and every rank makes it, root
 or not, so all ranks that make the same call reject it alike. What a backend can
-run is its own declaration, ``Backend.caps`` (:class:`~asynccoll._core.backend.Caps`):
+run is its own declaration, ``Backend.caps`` (:class:`~asynccoll._core.backend.Capabilities`):
 the communicator passes the table of the backend chosen for the op's tensors.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from .._base.errors import InvalidArgument
 from .._base.ops import ReduceOp
-from .backend import ANY, Caps, dtype_names, dtypes
+from .backend import ANY, Capabilities, dtype_names, dtypes
 
 #: Longest timeout accepted, in seconds (about 31 years): larger values overflow
 #: ``datetime.timedelta`` and C++ millisecond counts inside torch and Gloo.
@@ -54,7 +54,7 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
     return cast(torch.Tensor, obj)
 
 
-def reduce_op(op: Any, dtype: torch.dtype, table: Caps = ANY) -> ReduceOp:
+def reduce_op(op: Any, dtype: torch.dtype, table: Capabilities = ANY) -> ReduceOp:
     """``op`` as a ReduceOp that a backend with capabilities ``table`` can apply to ``dtype``."""
     if op is ReduceOp.SUM and (dtype in table.sum if table.sum is not None else dtype not in _QUANTIZED):
         return op  # the common case, first
@@ -75,7 +75,7 @@ def reduce_op(op: Any, dtype: torch.dtype, table: Caps = ANY) -> ReduceOp:
     return cast(ReduceOp, op)
 
 
-def movable(t: torch.Tensor, table: Caps, what: str) -> torch.Tensor:
+def movable(t: torch.Tensor, table: Capabilities, what: str) -> torch.Tensor:
     """``t`` as a backend with capabilities ``table`` can move it: as is, or as a flat byte view."""
     if t.dtype in _QUANTIZED:
         raise InvalidArgument(f"{what}: quantized tensors ({t.dtype}) are not supported; send int_repr() instead")
