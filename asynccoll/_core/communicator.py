@@ -18,23 +18,11 @@ from .backend import Backend
 from .coalescing import CoalescingGroup
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
-from .parts import Parts
+from .parts import Parts, weakly
 from .seams import Diagnosis, Membership, MembershipFactory, Recovery
 from .work import Work
 
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
-
-
-def _weak(method: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``method`` called through a weak reference to its object (for background threads)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(arg: Any) -> None:
-        fn = ref()
-        if fn is not None:
-            fn(arg)
-
-    return call
 
 
 class Communicator:
@@ -75,12 +63,12 @@ class Communicator:
         self._shrunk = False
         self._diag = diagnostics if diagnostics is not None else Diagnosis()
         self._ledger = ledger = Ledger(
-            rank, deadlines=deadline_service(), on_abort=_weak(self._after_abort), recorder=self._diag.recorder
+            rank, deadlines=deadline_service(), on_abort=weakly(self._after_abort), recorder=self._diag.recorder
         )
         self._parts = parts = Parts(ledger, self._backends, self._objects, self._diag)
         self._liveness: Membership | None = None
         if liveness is not None:
-            self._liveness = parts.start_liveness(liveness, _weak(self._abort))
+            self._liveness = parts.start_liveness(liveness, weakly(self._abort))
         self._finalizer = weakref.finalize(self, parts.collected)
 
     # ------------------------------------------------------------------ state

@@ -16,7 +16,8 @@ communicator's finalizer can run them:
 from __future__ import annotations
 
 import threading
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 from .._base.aio import run_in_thread
 from .._base.errors import CommAborted
@@ -24,6 +25,19 @@ from .backend import Backend
 from .ledger import Ledger
 from .objects import ObjectChannel
 from .seams import Diagnosis, Membership, MembershipFactory
+
+
+def weakly(method: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``method`` called through a weak reference to its object: what background threads
+    and the parts hold of a communicator (a dropped one must still be collected)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(arg: Any) -> None:
+        fn = ref()
+        if fn is not None:
+            fn(arg)
+
+    return call
 
 
 class Parts:
