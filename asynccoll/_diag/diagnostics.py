@@ -59,6 +59,13 @@ class Diagnostics(Diagnosis):
         else:
             self.checker.gate_object(op, root, work, run)
 
+    def settle(self) -> None:
+        """Before a peer's news aborts the communicator: the checker decides what the
+        fingerprints already sent to this rank decide (a mismatch then raises
+        ``CollectiveMismatch`` here too, not the news of the peer that found it first)."""
+        if self.checker is not None:
+            self.checker.settle()
+
     def aborted(self, error: BaseException) -> None:
         """The communicator aborted: write this rank's flight record (``trace_dir``)."""
         if self.trace_dir is None or self._dumped:

@@ -257,6 +257,19 @@ class FingerprintChecker:
             failures = self._drain()
         self._fail(failures)
 
+    def settle(self) -> None:
+        """Decide now what the peers' fingerprints decide, reading what the kernel already
+        holds (any thread; see ``Diagnostics.settle``). A peer that reached a verdict sent
+        its fingerprint before it aborted, so its abort news finds that fingerprint here."""
+        with self._lock:
+            if self._closed:
+                return
+            for p in self._peers:
+                if p not in self._gone:
+                    self._mesh.pull(p)
+            failures = self._drain()
+        self._fail(failures)
+
     def crashed(self, exc: Exception) -> None:
         """The reader thread failed: held ops must not hang silently."""
         with self._lock:
