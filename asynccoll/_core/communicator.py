@@ -98,7 +98,7 @@ class Communicator:
 
     @property
     def backends(self) -> Mapping[str | None, Backend]:
-        """The backends, by the device type each serves (None: any); read-only."""
+        """The backends by the device type each one serves (the key None serves any device), read-only."""
         return types.MappingProxyType(self._backends)
 
     @property
