@@ -89,7 +89,7 @@ async def issue_side(comm: Any, dist: Any, n: int, reps: int) -> dict[str, float
         for _ in range(k):
             x = validate.tensor(t, "tensor")
             b = comm._backend_for(x)
-            spec = OpSpec(OpKind.ALL_REDUCE, x, reduce_op=validate.reduce_op(ReduceOp.SUM, x.dtype, b.name))
+            spec = OpSpec(OpKind.ALL_REDUCE, x, reduce_op=validate.reduce_op(ReduceOp.SUM, x.dtype, b.caps))
             spec.timeout = comm.timeout
         return ns() - t0
 
@@ -210,7 +210,7 @@ class Timeline:
 
 def instrument(comm: Any, tl: Timeline) -> None:
     """Wrap this process's objects (not the library's code) so each step stamps ``tl``."""
-    from asynccoll._core import work as work_mod
+    from asynccoll._core import wakeups as wake_mod
 
     backend = comm._cpu_backend
     ledger = comm.ledger
@@ -235,7 +235,7 @@ def instrument(comm: Any, tl: Timeline) -> None:
         tl.mark("succeed_out")
 
     ledger.succeed_all = succeed_all
-    orig_deliver, orig_run_all = work_mod.Wakeups.deliver, work_mod._run_all
+    orig_deliver, orig_run_all = wake_mod.Wakeups.deliver, wake_mod._run_all
 
     def deliver(self: Any) -> None:
         tl.mark("post")
@@ -245,8 +245,8 @@ def instrument(comm: Any, tl: Timeline) -> None:
         tl.mark("drain")
         orig_run_all(items)
 
-    work_mod.Wakeups.deliver = deliver  # type: ignore[method-assign]
-    work_mod._run_all = run_all
+    wake_mod.Wakeups.deliver = deliver  # type: ignore[method-assign]
+    wake_mod._run_all = run_all
 
 
 STEPS_AC = [

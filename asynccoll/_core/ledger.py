@@ -31,8 +31,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
-from .._base.recorder import outcome
-from .._diag.diagnostics import Diagnostics, now
+from .._base.recorder import FlightRecorder, now, outcome
 from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
 
 Target = Work | Bundle
@@ -111,7 +110,7 @@ class Ledger:
         *,
         deadlines: DeadlineService,
         on_abort: Callable[[BaseException], None],
-        diag: Diagnostics | None = None,
+        recorder: FlightRecorder | None = None,
     ) -> None:
         self.rank = rank
         #: Orders issuing against abort/close: an op is in ``pending`` before abort
@@ -126,9 +125,9 @@ class Ledger:
         self._deadlines: DeadlineClient = deadlines.client(self)
         #: The coalescing batch open in the current task, if any (``coalescing.py``).
         self.batch: contextvars.ContextVar[Any] = contextvars.ContextVar("asynccoll_batch", default=None)
-        #: The flight recorder and its outcome hook (``diagnostics.Diagnostics``).
-        self.diag: Diagnostics = diag or Diagnostics(rank=rank, world_size=1, backend="")
-        self._recorder = self.diag.recorder
+        #: The flight recorder: every op's issue and outcome (``comm.flight_record()``,
+        #: the trace files of ``_diag``).
+        self.recorder = self._recorder = recorder if recorder is not None else FlightRecorder()
 
     @property
     def last_seq(self) -> int:
@@ -287,10 +286,14 @@ class Ledger:
             if first:
                 self.pending.clear()
         wake = Wakeups()
-        ended = self.diag.ended
+        failed = self._recorder.failed
         for i, work in enumerate(works):
-            if work._settle(_FAILED, exc if i == 0 else clone_error(exc), wake):
-                self._ended(work, ended)
+            err = exc if i == 0 else clone_error(exc)
+            if work._settle(_FAILED, err, wake):
+                if type(work) is BatchWork:
+                    self._members_failed(work)
+                else:
+                    failed(work.seq, err, now())
         error = self.error if first else None
         if error is not None:
             self._fail_pending(others, error, wake)
@@ -341,25 +344,20 @@ class Ledger:
         if not works:
             return
         make = abort_errors(error)
-        sample = make()
-        state, text = outcome(sample)
+        state, text = outcome(make())
         ended, t = self._recorder.ended, now()
         for work in works:
             if work._settle(_FAILED, make(), wake):
                 if type(work) is BatchWork:
-                    for member in work.members:
-                        self.diag.ended(member)
+                    self._members_failed(work)
                 else:
                     ended(work.seq, state, t, text)
 
-    @staticmethod
-    def _ended(work: Work, ended: Callable[[Work], None]) -> None:
-        """Record how a failed Work ended (a batch: each of its members)."""
-        if type(work) is BatchWork:
-            for member in work.members:
-                ended(member)
-        else:
-            ended(work)
+    def _members_failed(self, batch: BatchWork) -> None:
+        """Record how each member of a failed batch ended (its own error, from the fan-out)."""
+        failed, t = self._recorder.failed, now()
+        for member in batch.members:
+            failed(member.seq, member._value, t)
 
     # ------------------------------------------------------------------ close
     def begin_close(self) -> bool:

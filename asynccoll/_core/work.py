@@ -22,11 +22,15 @@ import sys
 import threading
 from typing import Any, Callable, Generator
 
+from .wakeups import Wakeups
+
 _PENDING = 0
 _DONE = 1
 _FAILED = 2
 
 _get_running_loop = asyncio._get_running_loop
+
+__all__ = ["BatchWork", "Bundle", "MemberWork", "Wakeups", "Work"]
 
 
 class Work:
@@ -228,6 +232,11 @@ class Work:
             if event is not None and not event.wait(timeout):
                 raise TimeoutError(f"{self!r} not done after {timeout} s")
         return self.result()
+
+    def set_stream_hook(self, hook: Callable[[Any], None]) -> None:
+        """For device backends, at submit: ``wait_stream(s)`` will call ``hook(s)``, which
+        makes stream ``s`` wait for this op on the device."""
+        self._stream_hook = hook
 
     def wait_stream(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for this op on the device, no host block.
@@ -478,50 +487,3 @@ class Bundle:
 
     def __repr__(self) -> str:
         return f"<Bundle {self.op} seqs={[w.seq for w in self.works]}>"
-
-
-class Wakeups:
-    """Wake-ups gathered while settling a burst of Works, delivered once per loop.
-
-    ``deliver()`` posts each loop's items in ONE call: ``call_soon`` for the calling
-    thread's own running loop (never inline: a Work may be settled inside another
-    call on that thread — an await, an issue — whose caller must not see user
-    callbacks run in the middle of it), ``call_soon_threadsafe`` for any other (trio:
-    ``run_sync_soon``), so settling a thousand Works costs each loop one wake-up.
-    (Measured against ``streams.LoopWaker``'s extra queue: the plain call is
-    15-28 µs faster per small op, and the completion thread already batches.)
-    """
-
-    __slots__ = ("_by_loop",)
-
-    def __init__(self) -> None:
-        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], Any], Any]]] = {}
-
-    def add(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:
-        items = self._by_loop.get(loop)
-        if items is None:
-            self._by_loop[loop] = [(fn, arg)]
-        else:
-            items.append((fn, arg))
-
-    def deliver(self) -> None:
-        if not self._by_loop:
-            return
-        running = _get_running_loop()
-        for loop, items in self._by_loop.items():
-            if loop is running:
-                loop.call_soon(_run_all, items)
-                continue
-            try:
-                if isinstance(loop, asyncio.AbstractEventLoop):
-                    loop.call_soon_threadsafe(_run_all, items)
-                else:  # a trio run's token
-                    loop.run_sync_soon(_run_all, items)
-            except RuntimeError:  # closed loop, or trio.RunFinishedError: nobody is left to wake
-                continue
-        self._by_loop = {}
-
-
-def _run_all(items: list[tuple[Callable[[Any], Any], Any]]) -> None:
-    for fn, arg in items:
-        fn(arg)
