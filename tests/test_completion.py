@@ -180,6 +180,22 @@ def test_eager_queue_waits_on_every_op_at_once() -> None:
     completer.stop(join_timeout=5)
 
 
+@pytest.mark.timeout(30)
+def test_an_eager_queue_is_waited_on_by_its_thread_only() -> None:
+    """Gloo's send/recv report is_completed() once the thread's wait() returned, and a
+    second wait() on them never returns: asking about them must not wait here (it did,
+    and deadlocked the loop: done() after an issue reaped the recv the thread had just
+    waited on)."""
+    completer, sink, works, ops = _setup(3, eager=True)
+    for op in ops:
+        op.finish()
+    for w in works:
+        w.done()  # may settle nothing here; must not wait here
+    assert [w.wait(5) for w in works] == [0, 1, 2]
+    assert all(ME not in op.waited_by for op in ops), [op.waited_by for op in ops]
+    completer.stop(join_timeout=5)
+
+
 @pytest.mark.timeout(60)
 def test_each_fixup_runs_once_when_threads_race_to_settle() -> None:
     n = 400

@@ -116,8 +116,10 @@ class Completer:
 
     A failure found on an asking thread is handed to the thread (the abort it
     causes tells the peers and may write files: never on an event loop). With
-    ``eager`` every op rings the thread at once (ops that finish only inside
-    ``wait()``, such as Gloo's send and recv, must be waited on by someone).
+    ``eager`` every op rings the thread at once and only the thread ever calls
+    ``wait``: ops that finish only inside ``wait()`` (Gloo's send and recv) must be
+    waited on by someone, and exactly once (``is_completed()`` turns true when the
+    thread's wait returns; a second wait() on the same send or recv never returns).
     Started lazily, stopped by :meth:`stop`.
     """
 
@@ -174,6 +176,8 @@ class Completer:
         """A Work's poke (``Work.set_poke``): settle what finished, here; or ring."""
         if ring:
             self._ring(True)
+            return
+        if self._eager:  # only its thread waits: a second wait() on a Gloo send/recv blocks for good
             return
         fifo = self._fifo
         if fifo and self._is_done(fifo[0][0]):  # the common "nothing finished yet" costs one call
