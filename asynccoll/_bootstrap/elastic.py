@@ -35,12 +35,11 @@ import functools
 import os
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable
 
 import anyio
 import anyio.to_thread
 import torch
-import torch.distributed as dist
 
 from .._base.aio import run_in_thread
 from .._base.errors import (
@@ -53,8 +52,8 @@ from .._base.errors import (
 )
 from .._core import validate
 from .._core.communicator import Communicator
-from .._faults.liveness import Liveness, decode_ranks, encode_ranks
 from .args import check_args, env_int
+from .assembly import assemble
 from .build import build_communicator
 from .rendezvous import off_loop
 from .room import REFUSED, WITHDRAWN, Room
@@ -63,8 +62,6 @@ from .stores import STORES, tcp_store
 #: Rank 0's longest wait for joiners inside one admission round (the other members
 #: wait in a broadcast meanwhile).
 _ROUND = 1.0
-#: How often a participant of an assembly looks at the outcome and the watch.
-_TICK = 0.003
 _NOT_YET, _TIMED_OUT, _FAILED = 0, -1, -2
 
 
@@ -142,7 +139,8 @@ class Group:
 
         build = functools.partial(_build_at, opts, self, comm.rank, size, opts.device, opts.trace_dir)
         try:
-            new = await assemble(self.room, g, comm.rank, size, opts.watch_interval(), limit, build)
+            joiners = await off_loop(functools.partial(self.room.joiners, g), limit, "grow")
+            new = await assemble(self.room, g, comm.rank, size, joiners, opts.watch_interval(), limit, build)
         except PeerFailure as exc:
             lost = [r for r in exc.ranks if r < comm.world_size]
             if lost:  # members died: the old communicator is broken, ready for shrink()
@@ -163,10 +161,16 @@ class Group:
         k = size - comm.world_size
         while True:
             left = deadline - time.monotonic()
-            status = _NOT_YET
+            mine = _NOT_YET
             if comm.rank == 0:
-                status = await self._admit_round(k, plan, left)
-            status = await _share(comm, status, max(left, 0.0) + _ROUND + 5.0)
+                mine = await self._admit_round(k, plan, left)
+            try:
+                status = await _share(comm, mine, max(left, 0.0) + _ROUND + 5.0)
+            except BaseException as exc:
+                if mine > 0:  # joiners were admitted to grow `mine`: tell them it is off
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(self.room.call_off, mine, exc, abandon_on_cancel=True)
+                raise
             if status > 0:
                 return status
             if status == _TIMED_OUT:
@@ -228,108 +232,6 @@ async def _build(
     )
 
 
-# ----------------------------------------------------------------------- assembly
-async def assemble(
-    room: Room, g: int, rank: int, size: int, interval: float, timeout: float,
-    build: Callable[[Any], Awaitable[Communicator]],
-) -> Communicator:
-    """Step 2 (see the module docstring): build grow ``g``'s communicator under a watch.
-
-    Returns it once every participant has built theirs; raises ``PeerFailure`` (the
-    failed ranks, numbered as in the grown group) when any participant died, or
-    ``CommAborted`` when a build failed otherwise, on every participant alike.
-    """
-    gen = room.generation(g)
-    news: list[BaseException] = []
-    watch = Liveness(
-        dist.PrefixStore("watch", gen), rank, size, interval=interval, detect=True, on_failure=news.append
-    )
-    await off_loop(watch.start, timeout, "grow")
-    built: list[Communicator] = []
-    errors: list[BaseException] = []
-    try:
-        outcome = await _race(gen, rank, size, timeout, watch, news, build, built, errors)
-    finally:
-        watch.stop()
-    if outcome == "ok":
-        return built[0]
-    for comm in built:  # an outcome of failure: nobody keeps the new group
-        comm.abort("grow failed on another rank")
-        with anyio.CancelScope(shield=True):
-            await comm.close()
-    _, ranks, why = outcome.split("|", 2)
-    failed = decode_ranks(ranks) if ranks != "-" else ()
-    if failed:
-        raise PeerFailure(f"grow: rank(s) {list(failed)} of the grown group failed: {why}", failed)
-    error = CommAborted(f"grow: building the grown group failed: {why}")
-    if errors:
-        raise error from errors[0]
-    raise error
-
-
-async def _race(
-    gen: Any, rank: int, size: int, timeout: float, watch: Liveness, news: list[BaseException],
-    build: Callable[[Any], Awaitable[Communicator]], built: list[Communicator], errors: list[BaseException],
-) -> str:
-    """Build while watching; the agreed outcome (``ok`` or ``failed|<ranks>|<why>``)."""
-    deadline = time.monotonic() + timeout
-    comm_store = dist.PrefixStore("comm", gen)
-
-    async def run() -> None:
-        try:
-            built.append(await build(comm_store))
-        except Exception as exc:  # noqa: BLE001 - becomes the agreed outcome below
-            errors.append(exc)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run)
-        announced = False
-        while True:
-            verdict: str | None = None
-            if news:
-                verdict = _failure(news[0])
-            elif errors:
-                verdict = await _explain(errors[0], watch)
-            elif time.monotonic() > deadline:
-                verdict = f"failed|-|not every rank arrived within {timeout} s"
-            step = functools.partial(_step, gen, rank, size, bool(built) and not announced, verdict)
-            outcome = await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
-            announced = announced or bool(built)
-            if outcome is not None:
-                tg.cancel_scope.cancel()  # a build still blocked ends at its own timeout
-                return str(outcome)
-            await anyio.sleep(_TICK)
-    raise AssertionError("unreachable")  # pragma: no cover - the loop returns
-
-
-def _step(gen: Any, rank: int, size: int, announce: bool, verdict: str | None) -> str | None:
-    """One look at the assembly (blocking): record our news, read or settle the outcome."""
-    if verdict is not None:
-        return bytes(gen.compare_set("outcome", "", verdict)).decode()
-    if announce:
-        gen.set(f"built/{rank}", "1")
-    if gen.check(["outcome"]):
-        return bytes(gen.get("outcome")).decode()
-    if announce or gen.check([f"built/{rank}"]):
-        if gen.check([f"built/{r}" for r in range(size)]):
-            return bytes(gen.compare_set("outcome", "", "ok")).decode()
-    return None
-
-
-def _failure(error: BaseException) -> str:
-    ranks = encode_ranks(error.ranks) if isinstance(error, PeerFailure) and error.ranks else "-"
-    return f"failed|{ranks}|{error}"
-
-
-async def _explain(error: BaseException, watch: Liveness) -> str:
-    """A failed build as an outcome; a peer failure without ranks is named by the census."""
-    if isinstance(error, PeerFailure) and not error.ranks:
-        ranks = await anyio.to_thread.run_sync(watch.census, abandon_on_cancel=True)
-        if ranks:
-            return f"failed|{encode_ranks(ranks)}|{error}"
-    return _failure(error)
-
-
 # --------------------------------------------------------------------------- join
 async def join(
     backend: str, *, store: Any, master_addr: str | None, master_port: int | None, name: Any,
@@ -370,11 +272,13 @@ async def _join(
         mine = trace_dir if trace_dir is not None else opts.trace_dir
         build = functools.partial(_build_at, opts, group, rank, size, device, mine)
         try:
-            return await assemble(room, g, rank, size, opts.watch_interval(), opts.timeout, build)
-        except PeerFailure:
+            joiners = {int(plan["old_size"]) + i: t for i, t in enumerate(plan["tickets"])}
+            return await assemble(room, g, rank, size, joiners, opts.watch_interval(), opts.timeout, build)
+        except CommAborted:
             if time.monotonic() >= deadline:
                 raise
-            # That grow failed (a participant died): wait for the members' next one.
+            # That grow failed (a participant died, or the members' admission broke):
+            # wait for the members' next one.
 
 
 async def _admitted(room: Room, backend: str, deadline: float, timeout: float) -> tuple[int, int, dict[str, Any]]:

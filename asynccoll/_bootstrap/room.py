@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._faults.liveness import _MACHINE, _Peer, _start_time
+from .._faults.liveness import _MACHINE, _Peer, _start_time, encode_ranks
 
 WITHDRAWN, DEAD, REFUSED, CANCELLED = "withdrawn", "dead", "refused|", "cancelled"
 _POLL_MAX = 0.005
@@ -49,7 +49,7 @@ def process_identity() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": pid, "machine": _MACHINE if start else "", "start": start}
 
 
-def _gone(record: dict[str, Any]) -> bool:
+def gone(record: dict[str, Any]) -> bool:
     """The joiner's process is known to be gone (only decidable on its own machine)."""
     machine = record.get("machine", "")
     if not machine or machine != _MACHINE:
@@ -104,7 +104,17 @@ class Room:
         plan: dict[str, Any] = json.loads(raw)
         return plan
 
+    def joiners(self, g: int) -> dict[int, int]:
+        """Grow ``g``'s joiners: new rank -> ticket (from its plan)."""
+        plan = json.loads(bytes(self.generation(g).get("plan")))
+        return {int(plan["old_size"]) + i: int(t) for i, t in enumerate(plan["tickets"])}
+
     # ------------------------------------------------------------ leader side
+    def call_off(self, g: int, error: BaseException) -> None:
+        """Grow ``g`` will not happen (the members' admission failed): its outcome says so."""
+        ranks = encode_ranks(getattr(error, "ranks", ()))
+        self.generation(g).compare_set("outcome", "", f"failed|{ranks}|the members' admission failed: {error}")
+
     def scan(self, backend: str) -> list[int]:
         """The live tickets waiting for admission, in order.
 
@@ -140,7 +150,7 @@ class Room:
         if not self.store.check([key]):
             return ""
         record = json.loads(bytes(self.store.get(key)))
-        if _gone(record):
+        if gone(record):
             return DEAD
         if record.get("backend") != backend:
             return (
