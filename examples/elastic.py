@@ -19,7 +19,9 @@ is one task per rank with ``srun --kill-on-bad-exit=0`` and a requeue or restart
 
 Three ranks train an MLP with ``GradSync``, data-parallel. At ``--kill-step`` rank
 ``--kill-rank`` SIGKILLs itself. The survivors' gradient all-reduce raises
-``ac.PeerFailure``; they ``shrink()`` and redo that step on two ranks. Its torchrun
+``ac.PeerFailure`` (or, when the news comes while backward still issues buckets,
+the next bucket's call raises ``ac.CommAborted``, its base class); they
+``shrink()`` and redo that step on two ranks. Its torchrun
 starts a new process, which calls ``ac.join``; at the top of each step the members
 call ``comm.waiting()``, and when someone waits they ``grow()`` and send the model,
 the optimizer state and the step with ``broadcast_state``. At the end every rank
@@ -54,8 +56,8 @@ import torch.distributed as dist  # noqa: E402
 import asynccoll as ac  # noqa: E402
 
 GROUP = "train"
-ORDER = ["death", "detected", "shrunk", "resumed", "replacement started", "joined", "rejoined",
-         "state received", "first joint step"]
+ORDER = ["death", "detected", "shrunk", "resumed", "replacement started", "join called", "grow started",
+         "joined", "rejoined", "state received", "first joint step"]
 
 
 # ---------------------------------------------------------------------- training
@@ -127,6 +129,7 @@ async def worker(args: argparse.Namespace) -> None:
         comm = await ac.init("gloo", timeout=60)  # RANK, WORLD_SIZE, the agent's store
         if restart:
             await events.mark("replacement started", f"torchrun restarted all {comm.world_size} workers", T0)
+            just_joined = True                    # (marks the first step after the restart)
             if os.path.exists(args.checkpoint):
                 saved = torch.load(args.checkpoint, weights_only=False)
                 model.load_state_dict(saved["model"])
@@ -138,6 +141,7 @@ async def worker(args: argparse.Namespace) -> None:
     else:                                          # restarted by its torchrun: join the running group
         me = args.rank
         await events.mark("replacement started", f"rank {me}'s torchrun restarted it", T0)
+        await events.mark("join called")
         comm = await ac.join("gloo", store=store, name=GROUP, timeout=120)
         await events.mark("joined", f"as rank {comm.rank} of {comm.world_size}")
         state = await comm.broadcast_state(None, src=0)
@@ -147,7 +151,11 @@ async def worker(args: argparse.Namespace) -> None:
         await events.mark("state received", f"step {step}")
         just_joined = True
     sync = ac.GradSync(comm, model)
-    resumed = joint = True
+    # Marks to record at the next completed step: "resumed" after a shrink (or torchrun's
+    # restart), "first joint step" after a grow (or a restart).
+    resumed = not (just_joined and args.mode == "torchrun")
+    joint = not just_joined
+    step_times: list[float] = []
     back_at = step if just_joined else 0          # the step at which the group was last complete
     while not finished(step, back_at, comm.world_size, args):
         if me == args.kill_rank and restart == 0 and step == args.kill_step:
@@ -157,6 +165,7 @@ async def worker(args: argparse.Namespace) -> None:
             if args.mode == "elastic" and not just_joined:
                 waiting = await comm.waiting()     # a collective: the same count on every member
                 if waiting:
+                    await events.mark("grow started", f"{waiting} waiting")
                     sync.close()
                     old = comm
                     comm = await comm.grow(comm.world_size + waiting)
@@ -168,13 +177,14 @@ async def worker(args: argparse.Namespace) -> None:
                     await comm.broadcast_state(snapshot if comm.rank == 0 else None, src=0)
                     joint = False
             just_joined = False
+            began = time.monotonic()
             await asyncio.sleep(args.step_time)    # stands for the data loader
             x, y = batch(step, comm.rank, comm.world_size, args)
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()                        # buckets are all-reduced as their grads are ready
             await sync.wait()
-        except ac.PeerFailure as failure:
-            await events.mark("detected", f"PeerFailure, ranks {list(failure.ranks)}")
+        except ac.CommAborted as failure:           # PeerFailure, or a later call on the aborted comm
+            await events.mark("detected", f"{type(failure).__name__}: rank(s) {list(comm.failed_ranks)} failed")
             sync.close()
             opt.zero_grad()
             old, comm = comm, await comm.shrink()  # the survivors, renumbered
@@ -185,6 +195,7 @@ async def worker(args: argparse.Namespace) -> None:
             continue                               # redo this step on the survivors
         opt.step()
         opt.zero_grad()
+        step_times.append(time.monotonic() - began)
         if not resumed:
             await events.mark("resumed", f"step {step} done on {comm.world_size} ranks")
             resumed = True
@@ -201,12 +212,16 @@ async def worker(args: argparse.Namespace) -> None:
     sync.close()
     digests = await comm.all_gather_object(digest(model))
     if comm.rank == 0:
-        report(args, events, history, digests, comm.world_size)
+        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        state_bytes += sum(t.numel() * t.element_size() for s in opt.state_dict()["state"].values()
+                           for t in s.values() if isinstance(t, torch.Tensor))
+        report(args, events, history, digests, comm.world_size,
+               {"state_bytes": state_bytes, "step_s": sorted(step_times)[len(step_times) // 2]})
     await comm.close()
 
 
 def report(args: argparse.Namespace, events: Events, history: list[tuple[int, float, int]],
-           digests: list[str], world_size: int) -> None:
+           digests: list[str], world_size: int, extra: dict[str, float]) -> None:
     marks = events.read()
     same = len(set(digests)) == 1
     print(f"final loss {history[-1][1]:.5f} after {len(history)} steps (first {history[0][1]:.5f})")
@@ -218,7 +233,7 @@ def report(args: argparse.Namespace, events: Events, history: list[tuple[int, fl
     summary = {name: at for name, (at, _) in marks.items()}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": args.mode, "events": marks, "bit_equal": same, "history": history}, f)
+            json.dump({"mode": args.mode, "events": marks, "bit_equal": same, "history": history, **extra}, f)
     if {"death", "first joint step", "replacement started"} <= set(summary):
         print(f"replacement start -> first joint step: {summary['first joint step'] - summary['replacement started']:.3f} s")
     if args.png:

@@ -87,20 +87,23 @@ def test_elastic_recipe_with_torchrun_rank_killed_restarted_rejoins(tmp_path: Pa
     timeline = {
         what: float(at)
         for at, what in re.findall(
-            r"^\s+([+-]\d+\.\d+)\s+(death|detected|shrunk|resumed|replacement started|joined|rejoined|"
-            r"state received|first joint step)\b", out, re.MULTILINE,
+            r"^\s+([+-]\d+\.\d+)\s+(death|detected|shrunk|resumed|replacement started|join called|"
+            r"grow started|joined|rejoined|state received|first joint step)\b", out, re.MULTILINE,
         )
     }
-    order = ["death", "detected", "shrunk", "resumed", "replacement started", "joined", "rejoined",
-             "state received", "first joint step"]
+    order = ["death", "detected", "shrunk", "resumed", "replacement started", "join called", "grow started",
+             "joined", "rejoined", "state received", "first joint step"]
     assert set(timeline) == set(order), out
     assert [timeline[w] for w in order[:4]] == sorted(timeline[w] for w in order[:4]), out
-    assert timeline["replacement started"] <= timeline["joined"] <= timeline["state received"], out
-    assert timeline["rejoined"] <= timeline["first joint step"], out
+    assert timeline["replacement started"] <= timeline["join called"] <= timeline["joined"], out
+    assert timeline["joined"] <= timeline["state received"] <= timeline["first joint step"], out
+    assert timeline["grow started"] <= timeline["rejoined"] <= timeline["first joint step"], out
     assert timeline["resumed"] < 10, out            # the survivors went on in seconds, not at a deadline
     assert re.search(r"death\s+rank 2 SIGKILLed at step 10", out), out
-    assert re.search(r"detected\s+PeerFailure, ranks \[2\]", out), out
+    assert re.search(r"detected\s+(PeerFailure|CommAborted): rank\(s\) \[2\] failed", out), out
     assert re.search(r"shrunk\s+3 -> 2 ranks", out), out
+    # torchrun logs each worker that exits non-zero: only the killed one, never a survivor.
+    assert re.findall(r"failed \(exitcode: (-?\d+)\)", out) == ["-9"], out
     assert re.search(r"replacement started\s+rank 2's torchrun restarted it", out), out
     assert re.search(r"joined\s+as rank 2 of 3", out), out
     assert re.search(r"rejoined\s+2 -> 3 ranks", out), out

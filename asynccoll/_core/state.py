@@ -4,8 +4,9 @@ from one rank to every rank (API.md §5, elastic membership).
 The source splits the structure in two: the tensors, and a *skeleton* in which each
 tensor is replaced by a :class:`_Slot` (its index, dtype, shape and device kind). The
 skeleton travels as one object (``broadcast_object``); the receivers allocate the
-tensors it describes, and every rank then broadcasts the tensors in one coalesced
-batch (Gloo: one flattened collective per dtype; NCCL: one group). A tensor that
+tensors it describes, and every rank then broadcasts the tensors: those of at least
+``DIRECT`` bytes each on its own, all in flight together, and the smaller ones in one
+coalesced batch (Gloo: one flattened collective per dtype; NCCL: one group). A tensor that
 appears twice in the structure (tied weights) travels once and comes back as one
 tensor in both places.
 
@@ -29,6 +30,11 @@ from . import validate
 
 if TYPE_CHECKING:
     from .communicator import Communicator
+
+#: Tensors of at least this many bytes travel as broadcasts of their own: flattening
+#: them into a coalesced batch would copy every byte twice for no saving (measured in
+#: ``bench/elastic.py``'s state-transfer floor); smaller ones are coalesced.
+DIRECT = 1 << 20
 
 _QUANTIZED = (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4)
 
@@ -154,11 +160,17 @@ async def broadcast_state(comm: Communicator, state: Any, src: int, timeout: flo
             torch.empty(s.shape, dtype=s.dtype, device=comm.device if s.cuda else "cpu")
             for s in (slots[i] for i in range(len(slots)))
         ]
-    moving = [t for t in outgoing if t.numel() > 0]
-    if moving:
+    # Every rank splits alike (by size, from the skeleton): large tensors as broadcasts of
+    # their own, all in flight at once; the small ones in one coalesced batch.
+    large = [t for t in outgoing if t.numel() * t.element_size() >= DIRECT]
+    small = [t for t in outgoing if 0 < t.numel() * t.element_size() < DIRECT]
+    works = [comm.broadcast(t, src, timeout=timeout) for t in large]
+    if small:
         async with comm.coalescing():
-            for t in moving:
+            for t in small:
                 comm.broadcast(t, src, timeout=timeout)
+    for work in works:
+        await work
     return state if comm.rank == src else _fill(skeleton, outgoing)
 
 
