@@ -269,7 +269,12 @@ async def join_refused_and_timed_out(ctx: RankContext) -> dict:
         ctx.store.set("joiner_done", "1")
         return out
     comm = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, name="g")
-    # The refused ticket is resolved by the first scan that sees it (rank 0's waiting()).
+    if ctx.rank == 0:  # a ticket that ac.join did not write: refused, never counted, never fatal
+        from asynccoll._bootstrap.room import Room
+
+        room = Room(ctx.store, "g").store
+        room.set(f"ticket/{room.add('tickets', 1)}", "not json")
+    # The refused tickets are resolved by the first scan that sees them (rank 0's waiting()).
     seen = []
     while True:
         seen.append(await comm.waiting())

@@ -43,7 +43,6 @@ import torch
 
 from .._base.aio import run_in_thread
 from .._base.errors import (
-    AsyncCollError,
     CollectiveTimeout,
     CommAborted,
     CommClosed,
@@ -119,11 +118,17 @@ class Group:
     async def waiting(self, comm: Communicator, timeout: float | None) -> int:
         """See ``Communicator.waiting``."""
         limit = validate.timeout(timeout, comm.timeout) if timeout is not None else comm.timeout
-        count = 0
+        count, error = 0, None
         if comm.rank == 0:
-            live = await off_loop(functools.partial(self.room.scan, self.options.backend), limit, "waiting")
-            count = len(live)
-        return await _share(comm, count, limit)
+            try:
+                live = await off_loop(functools.partial(self.room.scan, self.options.backend), limit, "waiting")
+                count = len(live)
+            except Exception as exc:  # noqa: BLE001 - raised below as the cause, after the others are told
+                count, error = _FAILED, exc
+        count = await _share(comm, count, limit)
+        if count < 0:
+            raise CommAborted("waiting(): rank 0 could not read the group's waiting room") from error
+        return count
 
     # --------------------------------------------------------------------- grow
     async def grow(self, comm: Communicator, world_size: Any, timeout: float | None) -> Communicator:
@@ -161,9 +166,9 @@ class Group:
         k = size - comm.world_size
         while True:
             left = deadline - time.monotonic()
-            mine = _NOT_YET
+            mine, error = _NOT_YET, None
             if comm.rank == 0:
-                mine = await self._admit_round(k, plan, left)
+                mine, error = await self._admit_round(k, plan, left)
             try:
                 status = await _share(comm, mine, max(left, 0.0) + _ROUND + 5.0)
             except BaseException as exc:
@@ -178,9 +183,10 @@ class Group:
                     f"grow to {size} ranks: {k} joiner(s) of group {self.name!r} did not arrive within {limit} s"
                 )
             if status == _FAILED:
-                raise CommAborted(f"grow to {size} ranks: rank 0 could not admit joiners (see its error)")
+                raise CommAborted(f"grow to {size} ranks: rank 0 could not admit joiners") from error
 
-    async def _admit_round(self, k: int, plan: dict[str, Any], left: float) -> int:
+    async def _admit_round(self, k: int, plan: dict[str, Any], left: float) -> tuple[int, BaseException | None]:
+        """Rank 0: admit ``k`` joiners within one round; the grow's number, or a status."""
         room = self.room
         until = time.monotonic() + max(0.0, min(_ROUND, left))
 
@@ -194,9 +200,9 @@ class Group:
                 time.sleep(0.005)
 
         try:
-            return int(await off_loop(admit, max(left, 0.0) + 5.0, "grow"))
-        except AsyncCollError:
-            return _FAILED
+            return int(await off_loop(admit, max(left, 0.0) + 5.0, "grow")), None
+        except Exception as exc:  # noqa: BLE001 - raised by every member as the cause, after they are told
+            return _FAILED, exc
 
 
 async def _share(comm: Communicator, value: int, timeout: float) -> int:

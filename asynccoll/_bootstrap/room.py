@@ -149,8 +149,12 @@ class Room:
         key = f"ticket/{t}"
         if not self.store.check([key]):
             return ""
-        record = json.loads(bytes(self.store.get(key)))
-        if gone(record):
+        try:
+            record = json.loads(bytes(self.store.get(key)))
+            dead = gone(record)
+        except (ValueError, TypeError, KeyError, AttributeError):  # not written by ac.join
+            return f"{REFUSED}unreadable ticket record {key!r}"
+        if dead:
             return DEAD
         if record.get("backend") != backend:
             return (
