@@ -18,6 +18,7 @@ import elastic_ranks as er
 import pytest
 import torch.distributed as dist
 
+import asynccoll as ac
 from asynccoll.testing import run_ranks
 
 
@@ -155,3 +156,38 @@ def test_store_cli_serves_until_signalled_and_refuses_a_port_in_use() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_grow_on_nccl_with_a_fresh_init_on_the_simulated_gpu() -> None:
+    """NCCL below is the simulated GPU's (nccl4py's real classes, autospecced); asynccoll above
+    it is real. 2 members admit a joiner; the grown group gets a fresh NCCL communicator of 3
+    (the fallback where the installed NCCL has no ncclCommGrow); an all_reduce runs on it."""
+    import asyncio
+
+    from asynccoll.testing.simgpu import SimCluster
+    from asynccoll.testing.simgpu.runtime import run_threads
+
+    with SimCluster() as sim:
+        store = dist.HashStore()
+        gpu = sim.gpu
+
+        async def rank_main(r: int) -> tuple[int, int, float, str, int]:
+            if r == 2:
+                comm = await ac.join("nccl", store=store, name="g", timeout=30)
+            else:
+                old = await ac.init("nccl", rank=r, world_size=2, store=store, name="g", timeout=30, heartbeat=0)
+                while (n := await old.waiting()) == 0:
+                    await asyncio.sleep(0.01)
+                comm = await old.grow(old.world_size + n)
+                assert old.state == "closed"
+            nccl_comm = comm._backends["cuda"]._comm
+            t = gpu.tensor([float(comm.rank + 1)])
+            await asyncio.wait_for(comm.all_reduce(t), 20)
+            res = (comm.rank, comm.world_size, gpu.host(t).item(), comm.backend, sim.nccl.state(nccl_comm).world.nranks)
+            await comm.close()
+            return res
+
+        with sim.patch_init():
+            results = run_threads(3, rank_main, timeout=90)
+    assert results == [(0, 3, 6.0, "nccl", 3), (1, 3, 6.0, "nccl", 3), (2, 3, 6.0, "nccl", 3)], results
