@@ -184,6 +184,8 @@ async def worker(args: argparse.Namespace) -> None:
             loss.backward()                        # buckets are all-reduced as their grads are ready
             await sync.wait()
         except ac.CommAborted as failure:           # PeerFailure, or a later call on the aborted comm
+            if args.mode == "torchrun":
+                raise                              # torchrun's answer: it restarts every worker
             await events.mark("detected", f"{type(failure).__name__}: rank(s) {list(comm.failed_ranks)} failed")
             sync.close()
             opt.zero_grad()
