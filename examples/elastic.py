@@ -107,6 +107,9 @@ class Events:
         value = json.dumps([at if at is not None else time.time(), detail])
         await asyncio.to_thread(self.store.compare_set, f"event/{name}", "", value)
 
+    async def finished(self) -> bool:
+        return bool(await asyncio.to_thread(self.store.check, ["event/finished"]))
+
     def read(self) -> dict[str, tuple[float, str]]:
         keys = [f"event/{name}" for name in ORDER]
         return {name: tuple(json.loads(self.store.get(k)))  # type: ignore[misc]
@@ -140,6 +143,9 @@ async def worker(args: argparse.Namespace) -> None:
         comm = await ac.init("gloo", rank=me, world_size=args.world_size, store=store, name=GROUP, timeout=60)
     else:                                          # restarted by its torchrun: join the running group
         me = args.rank
+        if await events.finished():                # restarted after the end (a crash at exit): nothing to join
+            print(f"rank {me}: the job has finished, nothing to join", flush=True)
+            return
         await events.mark("replacement started", f"rank {me}'s torchrun restarted it", T0)
         await events.mark("join called")
         comm = await ac.join("gloo", store=store, name=GROUP, timeout=120)
@@ -214,6 +220,7 @@ async def worker(args: argparse.Namespace) -> None:
     sync.close()
     digests = await comm.all_gather_object(digest(model))
     if comm.rank == 0:
+        await events.mark("finished")
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         state_bytes += sum(t.numel() * t.element_size() for s in opt.state_dict()["state"].values()
                            for t in s.values() if isinstance(t, torch.Tensor))
