@@ -102,8 +102,14 @@ def test_elastic_recipe_with_torchrun_rank_killed_restarted_rejoins(tmp_path: Pa
     assert re.search(r"death\s+rank 2 SIGKILLed at step 10", out), out
     assert re.search(r"detected\s+(PeerFailure|CommAborted): rank\(s\) \[2\] failed", out), out
     assert re.search(r"shrunk\s+3 -> 2 ranks", out), out
-    # torchrun logs each worker that exits non-zero: only the killed one, never a survivor.
-    assert re.findall(r"failed \(exitcode: (-?\d+)\)", out) == ["-9"], out
+    # torchrun logs each worker that exits non-zero: the killed one, and never a survivor during
+    # training. The one exception is Gloo's teardown abort at interpreter exit after the job has
+    # finished (issue 19, "terminate called without an active exception", about 1 process exit in
+    # 40 here, with or without elastic calls): its torchrun restarts it, and the restarted worker
+    # sees the job finished and says so. Every such crash must be accounted for that way.
+    failed = re.findall(r"failed \(exitcode: (-?\d+)\)", out)
+    after_the_end = out.count("the job has finished, nothing to join")
+    assert failed.count("-9") == 1 and len(failed) - 1 == after_the_end, out
     assert re.search(r"replacement started\s+rank 2's torchrun restarted it", out), out
     assert re.search(r"joined\s+as rank 2 of 3", out), out
     assert re.search(r"rejoined\s+2 -> 3 ranks", out), out
