@@ -358,3 +358,23 @@ async def state_refused(comm: ac.Communicator) -> dict:
     t = torch.ones(1)
     await comm.all_reduce(t)
     return {"error": error, "sum": t.tolist(), "state": comm.state}
+
+
+async def joiner_takes_the_members_options(ctx: RankContext) -> dict:
+    """The members run with check="fingerprint", heartbeat=0.5 and timeout=25; the joiner asks
+    for none of them (its own timeout=30 bounds only its wait) and gets all three: a size
+    mismatch on the joiner is a CollectiveMismatch everywhere."""
+    if ctx.rank == 2:
+        comm = await ac.join("gloo", store=ctx.store, name="g", timeout=30)
+    else:
+        old = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, name="g", timeout=25,
+                            check="fingerprint", heartbeat=0.5)
+        comm = await _grow_when_waiting(old, 1)
+    t = torch.ones(2)
+    await comm.all_reduce(t)
+    try:
+        await comm.all_reduce(torch.ones(3 if comm.rank == 2 else 2))
+        error = None
+    except ac.CollectiveMismatch as exc:
+        error = type(exc).__name__
+    return {"sum": t.tolist(), "error": error, "timeout": comm.timeout}

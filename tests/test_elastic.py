@@ -191,3 +191,8 @@ def test_grow_on_nccl_with_a_fresh_init_on_the_simulated_gpu() -> None:
         with sim.patch_init():
             results = run_threads(3, rank_main, timeout=90)
     assert results == [(0, 3, 6.0, "nccl", 3), (1, 3, 6.0, "nccl", 3), (2, 3, 6.0, "nccl", 3)], results
+
+
+def test_joiner_takes_the_members_options() -> None:
+    results = run_ranks(er.joiner_takes_the_members_options, world_size=3, backend=None, timeout=60)
+    assert results == [{"sum": [3.0, 3.0], "error": "CollectiveMismatch", "timeout": 25.0}] * 3, results
