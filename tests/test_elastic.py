@@ -18,7 +18,6 @@ import elastic_ranks as er
 import pytest
 import torch.distributed as dist
 
-import asynccoll as ac
 from asynccoll.testing import run_ranks
 
 
@@ -165,31 +164,33 @@ def test_grow_on_nccl_with_a_fresh_init_on_the_simulated_gpu() -> None:
     (the fallback where the installed NCCL has no ncclCommGrow); an all_reduce runs on it."""
     import asyncio
 
+    from asynccoll._bootstrap.init import init_with, join_with
     from asynccoll.testing.simgpu import SimCluster
     from asynccoll.testing.simgpu.runtime import run_threads
 
     with SimCluster() as sim:
         store = dist.HashStore()
         gpu = sim.gpu
+        factories = sim.factories()  # NCCL on the simulator, for init and join alike
 
         async def rank_main(r: int) -> tuple[int, int, float, str, int]:
             if r == 2:
-                comm = await ac.join("nccl", store=store, name="g", timeout=30)
+                comm = await join_with(factories, "nccl", store=store, name="g", timeout=30)
             else:
-                old = await ac.init("nccl", rank=r, world_size=2, store=store, name="g", timeout=30, heartbeat=0)
+                old = await init_with(factories, "nccl", rank=r, world_size=2, store=store, name="g", timeout=30,
+                                      heartbeat=0)
                 while (n := await old.waiting()) == 0:
                     await asyncio.sleep(0.01)
                 comm = await old.grow(old.world_size + n)
                 assert old.state == "closed"
-            nccl_comm = comm._backends["cuda"]._comm
+            nccl_comm = comm.backends["cuda"]._comm
             t = gpu.tensor([float(comm.rank + 1)])
             await asyncio.wait_for(comm.all_reduce(t), 20)
             res = (comm.rank, comm.world_size, gpu.host(t).item(), comm.backend, sim.nccl.state(nccl_comm).world.nranks)
             await comm.close()
             return res
 
-        with sim.patch_init():
-            results = run_threads(3, rank_main, timeout=90)
+        results = run_threads(3, rank_main, timeout=90)
     assert results == [(0, 3, 6.0, "nccl", 3), (1, 3, 6.0, "nccl", 3), (2, 3, 6.0, "nccl", 3)], results
 
 

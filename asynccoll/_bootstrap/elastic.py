@@ -53,7 +53,7 @@ from .._core import validate
 from .._core.communicator import Communicator
 from .args import check_args, env_int
 from .assembly import assemble
-from .build import build_communicator
+from .build import REAL, Factories, build_communicator
 from .rendezvous import off_loop
 from .room import REFUSED, WITHDRAWN, Room
 from .stores import STORES, tcp_store
@@ -74,6 +74,8 @@ class Options:
     heartbeat: float | None
     trace_dir: str | None
     device: Any = None
+    #: How this process makes its backends (``build.Factories``; each process its own).
+    factories: Factories = REAL
 
     def shared(self) -> dict[str, Any]:
         """What a joiner adopts (the device stays each process's own)."""
@@ -234,14 +236,14 @@ async def _build(
     return await build_communicator(
         opts.backend, rank=rank, world_size=size, master_addr=None, master_port=None, store=store,
         device=device, timeout=opts.timeout, check=opts.check, trace_dir=trace_dir,
-        heartbeat=opts.heartbeat, group=group,
+        heartbeat=opts.heartbeat, factories=opts.factories, group=group,
     )
 
 
 # --------------------------------------------------------------------------- join
 async def join(
     backend: str, *, store: Any, master_addr: str | None, master_port: int | None, name: Any,
-    device: Any, timeout: float, trace_dir: Any,
+    device: Any, timeout: float, trace_dir: Any, factories: Factories = REAL,
 ) -> Communicator:
     """See ``asynccoll.join``."""
     timeout = check_args(backend, store, master_addr, device, timeout, None)
@@ -255,7 +257,7 @@ async def join(
         # rank -1: a joiner is always a client of the group's store, never its server.
         store, key = await tcp_store(master_addr, port, -1, 1, timeout)
     try:
-        return await _join(backend, store, key, name, device, timeout, trace_dir)
+        return await _join(backend, store, key, name, device, timeout, trace_dir, factories)
     finally:
         if key is not None:
             STORES.release(key)  # the joined communicator holds its own
@@ -263,6 +265,7 @@ async def join(
 
 async def _join(
     backend: str, root: Any, key: tuple[str, int] | None, name: str, device: Any, timeout: float, trace_dir: Any,
+    factories: Factories,
 ) -> Communicator:
     room = Room(root, name)
     deadline = time.monotonic() + timeout
@@ -270,7 +273,7 @@ async def _join(
         ticket, g, plan = await _admitted(room, backend, deadline, timeout)
         opts = Options(
             backend=plan["backend"], timeout=float(plan["timeout"]), check=plan["check"],
-            heartbeat=plan["heartbeat"], trace_dir=plan["trace_dir"], device=device,
+            heartbeat=plan["heartbeat"], trace_dir=plan["trace_dir"], device=device, factories=factories,
         )
         group = Group(name, opts, root, key)
         rank = int(plan["old_size"]) + plan["tickets"].index(ticket)

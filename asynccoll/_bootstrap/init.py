@@ -12,12 +12,15 @@ from typing import Any, Awaitable, Callable, Generator
 import torch
 import torch.distributed as dist
 
+from .._backends import gloo
 from .._backends.torch_pg import TorchGroupBackend
 from .._base.errors import InvalidArgument
 from .._core import validate
+from .._core.backend import ANY
 from .._core.communicator import Communicator, exit_scope
+from .._faults.shrink import shrink
 from . import elastic
-from .build import build_communicator
+from .build import REAL, Factories, build_communicator
 
 
 class _Init:
@@ -93,7 +96,7 @@ async def _init_named(*, name: Any, **kwargs: Any) -> Communicator:
             backend=kwargs["backend"], timeout=validate.seconds(kwargs["timeout"], "timeout"),
             check=kwargs["check"], heartbeat=kwargs["heartbeat"],
             trace_dir=str(kwargs["trace_dir"]) if kwargs["trace_dir"] is not None else None,
-            device=kwargs["device"],
+            device=kwargs["device"], factories=kwargs.get("factories", REAL),
         )
         group = elastic.Group(elastic.check_name(name), options)
     return await build_communicator(**kwargs, group=group)
@@ -131,6 +134,21 @@ def join(
     )
 
 
+def init_with(factories: Factories, backend: str = "auto", **kwargs: Any) -> _Init:
+    """``init(backend, **kwargs)`` with the backends that ``factories`` make (also in every
+    ``shrink()`` and ``grow()``): the seam for the test kit's simulated GPU and for benches."""
+    opening = init(backend, **kwargs)
+    opening._kwargs["factories"] = factories
+    return opening
+
+
+def join_with(factories: Factories, backend: str = "auto", **kwargs: Any) -> _Init:
+    """``join(backend, **kwargs)`` with the backends that ``factories`` make (see :func:`init_with`)."""
+    opening = join(backend, **kwargs)
+    opening._kwargs["factories"] = factories
+    return opening
+
+
 def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Communicator:
     """A Communicator over an existing ``torch.distributed.ProcessGroup`` (any backend).
 
@@ -149,9 +167,9 @@ def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Com
         raise InvalidArgument(f"store must be a torch.distributed.Store, got {type(store).__name__}")
     ws = process_group.size()
     name = process_group.name() if hasattr(process_group, "name") else "torch"
-    # A Gloo group gets Gloo's capability table (validate.CAPS); any other kind, torch's checks.
-    kind = "gloo" if name == "gloo" else "torch"
-    backend = TorchGroupBackend(process_group, name=kind, device_type=None, world_size=ws, timeout=timeout)
+    # A Gloo group declares Gloo's capability table; any other kind leaves the checks to torch.
+    kind, caps = ("gloo", gloo.CAPS) if name == "gloo" else ("torch", ANY)
+    backend = TorchGroupBackend(process_group, name=kind, device_type=None, world_size=ws, timeout=timeout, caps=caps)
     return Communicator(
         rank=process_group.rank(),
         world_size=ws,
@@ -160,4 +178,5 @@ def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Com
         device=torch.device("cpu"),
         store=store,
         timeout=timeout,
+        recover=shrink,  # which refuses: no rebuild for a group made elsewhere
     )

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._base.errors import InvalidArgument
 from . import validate
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
 
 #: Tensors of at least this many bytes travel as broadcasts of their own: flattening
 #: them into a coalesced batch would copy every byte twice for no saving (measured in
@@ -56,11 +53,11 @@ class _Refused:
     reason: str
 
 
-def _serves_cuda(comm: Communicator) -> bool:
+def _serves_cuda(comm: Any) -> bool:
     return comm.device.type == "cuda"
 
 
-def _serves_cpu(comm: Communicator) -> bool:
+def _serves_cpu(comm: Any) -> bool:
     return comm.backend != "nccl"
 
 
@@ -127,8 +124,9 @@ def _outgoing(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-async def broadcast_state(comm: Communicator, state: Any, src: int, timeout: float | None) -> Any:
-    """See ``Communicator.broadcast_state``."""
+async def broadcast_state(comm: Any, state: Any, src: int, timeout: float | None) -> Any:
+    """See ``Communicator.broadcast_state`` (``comm``: the Communicator; typed loosely, as
+    this module must not import the one that imports it)."""
     src = validate.rank(src, comm.world_size, "src")
     if timeout is not None:
         validate.timeout(timeout, comm.timeout)
