@@ -54,11 +54,11 @@ class _Refused:
 
 
 def _serves_cuda(comm: Any) -> bool:
-    return comm.device.type == "cuda"
+    return bool(comm.device.type == "cuda")
 
 
 def _serves_cpu(comm: Any) -> bool:
-    return comm.backend != "nccl"
+    return bool(comm.backend != "nccl")
 
 
 def _travels(t: torch.Tensor) -> bool:
