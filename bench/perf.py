@@ -262,7 +262,7 @@ def plot(rows: list[Row], path: Path) -> bool:
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the long goal labels whole
     plt.close(fig)
     return True
 

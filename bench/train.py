@@ -132,7 +132,11 @@ class _Variant:
         if self.sync is not None:
             return [b / 2**20 for b in self.sync.bucket_sizes]
         if self.ddp is not None:
-            sizes = self.ddp._get_ddp_logging_data().get("bucket_sizes")
+            data = self.ddp._get_ddp_logging_data()
+            # After its first step DDP rebuilds its buckets in gradient-ready order;
+            # "bucket_sizes" keeps the construction-time ones (measured: one 24 MiB
+            # bucket for 6 x Linear(1024) at bucket_cap_mb=4, then six of 4 MiB).
+            sizes = data.get("rebuilt_bucket_sizes", data.get("bucket_sizes"))
             if isinstance(sizes, str):  # torch logs them as "a, b, ..." (bytes)
                 return [int(x) / 2**20 for x in sizes.split(",") if x.strip()]
         return None

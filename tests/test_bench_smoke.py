@@ -25,8 +25,7 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
     perf = tmp_path / "perf"
     cmds = {
         "core": [sys.executable, "-m", "bench", "--smoke", "--no-plot", "--json", str(core)],
-        "perf": [sys.executable, "-m", "bench.perf", "--smoke", "--only", "pipelined", "abort", "host",
-                 "--out", str(perf)],
+        "perf": [sys.executable, "-m", "bench.perf", "--smoke", "--out", str(perf)],  # every section
         "coalescing": [sys.executable, "bench/coalescing.py", "--smoke", "--no-plot", "--json", str(coal)],
         "hotpath": [sys.executable, "-m", "bench.hotpath", "--smoke", "--loop", "asyncio", "--json", str(hot)],
     }
@@ -64,7 +63,8 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
 
     perf_res = json.loads((perf / "perf.json").read_text())
     rows = perf_res["rows"]
-    assert [r["section"] for r in rows] == ["pipelined", "abort", "abort", "host"]
+    expected = ["train"] * 8 + ["coalescing"] * 2 + ["latency", "pipelined", "abort", "abort", "host"]
+    assert [r["section"] for r in rows] == expected
     for r in rows:
         assert r["measured"] > 0 and r["floor"] > 0 and r["machine"]["cpus"] and len(r["machine"]["loadavg"]) == 3
         assert r["verdict"] in ("met", "NOT met") or r["verdict"].startswith("no verdict")
