@@ -1,8 +1,9 @@
 """Every collective x reduce op x dtype through ``asynccoll.init(backend="nccl")`` on the simulated GPU.
 
-The real Communicator, NcclBackend, NcclLib, EventPool and EventWatcher run; only
-CUDA (``SimCudaRuntime``) and the NCCL library (autospecs of nccl4py, ``SimNccl``)
-are simulated. World sizes 1-3, ranks as threads.
+The real Communicator, NcclBackend, NcclLib, CudaRuntime and ``streams`` run; only the
+vendor libraries are simulated: ``torch.cuda`` and ``cuda.bindings.driver`` (doubles on a
+``SimGPU``) and nccl4py (autospecs, ``SimNccl``). World sizes 1-3, ranks as threads,
+rank r on cuda:r.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_every_collective_every_op_every_dtype(ws: int) -> None:
 
         async def body(comm: Any) -> list[str]:
             r, bad = comm.rank, []
-            assert comm.backend == "nccl" and comm.device == torch.device("cuda", 0)
+            assert comm.backend == "nccl" and comm.device == torch.device("cuda", r)
             for dt in DTYPES:
                 xs = [value(k, dt) for k in range(ws)]
                 for op in ops_for(dt):

@@ -30,7 +30,7 @@ ABORT, DEFAULT = nc.CommShrinkFlag.ABORT, nc.CommShrinkFlag.DEFAULT
 
 
 def nccl_state(sim: SimCluster, comm: Any) -> Any:
-    return sim.nccl.state(comm._backends["cuda"]._comm)
+    return sim.nccl.state(comm._backends["cuda"].handle.communicator)
 
 
 def death_and_shrink(
@@ -47,9 +47,9 @@ def death_and_shrink(
         await asyncio.wait_for(comm.all_reduce(t), WAIT)
         assert gpu.host(t).item() == 6.0
         if comm.rank == stall_revoke_on:
-            sim.nccl.stall_revoke(comm._backends["cuda"]._comm)
+            sim.nccl.stall_revoke(comm._backends["cuda"].handle.communicator)
         if comm.rank == 2:
-            sim.nccl.kill(comm._backends["cuda"]._comm)
+            sim.nccl.kill(comm._backends["cuda"].handle.communicator)
             dead.set()
             comm.abort("rank 2 died")  # nothing more comes from this rank
             return None
@@ -170,11 +170,11 @@ def test_a_hanging_revoke_falls_back_to_abort_and_every_survivor_inits_afresh() 
 def test_abort_with_a_stalled_revoke_is_bounded_and_cannot_shrink() -> None:
     with SimCluster() as sim:
         be0, be1 = sim.backends(2)
-        be0._abort_timeout = 0.4
-        st = sim.nccl.state(be0._comm)
+        be0.handle.abort_timeout = 0.4
+        st = sim.nccl.state(be0.handle.communicator)
         w = Work("all_reduce", 1)
         be0.submit(OpSpec(OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]), timeout=30.0), w)  # rank 1 never joins
-        sim.nccl.stall_revoke(be0._comm)
+        sim.nccl.stall_revoke(be0.handle.communicator)
         done = threading.Event()
 
         def abort() -> None:
@@ -201,7 +201,7 @@ def test_a_revoked_backend_is_shrinkable_and_close_aborts_it() -> None:
     with SimCluster() as sim:
         be0, be1 = sim.backends(2)
         be0.abort()
-        st = sim.nccl.state(be0._comm)
+        st = sim.nccl.state(be0.handle.communicator)
         assert be0.can_shrink and st.revoked and not st.aborted and "revoke" in st.calls
         be0.close()  # finalize after revoke is invalid: close aborts it
         assert st.aborted and "finalize" not in st.calls
@@ -213,7 +213,7 @@ def test_a_revoked_backend_is_shrinkable_and_close_aborts_it() -> None:
 def test_sim_revoke_follows_nccl4pys_rules() -> None:
     with SimCluster() as sim:
         (be,) = sim.backends(1)
-        comm = be._comm
+        comm = be.handle.communicator
         st = sim.nccl.state(comm)
         with pytest.raises(TypeError):
             comm.revoke(0, 1)  # the real signature: revoke(self, flags=0)
@@ -233,7 +233,7 @@ def test_sim_revoke_follows_nccl4pys_rules() -> None:
         assert sim.nccl.live() == [] and sim.gpu.errors == []
     with SimCluster(revoke=False) as old:
         (be,) = old.backends(1)
-        assert not hasattr(be._comm, "revoke") and not old.lib().can_revoke(be._comm)
+        assert not hasattr(be.handle.communicator, "revoke") and not old.lib().can_revoke(be.handle.communicator)
         be.close()
 
 
@@ -244,10 +244,10 @@ def test_revoke_needs_a_libnccl_that_has_it() -> None:
 
     with SimCluster() as sim:
         (be,) = sim.backends(1)
-        assert sim.lib().can_revoke(be._comm)  # the installed libnccl (2.32) has ncclCommRevoke
+        assert sim.lib().can_revoke(be.handle.communicator)  # the installed libnccl (2.32) has ncclCommRevoke
         old = types.ModuleType("nccl.core(2.28)")
         old.__dict__.update(vars(sim.nccl.module))
         libnccl = types.SimpleNamespace(version=types.SimpleNamespace(major=2, minor=28))
         old.get_version = lambda: types.SimpleNamespace(libnccl=libnccl)  # type: ignore[attr-defined]
-        assert not NcclLib(old).can_revoke(be._comm)
+        assert not NcclLib(old).can_revoke(be.handle.communicator)
         be.close()

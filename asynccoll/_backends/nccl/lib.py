@@ -1,4 +1,5 @@
-"""nccl4py access for the NCCL backend: result codes, ``missing()``, and :class:`NcclLib`.
+"""nccl4py access for the NCCL backend: result codes, ``missing()``, what NCCL can run
+(:data:`CAPS`), and :class:`NcclLib`.
 
 ``NcclLib`` wraps every nccl4py entry point the backend uses. It takes the
 ``nccl.core`` module as an optional argument so the test kit can put its
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
+from ..._base.errors import CollectiveTimeout
 from ..._base.ops import OpKind, ReduceOp
 
 # ncclResult_t values (nccl.h, stable ABI; the contract tests pin them to
@@ -24,21 +26,88 @@ INVALID_ARGUMENT = 4
 INVALID_USAGE = 5
 REMOTE_ERROR = 6
 IN_PROGRESS = 7
+TIMEOUT = 9  # ncclTimeout (nccl.h): a bootstrap or init that did not complete
 _PEER_ERRORS = (SYSTEM_ERROR, REMOTE_ERROR)
 
-#: The first libnccl with ``ncclCommRevoke`` (NCCL 2.29; ``NCCL_REVOKE_DEFAULT``).
-REVOKE_SINCE = (2, 29)
+#: The first libnccl with ``ncclCommRevoke`` (NCCL 2.28.7-1 release; NVIDIA/nccl ae7aed19).
+REVOKE_SINCE = (2, 28, 7)
+#: The first libnccl with ``ncclCommGrow``/``ncclCommGetUniqueId`` (NCCL 2.29.2-1; ebd1e929).
+GROW_SINCE = (2, 29, 2)
 
-# Dtypes NCCL reduces natively (torch.bool travels as uint8; see encode.reducible).
-_NCCL_DTYPES = {
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+
+def _dtypes(*names: str) -> frozenset[torch.dtype]:
+    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+# ---------------------------------------------------------------- capabilities
+#: torch dtypes nccl4py 0.6 maps to an ``ncclDataType_t`` (nccl/core/interop/torch.py
+#: ``_to_nccl_dtype``; the contract test pins it): moved and reduced as they are.
+#: ``torch.bool`` travels as ``ncclUint8`` ("NCCL has no bool"). Any other dtype is
+#: moved as its bytes (a flat ``uint8`` view) and never reduced, except complex.
+NATIVE = _dtypes(
+    "int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bfloat16",
+    "float8_e4m3fn", "float8_e5m2", "bool",
+)
+COMPLEX = _dtypes("complex64", "complex128")
+FP8 = _dtypes("float8_e4m3fn", "float8_e5m2")
+#: fp8 reductions need sm_90 ("FP8 reduction support begins with sm90 capable
+#: devices": ncclInvalidArgument below, and a non-blocking communicator is then broken;
+#: NCCL src/enqueue.cc taskAppend).
+FP8_REDUCE_SINCE = (9, 0)
+_NUMERIC = NATIVE - {torch.bool}
+# What the backend reduces, per op. bool: as uint8 with MAX (SUM = logical or) and MIN
+# (PROD = logical and) — a uint8 SUM would store 2 in a bool, and AVG has no meaning
+# for bool (torch's ProcessGroupNCCL refuses it too). complex: SUM/AVG on the real view.
+_REDUCE = {
+    ReduceOp.SUM: _NUMERIC | {torch.bool} | COMPLEX,
+    ReduceOp.PROD: _NUMERIC | {torch.bool},
+    ReduceOp.MIN: _NUMERIC | {torch.bool},
+    ReduceOp.MAX: _NUMERIC | {torch.bool},
+    ReduceOp.AVG: _NUMERIC | COMPLEX,
 }
-for _name in ("uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _name):
-        _NCCL_DTYPES.add(getattr(torch, _name))
-_COMPLEX = {torch.complex64, torch.complex128}
-_REDUCING = (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER)
+REDUCING = (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER)
+
+
+class NcclCaps:
+    """What the NCCL backend can run (the shape of ``_core.validate.Caps``).
+
+    ``move``: None (every dtype moves: natively, or as bytes). ``reduce``: per
+    reduce op, the dtypes reductions accept on a device of ``capability`` (fp8 only
+    from :data:`FP8_REDUCE_SINCE`).
+    """
+
+    __slots__ = ("as_bytes", "capability", "move", "name", "reduce", "sum", "text")
+
+    def __init__(self, capability: tuple[int, int] | None = None) -> None:
+        self.name = "nccl"
+        self.move: frozenset[torch.dtype] | None = None
+        self.as_bytes = False
+        self.capability = capability
+        drop = FP8 if capability is not None and tuple(capability) < FP8_REDUCE_SINCE else frozenset()
+        self.reduce: dict[ReduceOp, frozenset[torch.dtype]] = {op: dts - drop for op, dts in _REDUCE.items()}
+        self.sum = self.reduce[ReduceOp.SUM]
+        self.text = {op: ", ".join(sorted(str(d).replace("torch.", "") for d in dts)) for op, dts in self.reduce.items()}
+
+    def for_device(self, capability: tuple[int, int]) -> NcclCaps:
+        """The table of a device of compute capability ``capability`` (major, minor)."""
+        return NcclCaps(capability)
+
+    def refusal(self, op: ReduceOp, dtype: torch.dtype) -> str | None:
+        """Why ``op`` cannot reduce ``dtype`` here, or None."""
+        if dtype in self.reduce[op]:
+            return None
+        if dtype in FP8 and dtype in _REDUCE[op] and self.capability is not None:
+            major, minor = self.capability
+            return (f"NCCL reduces {dtype} only on sm_90 or newer (this device is sm_{major}{minor}); "
+                    "reduce in bfloat16 or float16 instead")
+        if op is ReduceOp.AVG and dtype is torch.bool:
+            return f"ReduceOp.AVG is not defined for {dtype}"
+        return f"NCCL cannot reduce {dtype} with ReduceOp.{op.name}; it supports: {self.text[op]}"
+
+
+#: The one table of what NCCL runs (any device; see :meth:`NcclCaps.for_device`).
+CAPS = NcclCaps()
+CapsTable = Mapping[ReduceOp, frozenset[torch.dtype]]
 
 _HOW = "pip install 'asynccoll[nccl]' (nccl4py[cu12]: nccl4py, cuda-bindings, nvidia-nccl-cu12)"
 
@@ -79,6 +148,22 @@ class NcclError(RuntimeError):
         self.status = status
 
 
+def status_of(exc: BaseException) -> int | None:
+    """The ``ncclResult_t`` of an nccl4py exception, by type: ``NCCLError.status``
+    (nccl.bindings.nccl), or None for anything else (``NcclInvalid``: nccl4py's own
+    argument checks, before NCCL is called)."""
+    status = getattr(exc, "status", None)
+    return int(status) if isinstance(status, int) else None
+
+
+def init_failure(exc: BaseException, what: str, timeout: float) -> BaseException:
+    """An exception of a failed NCCL init/shrink/grow, mapped by type: ``ncclTimeout`` or
+    our own deadline is CollectiveTimeout; the caller reports anything else."""
+    if isinstance(exc, (TimeoutError, CollectiveTimeout)) or status_of(exc) == TIMEOUT:
+        return CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s: {exc}")
+    return exc
+
+
 class NcclLib:
     """The nccl4py entry points the backend uses.
 
@@ -92,7 +177,7 @@ class NcclLib:
 
         nc = module
         self._nc = nc
-        self._revoke_ok: bool | None = None
+        self._version: tuple[int, int, int] | None = None
         self._ops = {
             ReduceOp.SUM: nc.NcclRedOp.SUM, ReduceOp.PROD: nc.NcclRedOp.PROD,
             ReduceOp.MIN: nc.NcclRedOp.MIN, ReduceOp.MAX: nc.NcclRedOp.MAX,
@@ -121,34 +206,30 @@ class NcclLib:
         # Returns normally on ncclInProgress (check_status lets 7 through): the caller polls.
         self._nc.group_end()
 
-    def group_discard(self) -> None:
-        """Close an open group *without launching* it (after a call inside it failed).
-
-        ``ncclGroupSimulateEnd`` ends the group and only estimates its time, so a
-        partly built group never runs on this rank alone.
-        """
-        self._nc.group_end(simulate=True)
-
     def error_string(self, status: int) -> str:
         try:
             return str(self._nc.get_error_string(status))
         except Exception:  # noqa: BLE001 - an unknown code or a broken library: the number is enough
             return "unknown NCCL error"
 
+    def version(self) -> tuple[int, int, int]:
+        """The loaded libnccl's version, (0, 0, 0) when nccl4py cannot say."""
+        if self._version is None:
+            try:
+                v = self._nc.get_version().libnccl.version
+                self._version = (int(v.major), int(v.minor), int(v.micro))
+            except (AttributeError, TypeError, ValueError, OSError, RuntimeError):
+                self._version = (0, 0, 0)  # no libnccl info: the features below are not used
+        return self._version
+
     def can_revoke(self, comm: Any) -> bool:
         """Whether ``comm`` can be revoked: nccl4py has ``Communicator.revoke`` and the
         loaded libnccl is at least :data:`REVOKE_SINCE` (an older one lacks the symbol)."""
-        if not hasattr(comm, "revoke"):
-            return False
-        ok = self._revoke_ok
-        if ok is None:
-            try:
-                v = self._nc.get_version().libnccl.version
-                ok = (int(v.major), int(v.minor)) >= REVOKE_SINCE
-            except Exception:  # noqa: BLE001 - an nccl4py without version info: try revoke, abort if it fails
-                ok = True
-            self._revoke_ok = ok
-        return ok
+        return hasattr(comm, "revoke") and self.version() >= REVOKE_SINCE
+
+    def can_grow(self, comm: Any) -> bool:
+        """Whether ``comm`` can grow (``Communicator.grow`` and libnccl >= :data:`GROW_SINCE`)."""
+        return hasattr(comm, "grow") and hasattr(comm, "get_unique_id") and self.version() >= GROW_SINCE
 
     def revoke(self, comm: Any) -> None:
         """Start ``ncclCommRevoke``: in-flight ops stop, the state is InProgress until quiescent."""
@@ -159,6 +240,30 @@ class NcclLib:
         nc = self._nc
         flag = nc.CommShrinkFlag.ABORT if abort_pending else nc.CommShrinkFlag.DEFAULT
         return comm.shrink(list(exclude), self.config(), flag)
+
+    def grow_id(self, comm: Any) -> bytes:
+        """``ncclCommGetUniqueId`` (the grow root only; consumed by one grow)."""
+        return bytes(comm.get_unique_id())
+
+    def grow(self, comm: Any, nranks: int, uid: bytes | None) -> Any:
+        """``ncclCommGrow`` of an existing rank (``uid``: the root's id; None elsewhere)."""
+        nc = self._nc
+        return comm.grow(nranks, None if uid is None else nc.UniqueId.from_bytes(uid), config=self.config())
+
+    def join_grow(self, nranks: int, rank: int, uid: bytes) -> Any:
+        """``ncclCommGrow`` of a new rank, on a null ``Communicator()``."""
+        nc = self._nc
+        return nc.Communicator().grow(nranks, nc.UniqueId.from_bytes(uid), rank=rank, config=self.config())
+
+    def poison_group(self, comm: Any, buf: torch.Tensor, stream: int, nranks: int) -> None:
+        """Make NCCL fail the open group: a send to a rank that does not exist fails
+        NCCL's argument check, which sets the group error (NCCL src/group.h
+        ``ncclGroupErrCheck``), so ``ncclGroupEnd`` launches nothing (group.cc ``goto
+        fail``). Used when a call inside a group failed before reaching NCCL."""
+        try:
+            comm.send(buf, nranks, stream=stream)
+        except Exception:  # noqa: BLE001, S110 - the expected NCCLError (ncclInvalidArgument): the group error is set
+            pass
 
 
 def poll_async_error(lock: Any, current: Any, deadline: float) -> int | None:
