@@ -15,8 +15,7 @@ import torch
 from cuda.bindings import driver as cu
 
 import streams
-from asynccoll.testing.simgpu import SimGPU, SimTensor
-from asynccoll.testing.simgpu import cudart
+from asynccoll.testing.simgpu import SimGPU, SimTensor, cudart
 
 pytestmark = pytest.mark.timeout(60)
 R = cu.CUresult
@@ -117,7 +116,7 @@ def test_one_hardware_queue_serialises_streams_behind_a_blocked_head() -> None:
             other = gpu.stream("c")
             other.wait_event(ev)  # blocked until the long kernel ends
             ran: list[str] = []
-            gpu.kernel(b, lambda: ran.append("independent"))
+            gpu.kernel(b, lambda ran=ran: ran.append("independent"))
             gpu.idle()
             assert ran == expect, (queues, gpu.busy())
             hold.open()

@@ -17,7 +17,6 @@ from typing import Any
 
 import nccl.core as nc
 import pytest
-from nccl.bindings.nccl import NCCLError, Result
 
 import asynccoll as ac
 from asynccoll._base.ops import OpKind, OpSpec
@@ -40,12 +39,16 @@ def death_and_shrink(
     shrink. Returns, per survivor: (parent state, failed_ranks, new rank/size, result)."""
     gpu = sim.gpu
     dead = threading.Event()
+    first = threading.Barrier(3)  # every rank saw its first all_reduce complete
 
     async def body(comm: Any) -> Any:
         st = nccl_state(sim, comm)
         t = gpu.tensor([float(comm.rank + 1)])
         await asyncio.wait_for(comm.all_reduce(t), WAIT)
         assert gpu.host(t).item() == 6.0
+        # Without this, rank 2's abort news (heartbeats on) could fail a survivor's first
+        # all_reduce before its watcher reported the completion (seen once in ~3 runs).
+        await asyncio.to_thread(first.wait, WAIT)
         if comm.rank == stall_revoke_on:
             sim.nccl.stall_revoke(comm._backends["cuda"].handle.communicator)
         if comm.rank == 2:
@@ -207,47 +210,3 @@ def test_a_revoked_backend_is_shrinkable_and_close_aborts_it() -> None:
         assert st.aborted and "finalize" not in st.calls
         be1.close()
         assert sim.nccl.live() == [] and sim.gpu.errors == []
-
-
-# ============================================================ the simulated revoke
-def test_sim_revoke_follows_nccl4pys_rules() -> None:
-    with SimCluster() as sim:
-        (be,) = sim.backends(1)
-        comm = be.handle.communicator
-        st = sim.nccl.state(comm)
-        with pytest.raises(TypeError):
-            comm.revoke(0, 1)  # the real signature: revoke(self, flags=0)
-        comm.revoke()
-        polls = [comm.get_async_error() for _ in range(4)]
-        assert polls[0] == Result.InProgress and polls[-1] == Result.Success
-        with pytest.raises(NCCLError):
-            comm.finalize()
-        assert any("finalize() after revoke()" in e for e in sim.gpu.errors)
-        sim.gpu.errors.clear()
-        child = comm.shrink([], sim.lib().config(), DEFAULT)  # allowed once quiescent
-        assert sim.nccl.state(child).world.key[1] == "shrink"
-        assert st.shrink_flags == [DEFAULT]
-        child.abort()
-        comm.abort()
-        be.close()
-        assert sim.nccl.live() == [] and sim.gpu.errors == []
-    with SimCluster(revoke=False) as old:
-        (be,) = old.backends(1)
-        assert not hasattr(be.handle.communicator, "revoke") and not old.lib().can_revoke(be.handle.communicator)
-        be.close()
-
-
-def test_revoke_needs_a_libnccl_that_has_it() -> None:
-    import types
-
-    from asynccoll._backends.nccl import NcclLib
-
-    with SimCluster() as sim:
-        (be,) = sim.backends(1)
-        assert sim.lib().can_revoke(be.handle.communicator)  # the installed libnccl (2.32) has ncclCommRevoke
-        old = types.ModuleType("nccl.core(2.28)")
-        old.__dict__.update(vars(sim.nccl.module))
-        libnccl = types.SimpleNamespace(version=types.SimpleNamespace(major=2, minor=28))
-        old.get_version = lambda: types.SimpleNamespace(libnccl=libnccl)  # type: ignore[attr-defined]
-        assert not NcclLib(old).can_revoke(be.handle.communicator)
-        be.close()

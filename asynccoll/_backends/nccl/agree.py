@@ -55,6 +55,11 @@ def shrink_agreed(
     and all take the same way, so no survivor waits in ``ncclCommShrink`` for one that
     re-initialises.
     """
+    if not exclude:
+        # ncclCommShrink refuses an empty exclusion (NCCL src/init.cc: excludeRanksCount > 0);
+        # every survivor has the same (agreed) list, so all build a new communicator.
+        be.discard()
+        return None
     deadline = time.monotonic() + timeout
     store.set(f"nccl-shrink/{new_rank}", "1" if be.can_shrink else "0")
     keys = [f"nccl-shrink/{r}" for r in range(new_size)]

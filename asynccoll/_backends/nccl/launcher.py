@@ -356,9 +356,12 @@ class NcclBackend(Backend):
         with self._lock:  # queued jobs never run: drop them (and their tensors) now
             queued = list(self._pending)
             self._pending.clear()
+            launching = self._launching
         first = not self._handle.stopping
         for job in queued:
             self._drop(job)
+        if launching is not None:  # never recorded now: nothing for wait_stream to wait for
+            launching.launched.set()
         if first:
             self._watcher.close(timeout=0, drain=False)
         self._handle.stop(after=self._forget)
@@ -435,7 +438,8 @@ class NcclBackend(Backend):
         timeout: float,
     ) -> NcclBackend | None:
         """:meth:`shrink` when every survivor can, else None; see :func:`agree.shrink_agreed`."""
-        return agree.shrink_agreed(self, store, new_rank, new_size, exclude, abort_pending, timeout)
+        new: NcclBackend | None = agree.shrink_agreed(self, store, new_rank, new_size, exclude, abort_pending, timeout)
+        return new
 
     @property
     def can_grow(self) -> bool:
@@ -445,7 +449,8 @@ class NcclBackend(Backend):
     def grow_agreed(self, store: Any, new_size: int, timeout: float) -> NcclBackend | None:
         """A backend of ``new_size`` ranks over ``ncclCommGrow`` when every member can grow,
         else None (build a new one); see :func:`agree.grow_agreed`."""
-        return agree.grow_agreed(self, store, new_size, timeout)
+        new: NcclBackend | None = agree.grow_agreed(self, store, new_size, timeout)
+        return new
 
     def grow(self, new_size: int, uid: bytes | None, *, timeout: float = 60.0) -> NcclBackend:
         """A new backend of ``new_size`` ranks over ``ncclCommGrow`` (blocking): this rank keeps

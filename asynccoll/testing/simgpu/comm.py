@@ -252,6 +252,7 @@ class CommState:
                 self.world.p2p[op.key][op.kind] = op
         la = Launch(self, ops, stream)
         self.launches.append(la)
+        self.sim.device.check_order(la)  # host launch order: this call
         if self.blocking:
             self.sim.device.push(la)
         else:
@@ -336,6 +337,7 @@ class CommState:
         self.aborted = True
 
     def _abort_launches(self) -> None:
+        self.sim.device.stopped.add(self.world.key)
         for la in self.launches:
             if not la.finished():
                 la.aborted = True

@@ -65,14 +65,15 @@ class Stream(_REAL_STREAM):
 
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
         rt = _rt()
-        return rt.wrap(cls, rt.pool_stream(rt.index(device), priority))
+        obj: Stream = rt.wrap(cls, rt.pool_stream(rt.index(device), priority))
+        return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass  # the real class has no __init__; the dummy CPU base would raise
 
     # torch/csrc/cuda/Stream.cpp (THCPStream): the C++ members
     @property
-    def cuda_stream(self) -> int:
+    def cuda_stream(self) -> int:  # type: ignore[override]
         return self._sim_state.handle
 
     @property
@@ -80,15 +81,15 @@ class Stream(_REAL_STREAM):
         return torch.device("cuda", self._sim_state.device)
 
     @property
-    def device_index(self) -> int:
+    def device_index(self) -> int:  # type: ignore[override]
         return self._sim_state.device
 
     @property
-    def device_type(self) -> int:
+    def device_type(self) -> int:  # type: ignore[override]
         return 1  # c10::DeviceType::CUDA
 
     @property
-    def priority(self) -> int:
+    def priority(self) -> int:  # type: ignore[override]
         return self._sim_state.priority
 
     @staticmethod
@@ -120,9 +121,10 @@ class Stream(_REAL_STREAM):
 class ExternalStream(Stream):
     """``torch.cuda.ExternalStream`` double: wraps an existing handle (no new stream)."""
 
-    def __new__(cls, stream_ptr: int, device: Any = None, **kwargs: Any) -> ExternalStream:  # type: ignore[misc]
+    def __new__(cls, stream_ptr: int, device: Any = None, **kwargs: Any) -> ExternalStream:
         rt = _rt()
-        return rt.wrap(cls, open_gpu().state_by_handle(int(stream_ptr), rt.index(device)))
+        obj: ExternalStream = rt.wrap(cls, open_gpu().state_by_handle(int(stream_ptr), rt.index(device)))
+        return obj
 
 
 class Event(_REAL_EVENT):
@@ -144,12 +146,12 @@ class Event(_REAL_EVENT):
         pass
 
     @property
-    def device(self) -> torch.device | None:
+    def device(self) -> torch.device | None:  # type: ignore[override]
         d = self._sim.device
         return None if d is None else torch.device("cuda", d)
 
     @property
-    def cuda_event(self) -> int:
+    def cuda_event(self) -> int:  # type: ignore[override]
         return id(self._sim)
 
     def record(self, stream: Any = None) -> None:
@@ -306,7 +308,7 @@ class TorchCuda:
         return self.stream_object(self.current_state(self.index(device)))
 
     def wrap(self, cls: type, state: StreamState) -> Any:
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         obj._sim_state = state
         return obj
 

@@ -207,7 +207,8 @@ class SimGPU:
         global _current_gpu
         from . import cudart, driver
 
-        if _current_gpu is not None and not _current_gpu._closed:
+        prev = _current_gpu
+        if prev is not None and not prev.closed:
             raise RuntimeError("a simulated GPU is already open; close it first")
         self._cv = threading.Condition()
         self._closed = False
@@ -241,6 +242,10 @@ class SimGPU:
         self.driver.install()
         self._thread = threading.Thread(target=self._run, name="simgpu-device", daemon=True)
         self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # ----------------------------------------------------------- public API
     def stream(self, name: str = "", device: int | None = None, priority: int = 0) -> Any:

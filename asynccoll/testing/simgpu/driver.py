@@ -47,6 +47,7 @@ class Driver:
         self._saved: list[tuple[str, Any]] = []
         self.retained: dict[int, int] = {}  # primary-context refcounts by device
         self.host_allocs: list[str] = []  # thread names of cuMemHostAlloc calls
+        self.value_waits = 0  # cuStreamWaitValue32 calls (waits CUDA's ordering does not see)
 
     # ------------------------------------------------------------ helpers
     def _ctx(self) -> int | None:
@@ -190,6 +191,7 @@ class Driver:
             return (R.CUDA_ERROR_INVALID_VALUE,)
         n = int(value) & 0xFFFFFFFF
         state = self._stream_state(stream)
+        self.value_waits += 1
         with self.gpu._cv:
             self.gpu.push(state, Item("wait_value", ready=lambda: ((word.value - n) & 0xFFFFFFFF) < 0x80000000))
         return (R.CUDA_SUCCESS,)

@@ -67,6 +67,8 @@ class Launch:
 class World:
     """One communicator as all its ranks share it."""
 
+    count = 0
+
     def __init__(self, nranks: int, key: Any) -> None:
         self.nranks = nranks
         self.key = key
@@ -75,12 +77,14 @@ class World:
         self.p2p: dict[tuple[int, int, int], dict[str, Op]] = collections.defaultdict(dict)
         self.grow_uid: bytes | None = None  # the unconsumed id of get_unique_id (init.cc ncclCommGetUniqueId)
         self.grown: set[bytes] = set()  # ids consumed by a grow of this world
+        World.count += 1
+        self.label = f"comm{World.count}({nranks} ranks)"
 
     def complete(self) -> bool:
         return len(self.comms) == self.nranks
 
     def __repr__(self) -> str:
-        return f"<world {self.key!r} of {self.nranks}>"
+        return f"<world {self.label}>"
 
 
 class Device:
@@ -93,6 +97,8 @@ class Device:
         self.counts: dict[int, collections.Counter[Any]] = collections.defaultdict(collections.Counter)
         self.marks: dict[tuple[Any, int], dict[int, dict[Any, int]]] = {}
         self.hosts: dict[Any, set[int]] = {}  # world key -> devices of its members
+        self.stopped: set[Any] = set()  # worlds a member revoked or aborted
+        self.names: dict[Any, str] = {}
 
     def push(self, la: Launch) -> None:
         """Put ``la``'s kernel on its stream (the caller holds the GPU lock)."""
@@ -105,7 +111,6 @@ class Device:
 
         item.on_dispatch = start
         la.pushed = True
-        self.check_order(la)
         self.gpu.push(la.stream, item)
 
     def _left(self, la: Launch) -> Any:
@@ -128,6 +133,7 @@ class Device:
         if world.nranks < 2 or not any(op.kind in COLL for op in la.ops):
             return
         dev = la.comm.device
+        self.names[world.key] = world.label
         counts = self.counts[dev]
         counts[world.key] += 1
         mark = (world.key, counts[world.key])
@@ -137,11 +143,14 @@ class Device:
             for y, n in snap.items():
                 if y == world.key or y not in theirs and n == 0:
                     continue
+                if y in self.stopped:  # a revoked/aborted communicator orders nothing any more
+                    continue
                 if y in self.hosts and {dev, other} <= self.hosts[y] and theirs.get(y, 0) != n:
+                    names = self.names
                     self.gpu.errors.append(
-                        f"launch order: cuda:{dev} launched {world.key!r} #{mark[1]} after {n} launches of {y!r}, "
-                        f"cuda:{other} after {theirs.get(y, 0)} (communicators sharing a device must launch in the "
-                        "same host order on every rank)")
+                        f"launch order: cuda:{dev} launched {names[world.key]} #{mark[1]} after {n} launches of "
+                        f"{names.get(y, y)}, cuda:{other} after {theirs.get(y, 0)} (communicators sharing a device "
+                        "must launch in the same host order on every rank)")
                     return
         seen[dev] = snap
 
