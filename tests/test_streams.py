@@ -2,7 +2,9 @@
 
 The CPU tests drive :class:`streams.EventWatcher` and :func:`streams.wait_event` with fake
 events (``query``/``synchronize`` on a :class:`threading.Event`), under asyncio and uvloop.
-The GPU tests at the end run only where torch sees a CUDA device.
+The GPU tests at the end run on the simulated GPU (``asynccoll.testing.simgpu``: doubles of
+``torch.cuda`` and ``cuda.bindings.driver``, streams unmodified) and, where torch sees a
+CUDA device, on it too.
 """
 
 from __future__ import annotations
@@ -637,17 +639,41 @@ async def test_wait_event_raises_watcher_failures() -> None:
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at typical GPU clocks
 
 
-@needs_cuda
-def test_gpu_comm_stream_is_dedicated_and_highest_priority() -> None:
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=needs_cuda)])
+def gpu(request: pytest.FixtureRequest) -> Any:
+    """The device of a GPU test: the simulated GPU, or the real one."""
+    if request.param == "cuda":
+        yield None
+        return
+    from asynccoll.testing.simgpu import SimGPU
+
+    sim = SimGPU()
+    yield sim
+    sim.close()
+    assert sim.errors == []
+
+
+def greatest_priority() -> int:
+    from cuda.bindings import driver as cu
+
+    torch.cuda.set_device(0)
+    err, _least, greatest = cu.cuCtxGetStreamPriorityRange()
+    assert int(err) == 0
+    return int(greatest)
+
+
+def test_gpu_comm_stream_is_dedicated_and_highest_priority(gpu: Any) -> None:
     s = streams.comm_stream(0)
     assert s is streams.comm_stream("cuda:0") is streams.comm_stream(torch.device("cuda", 0))
-    assert s.priority == min(torch.cuda.Stream.priority_range())
+    assert s.priority == greatest_priority() <= min(torch.cuda.Stream.priority_range())
+    assert streams.default_stream_set().priority == s.priority
+    pool = {torch.cuda.Stream(priority=p).cuda_stream for p in range(-3, 1) for _ in range(32)}
+    assert s.cuda_stream not in pool  # not one of torch's 32 pooled streams per priority
     assert s != torch.cuda.default_stream(0)
     assert s.device == torch.device("cuda", 0)
 
 
-@needs_cuda
-def test_gpu_event_pool_reuses_events() -> None:
+def test_gpu_event_pool_reuses_events(gpu: Any) -> None:
     pool = streams.EventPool(0)
     assert len(pool) == 0
     a = pool.acquire()
@@ -669,10 +695,9 @@ def test_gpu_event_pool_reuses_events() -> None:
     assert start.elapsed_time(end) >= 0.0
 
 
-@needs_cuda
 @pytest.mark.parametrize("loop_factory", LOOPS)
 def test_gpu_wait_event_resumes_after_kernel(
-    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop], gpu: Any,
 ) -> None:
     pool = streams.EventPool(0)
 
@@ -706,8 +731,7 @@ def test_gpu_wait_event_resumes_after_kernel(
     assert len(watcher_threads(0)) == 1  # the default watcher of cuda:0
 
 
-@needs_cuda
-def test_gpu_current_stream_of_tensor_and_device() -> None:
+def test_gpu_current_stream_of_tensor_and_device(gpu: Any) -> None:
     t = torch.ones(4, device="cuda:0")
     s = streams.comm_stream(0)
     with torch.cuda.stream(s):
@@ -723,6 +747,19 @@ def test_gpu_current_stream_of_tensor_and_device() -> None:
 
     assert streams.current_stream(Foreign()).cuda_stream == s.cuda_stream
     assert streams.as_torch_tensor(t) is t
+
+
+def test_gpu_own_streams_are_handed_out_once(gpu: Any) -> None:
+    own = streams.own_streams()
+    a, b = own.acquire(0), own.acquire(0)
+    assert a != b and a.priority == greatest_priority()
+    own.release(a)
+    assert own.acquire(0) is a
+    low = own.acquire(0, priority=0)
+    assert low.priority == 0 and low not in (a, b)
+    own.release(a)
+    own.release(b)
+    own.release(low)
 
 
 @needs_cuda

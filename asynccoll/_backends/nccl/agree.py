@@ -16,6 +16,8 @@ import time
 from datetime import timedelta
 from typing import Any, Protocol, Sequence
 
+from ..._base.errors import CollectiveTimeout
+
 MODE, UID = "nccl-grow/mode", "nccl-grow/uid"
 
 
@@ -44,6 +46,17 @@ def _left(deadline: float) -> timedelta:
     return timedelta(seconds=max(0.001, deadline - time.monotonic()))
 
 
+def _wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
+    """``store.wait`` bounded by ``deadline``; a store that gives up is CollectiveTimeout
+    (torch raises ``DistStoreError`` when the keys did not come in time)."""
+    import torch.distributed as dist
+
+    try:
+        store.wait(keys, _left(deadline))
+    except dist.DistStoreError as exc:
+        raise CollectiveTimeout(f"{what}: the other ranks did not arrive in time ({exc})") from exc
+
+
 def shrink_agreed(
     be: Member, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
     timeout: float,
@@ -63,7 +76,7 @@ def shrink_agreed(
     deadline = time.monotonic() + timeout
     store.set(f"nccl-shrink/{new_rank}", "1" if be.can_shrink else "0")
     keys = [f"nccl-shrink/{r}" for r in range(new_size)]
-    store.wait(keys, _left(deadline))
+    _wait(store, keys, deadline, "NCCL shrink")
     if not all(bytes(v) == b"1" for v in store.multi_get(keys)):
         be.discard()  # nobody shrinks it: free it before the new init
         return None
@@ -83,7 +96,7 @@ def grow_agreed(be: Member, store: Any, new_size: int, timeout: float) -> Any:
     store.set(f"nccl-grow/vote/{be.rank}", "1" if be.can_grow else "0")
     if be.rank == 0:
         keys = [f"nccl-grow/vote/{r}" for r in range(be.world_size)]
-        store.wait(keys, _left(deadline))
+        _wait(store, keys, deadline, "NCCL grow")
         ok = all(bytes(v) == b"1" for v in store.multi_get(keys))
         if ok:
             store.set(UID, be.grow_id().hex())
@@ -96,7 +109,7 @@ def grow_agreed(be: Member, store: Any, new_size: int, timeout: float) -> Any:
 
 def joined_mode(store: Any, deadline: float) -> str:
     """The members' decision: ``"grow"`` (ncclCommGrow) or ``"init"`` (a new communicator)."""
-    store.wait([MODE], _left(deadline))
+    _wait(store, [MODE], deadline, "NCCL grow")
     return bytes(store.get(MODE)).decode()
 
 

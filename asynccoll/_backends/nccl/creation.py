@@ -110,16 +110,17 @@ async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any
         except BaseException:
             runtime.close(True)
             raise
-        return _backend(comm, rank, ws, index, lib, runtime)
-
-    loop = asyncio.get_running_loop()
+        backend = _backend(comm, rank, ws, index, lib, runtime)
+        if cancel.is_set():  # ready just as the caller gave up: nobody will use it
+            backend.release()
+            raise CollectiveTimeout("NCCL init cancelled")
+        return backend
 
     def orphaned(f: asyncio.Future[Any]) -> None:
-        # Nobody awaits it after a timeout: retrieve its outcome, release a late backend
-        # (bounded ncclCommAbort) on the loop's executor.
-        if not f.cancelled() and f.exception() is None and cancel.is_set():
-            loop.run_in_executor(None, f.result().release)
+        if not f.cancelled():
+            f.exception()  # retrieved: nobody awaits it after a timeout or a cancellation
 
+    loop = asyncio.get_running_loop()
     fut = loop.run_in_executor(None, build)
     fut.add_done_callback(orphaned)
     try:
@@ -158,10 +159,13 @@ def join_grown(store: Any, rank: int, new_size: int, device: Any, timeout: float
             wait_ready(comm, lib, deadline, f"NCCL grow (new rank {rank}/{new_size}, cuda:{index})")
         except BaseException as exc:
             runtime.close(True)
+            if isinstance(exc, (BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument)) or not \
+                    isinstance(exc, Exception):
+                raise
             mapped = init_failure(exc, "NCCL grow", timeout)
             if mapped is not exc:
                 raise mapped from exc
-            raise
+            raise BackendUnavailable(f"NCCL grow failed on new rank {rank}: {exc}") from exc
     return _backend(comm, rank, new_size, index, lib, runtime)
 
 

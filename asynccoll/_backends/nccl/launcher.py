@@ -457,7 +457,13 @@ class NcclBackend(Backend):
         its number; ``uid``: the root's id (:meth:`grow_id`), None on the other members."""
         if new_size <= self.world_size:
             raise InvalidArgument(f"grow needs more than {self.world_size} ranks, got {new_size}")
-        child = self._handle.grow(new_size, uid, time.monotonic() + timeout)
+        try:
+            child = self._handle.grow(new_size, uid, time.monotonic() + timeout)
+        except BaseException:
+            # A grow that did not complete leaves the parent in ncclInProgress with the job
+            # pending: no NCCL call may follow but ncclCommAbort (nccl4py get_async_error docs).
+            self._handle.stop(revoke=False, after=self._forget)
+            raise
         return self._successor(child, self.rank, new_size)
 
     def grow_id(self) -> bytes:

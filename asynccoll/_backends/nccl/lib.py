@@ -26,7 +26,7 @@ INVALID_ARGUMENT = 4
 INVALID_USAGE = 5
 REMOTE_ERROR = 6
 IN_PROGRESS = 7
-TIMEOUT = 9  # ncclTimeout (nccl.h): a bootstrap or init that did not complete
+TIMEOUT = 8  # ncclTimeout (nccl.h): a bootstrap or init that did not complete
 _PEER_ERRORS = (SYSTEM_ERROR, REMOTE_ERROR)
 
 #: The first libnccl with ``ncclCommRevoke`` (NCCL 2.28.7-1 release; NVIDIA/nccl ae7aed19).

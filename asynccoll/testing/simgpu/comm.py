@@ -19,8 +19,9 @@ The NCCL rules, each with the line of the NCCL 2.30 source (NVIDIA/nccl) it foll
   (nccl.h); data calls on a revoked communicator are ``ncclInvalidUsage``
   (enqueue.cc:3128).
 * ``ncclCommAbort`` (init.cc:3026, commReclaim → commDestroySync): sets the abort
-  flag, then waits for the communicator's device stream (its kernels must reach the
-  device and exit) and joins the proxy thread: the call blocks until then.
+  flag — and a child's still initialising (``setCommAbortFlags``: childAbortFlag) —
+  then waits for the communicator's device stream (its kernels must reach the device
+  and exit) and joins the proxy thread: the call blocks until then.
 * ``ncclCommShrink`` (init.cc:3074-3170): an empty exclusion list, or a caller that
   is in it, is ``ncclInvalidArgument``; ``*newcomm`` is NULL "until comm split fully
   complete" — the child handle is filled when the parent's async job ends, and
@@ -328,6 +329,10 @@ class CommState:
         self.destroyed = True
 
     def _abort(self) -> None:
+        child, self.child = self.child, None
+        if child is not None:  # init.cc setCommAbortFlags: the child's init is aborted too (childAbortFlag)
+            child._free()
+            child.aborted = True
         self._abort_launches()
         gpu = self.sim.gpu
         # commDestroySync: wait for the device stream (the aborted kernels must leave it).
