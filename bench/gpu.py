@@ -1,6 +1,7 @@
 """GPU benchmark of asynccoll's NCCL backend at world size 1 (one GPU, one process).
 
-    python bench/gpu.py [--json out.json] [--iters 1000] [--size 8]
+    python -m bench.gpu [--json out.json] [--iters 1000] [--size 8]
+    python -m bench.gpu --sim [--iters 2000]     (no GPU: host cost on the simulated GPU, bench/gpu_sim.py)
 
 Measures, against torch.distributed's own NCCL group (``all_reduce(async_op=True)``):
 
@@ -196,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--size", type=int, default=8, help="elements per all_reduce (float32)")
+    ap.add_argument("--sim", action="store_true", help="the host cost on the simulated GPU (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.sim:
+        from bench import gpu_sim
+
+        return gpu_sim.main(n=args.iters if args.iters != 1000 else 2000)
 
     from asynccoll._backends import nccl
 

@@ -42,8 +42,8 @@ def reset() -> None:
     """
     from . import _pool, _watcher
 
-    _pool._forget()
-    _watcher._forget()
+    _pool.forget()
+    _watcher.forget()
 
 
 __all__ = [

@@ -189,7 +189,7 @@ def default_stream_set() -> StreamSet:
     return _default_set
 
 
-def _forget() -> None:
+def forget() -> None:
     """Drop the process-wide stream set and own-stream pool (see :func:`streams.reset`)."""
     global _default_set, _own
     with _default_set_lock, _own_lock:

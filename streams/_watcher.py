@@ -318,7 +318,7 @@ def default_watcher(device: Hashable = None) -> EventWatcher:
     return watcher
 
 
-def _forget() -> None:
+def forget() -> None:
     """Close and drop the default watchers (see :func:`streams.reset`)."""
     with _defaults_lock:
         watchers = list(_defaults.values())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from typing import Any
 
 import nccl.core as nc
@@ -104,11 +105,14 @@ def test_tensors_of_an_aborted_op_are_protected_by_record_stream() -> None:
         assert not w.done()
         del t
         gc.collect()
-        be0.abort()  # the backend drops its references; the kernel is still on the stream
+        be0.handle.abort_timeout = 0.3
+        be0.abort()  # bounded: ncclCommAbort still waits for the kernel to leave the stream
+        be0.close()  # bounded too: the backend drops its references; the kernel is still there
         gc.collect()
-        assert gpu.errors == []
+        assert sim.nccl.state(be0.handle.communicator or sim.nccl.comms[0].mock).launches[0].pushed
+        assert gpu.errors == []  # record_stream(comm stream): the allocator defers the reuse
         sim.nccl.drain_aborted()
-        close_all(be0, be1)
+        be1.close()
         assert gpu.errors == []
 
 
@@ -157,11 +161,61 @@ def test_abort_while_the_launcher_is_inside_an_nccl_call() -> None:
         w = submit(be, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
         until(lambda: be.handle.calling)
         be.handle.abort_timeout = 0.5
-        be.abort()  # bounded although the lock is held
+        t0 = time.monotonic()
+        be.abort()  # bounded although the lock is held and NCCL's own abort is stuck too
+        assert time.monotonic() - t0 < 2.0
         assert be.handle.stopping and not w.done()  # the communicator failed it, never as a success
         stuck.open()
         until(lambda: st.aborted)
         be.close()
+
+
+class Recorder:
+    """A sink that records what the backend reports."""
+
+    def __init__(self) -> None:
+        self.succeeded: list[Any] = []
+        self.failed: list[Any] = []
+
+    def succeed(self, target: Any, value: Any = None) -> None:
+        self.succeeded.append(target)
+
+    def succeed_all(self, targets: Any) -> None:
+        self.succeeded.extend(targets)
+
+    def fail(self, target: Any, exc: BaseException) -> None:
+        self.failed.append((target, exc))
+
+
+def test_no_success_is_reported_after_abort() -> None:
+    # The watcher is inside the done event's synchronize when abort comes; the aborted
+    # kernel then leaves the stream and the event fires: that is no success. (The stop
+    # thread is held after ncclCommAbort returned, so the watcher's callback comes first.)
+    with SimCluster() as sim:
+        be0, be1 = sim.backends(2)
+        sink = Recorder()
+        be0.bind(sink)
+        st = sim.nccl.state(be0.handle.communicator)
+        real_abort = st.mock.abort.side_effect
+        held = threading.Event()
+
+        def abort_then_hold() -> None:
+            real_abort()
+            held.wait(WAIT)
+
+        st.mock.abort.side_effect = abort_then_hold
+        submit(be0, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))  # rank 1 never joins
+        until(be0.busy)
+        threading.Event().wait(0.1)  # the watcher is inside the done event's synchronize
+        be0.handle.use_revoke = False
+        be0.handle.abort_timeout = 0.3
+        be0.abort()
+        until(lambda: st.aborted)
+        sim.gpu.synchronize()
+        threading.Event().wait(0.2)  # the watcher's callback ran
+        assert sink.succeeded == []
+        held.set()
+        close_all(be0, be1)
 
 
 def test_dead_peer_is_peer_failure_with_the_nccl_code() -> None:

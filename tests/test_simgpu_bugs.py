@@ -142,21 +142,27 @@ def test_3_wait_stream_on_a_queued_op_is_deadlock_free_with_one_hardware_queue()
         (be,) = sim.backends(1)
         stuck = gpu.latch()
         sim.nccl.block_calls(comm_of(be), stuck)
-        t = gpu.tensor([3.0])
-        w = submit(be, OpKind.ALL_REDUCE, t)
+        x = gpu.tensor([3.0])
+        out = gpu.tensor([0.0])
+        w = Work("all_gather", 1)
+        be.submit(OpSpec(OpKind.ALL_GATHER, x, output=out, timeout=30.0), w)
         until(lambda: be.handle.calling)
         side = gpu.stream("side")
-        waiter = on_device(0, w.wait_stream, side)
+
+        def user() -> None:  # program order on one thread: wait_stream, then work on `side`
+            w.wait_stream(side)
+            with torch.cuda.stream(side):
+                out.mul_(10)  # must come after the all_gather wrote `out`
+
+        waiter = on_device(0, user)
         waiter.join(0.2)
         sim.nccl.block_calls(comm_of(be), None)
         stuck.open()
         waiter.join(WAIT)
         assert not waiter.is_alive()
-        with gpu.use_stream(side):
-            t.mul_(10)  # ordered after the all_reduce
         w.wait(WAIT)
         side.synchronize()
-        assert gpu.host(t).item() == 30.0
+        assert gpu.host(out).item() == 30.0
         assert sim.gpu.driver.value_waits == 0
         be.close()
         assert gpu.errors == []

@@ -63,6 +63,8 @@ def expect(op: ac.ReduceOp, xs: list[torch.Tensor]) -> torch.Tensor:
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     a = a.as_subclass(torch.Tensor)
+    if a.dtype is torch.bool and bool((a.view(torch.uint8) > 1).any()):
+        return False  # a bool byte other than 0/1 (e.g. a uint8 SUM of bools) is garbage
     if a.dtype.is_floating_point or a.dtype.is_complex:
         return a.shape == b.shape and torch.allclose(a.to(torch.complex128), b.to(torch.complex128), rtol=1e-2)
     return torch.equal(a, b)

@@ -49,27 +49,35 @@ def plan(
     Raises InvalidArgument for anything NCCL cannot run; nothing has started then.
     """
     p = Plan()
+    if len(specs) == 1 and specs[0].kind is OpKind.ALL_REDUCE:  # the common case, with fewest reads
+        spec = specs[0]
+        t = spec.tensor
+        dt = check(spec, t, device, caps)
+        p.tensors.append(t)
+        v, op = reducible(t, spec.reduce_op, ws, p.post, dt)
+        p.calls.append(functools.partial(_allreduce, v, lib.redop(op)))
+        return p
     for spec in specs:
-        check(spec, device, caps, p.tensors)
+        for t in (spec.tensor, spec.output):
+            if t is not None:
+                check(spec, t, device, caps)
+                p.tensors.append(t)
     for spec in specs:
         _calls(spec, rank, ws, lib, scratch, p)
     p.grouped = len(specs) > 1 or any(s.kind in P2P_KINDS for s in specs)
     return p
 
 
-def check(spec: OpSpec, device: torch.device, caps: NcclCaps, tensors: list[torch.Tensor]) -> None:
-    """Refuse (InvalidArgument) what NCCL cannot run, before anything starts."""
-    reducing = spec.kind in REDUCING
-    for t in (spec.tensor, spec.output):
-        if t is None:
-            continue
-        if t.device != device:
-            raise InvalidArgument(f"{spec.kind.value}: tensor on {t.device}, but this NCCL communicator uses {device}")
-        if reducing:
-            why = caps.refusal(spec.reduce_op, t.dtype)
-            if why is not None:
-                raise InvalidArgument(f"{spec.kind.value}: {why}")
-        tensors.append(t)
+def check(spec: OpSpec, t: torch.Tensor, device: torch.device, caps: NcclCaps) -> torch.dtype:
+    """Refuse (InvalidArgument) what NCCL cannot run, before anything starts; ``t``'s dtype."""
+    if t.device != device:
+        raise InvalidArgument(f"{spec.kind.value}: tensor on {t.device}, but this NCCL communicator uses {device}")
+    dt = t.dtype
+    if spec.kind in REDUCING and (spec.reduce_op is not ReduceOp.SUM or dt not in caps.sum):
+        why = caps.refusal(spec.reduce_op, dt)
+        if why is not None:
+            raise InvalidArgument(f"{spec.kind.value}: {why}")
+    return dt
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -79,13 +87,18 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def reducible(t: torch.Tensor, op: ReduceOp, ws: int, post: Post) -> tuple[torch.Tensor, ReduceOp]:
-    """The tensor view and op to reduce ``t`` with ``op``; queues fix-ups on ``post``."""
-    if t.dtype is torch.bool:  # as uint8: SUM/MAX = logical or, PROD/MIN = logical and
+def reducible(
+    t: torch.Tensor, op: ReduceOp, ws: int, post: Post, dt: torch.dtype | None = None,
+) -> tuple[torch.Tensor, ReduceOp]:
+    """The tensor view and op to reduce ``t`` (of dtype ``dt``) with ``op``; queues fix-ups on ``post``."""
+    if dt is None:
+        dt = t.dtype
+    if dt is torch.bool:  # as uint8: SUM/MAX = logical or, PROD/MIN = logical and
         return t.view(torch.uint8), ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN
-    if t.dtype in COMPLEX:
+    if dt in COMPLEX:
         t = torch.view_as_real(t)
-    if op is ReduceOp.AVG and not t.is_floating_point():
+        dt = t.dtype
+    if op is ReduceOp.AVG and not dt.is_floating_point:
         post.append(functools.partial(t.div_, ws, rounding_mode="floor"))  # as Gloo and torch: floor
         op = ReduceOp.SUM
     return t, op

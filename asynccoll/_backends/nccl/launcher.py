@@ -50,7 +50,7 @@ _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
 class _Job:
     """One launch: a single op, or a coalesced batch run as one NCCL group."""
 
-    __slots__ = ("plan", "works", "ready", "done", "state", "timeout", "launched")
+    __slots__ = ("plan", "works", "ready", "done", "state", "timeout", "settled")
 
     def __init__(self, plan: encode.Plan | None, works: Sequence[Work], ready: Any, done: Any, timeout: float) -> None:
         self.plan = plan
@@ -59,7 +59,7 @@ class _Job:
         self.done = done  # the done event, until it was returned to the pool
         self.state = _QUEUED
         self.timeout = timeout
-        self.launched = threading.Event()  # set once launched, failed or dropped
+        self.settled = False  # launched, failed or dropped: wait_stream need not wait for the launch
 
 
 def _bind(index: int) -> None:
@@ -92,6 +92,8 @@ class NcclBackend(Backend):
             close_timeout=close_timeout, use_revoke=use_revoke)
         self._watcher = watcher or streams.EventWatcher(f"nccl{device.index}", cuda_device=device.index)
         self._lock = threading.Lock()  # _pending, _inflight, _stuck, _closed, job states
+        self._launches = threading.Condition(self._lock)  # a job settled (wait_stream waits on it)
+        self._waiting = 0  # wait_stream calls waiting for a launch
         self._pending: collections.deque[_Job] = collections.deque()
         self._inflight: collections.deque[_Job] = collections.deque()
         # Jobs whose NCCL calls were issued but never completed (timeout, async error):
@@ -141,8 +143,8 @@ class NcclBackend(Backend):
         ready.record(rt.caller_stream(tensors[0] if tensors else None))
         for t in tensors:
             rt.protect(t)
-        timeout = max((s.timeout for s in specs), default=0.0) or 60.0
-        job = _Job(plan, list(works), ready, rt.events.acquire(), timeout)
+        timeout = (specs[0].timeout if len(specs) == 1 else max(s.timeout for s in specs)) or 60.0
+        job = _Job(plan, works, ready, rt.events.acquire(), timeout)
         with self._lock:
             self._pending.append(job)
         self._lane.post(self)
@@ -215,7 +217,7 @@ class NcclBackend(Backend):
         with self._lock:
             self._inflight.append(job)
             job.state = _LAUNCHED
-        job.launched.set()
+            self._settled(job)
         try:
             self._watcher.watch(job.done, self._completed, job, on_fail=functools.partial(self._watch_failed, job))
         except Exception as exc:  # noqa: BLE001 - watcher closed by abort/close
@@ -286,11 +288,18 @@ class NcclBackend(Backend):
         err.__cause__ = exc
         self._fail_job(job, err, issued=True)
 
+    def _settled(self, job: _Job) -> None:
+        """``job`` launched, failed or dropped (``_lock`` held): wake wait_stream calls."""
+        job.settled = True
+        if self._waiting:
+            self._launches.notify_all()
+
     def _drop(self, job: _Job) -> None:
         """A job the communicator never ran (stopped first): forget its tensors."""
-        job.plan = None
-        job.state = _FAILED
-        job.launched.set()
+        with self._lock:
+            job.plan = None
+            job.state = _FAILED
+            self._settled(job)
 
     def _fail_job(self, job: _Job, exc: BaseException, *, issued: bool) -> None:
         """Fail a launch; ``issued``: NCCL may still run its kernels, keep the tensors."""
@@ -302,7 +311,7 @@ class NcclBackend(Backend):
             else:
                 job.plan = None
             job.done = None
-        job.launched.set()
+            self._settled(job)
         if not self._handle.stopping:
             works = list(job.works)
             self.sink.fail(works[0] if len(works) == 1 else Bundle(works, works[0].op), exc)
@@ -312,14 +321,19 @@ class NcclBackend(Backend):
         if job.works and job.works[0].done():
             return  # settled: the op's kernels are over (or it never ran)
         target = self._rt.target_stream(stream)
-        if not job.launched.is_set():
-            if threading.current_thread() is self._lane.thread:
-                raise InvalidArgument("wait_stream cannot be called from the NCCL launch thread")
-            if not job.launched.wait(job.timeout):
-                w = job.works[0]
-                raise CollectiveTimeout(f"{w.op} (seq {w.seq}): not launched within {job.timeout} s", seq=w.seq,
-                                        op=w.op)
         with self._lock:
+            if not job.settled:
+                if threading.current_thread() is self._lane.thread:
+                    raise InvalidArgument("wait_stream cannot be called from the NCCL launch thread")
+                self._waiting += 1
+                try:
+                    launched = self._launches.wait_for(lambda: job.settled, job.timeout)
+                finally:
+                    self._waiting -= 1
+                if not launched:
+                    w = job.works[0]
+                    raise CollectiveTimeout(f"{w.op} (seq {w.seq}): not launched within {job.timeout} s",
+                                            seq=w.seq, op=w.op)
             if job.state == _LAUNCHED and job.done is not None:
                 target.wait_event(job.done)
 
@@ -361,7 +375,8 @@ class NcclBackend(Backend):
         for job in queued:
             self._drop(job)
         if launching is not None:  # never recorded now: nothing for wait_stream to wait for
-            launching.launched.set()
+            with self._lock:
+                self._settled(launching)
         if first:
             self._watcher.close(timeout=0, drain=False)
         self._handle.stop(after=self._forget)

@@ -98,7 +98,7 @@ class Stream(_REAL_STREAM):
 
     def query(self) -> bool:
         gpu = open_gpu()
-        with gpu._cv:
+        with gpu.cv:
             return not self._sim_state.q
 
     def synchronize(self) -> None:
@@ -164,7 +164,7 @@ class Event(_REAL_EVENT):
             raise RuntimeError(f"Event device cuda:{ev.device} does not match recording stream's device "
                                f"cuda:{state.device}")
         gpu = open_gpu()
-        with gpu._cv:
+        with gpu.cv:
             ev.device = state.device
             ev.recorded += 1
             n = ev.recorded
@@ -183,7 +183,7 @@ class Event(_REAL_EVENT):
         state = open_gpu().stream_state(stream)
         ev = self._sim
         gpu = open_gpu()
-        with gpu._cv:
+        with gpu.cv:
             n = ev.recorded  # the record current at call time (none: nothing to wait for)
             gpu.push(state, Item("wait_event", ready=lambda: ev.done >= n))
 
@@ -192,7 +192,7 @@ class Event(_REAL_EVENT):
         if ev.device is not None:
             _rt().unguarded(ev.device, "torch.cuda.Event.query")
         gpu = open_gpu()
-        with gpu._cv:
+        with gpu.cv:
             return ev.done >= ev.recorded
 
     def synchronize(self) -> None:
@@ -200,9 +200,9 @@ class Event(_REAL_EVENT):
         if ev.device is not None:
             _rt().unguarded(ev.device, "torch.cuda.Event.synchronize")
         gpu = open_gpu()
-        with gpu._cv:
+        with gpu.cv:
             target = ev.recorded
-            if not gpu._cv.wait_for(lambda: ev.done >= target or gpu._closed, gpu.sync_limit):
+            if not gpu.cv.wait_for(lambda: ev.done >= target or gpu.closed, gpu.sync_limit):
                 raise RuntimeError(f"Event.synchronize: not reached within {gpu.sync_limit} s")
 
     def elapsed_time(self, end_event: Any) -> float:

@@ -74,6 +74,10 @@ def open_gpu() -> SimGPU:
 class SimTensor(torch.Tensor):
     """A CPU tensor that the code under test sees as a CUDA tensor on its simulated device."""
 
+    _sim_device: torch.device
+    #: ``__torch_function__`` dispatches so far (benchmarks count the simulated tensor's cost).
+    dispatches = 0
+
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
         return True
@@ -84,8 +88,13 @@ class SimTensor(torch.Tensor):
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        gpu = _current_gpu
-        return torch.device("cuda", gpu._device_of.get(_key(self), 0) if gpu is not None else 0)
+        try:
+            return self._sim_device
+        except AttributeError:  # a tensor made by torch itself (e.g. inside an op): its storage's device
+            gpu = _current_gpu
+            dev = torch.device("cuda", gpu._device_of.get(_key(self), 0) if gpu is not None else 0)
+            self._sim_device = dev
+            return dev
 
     def record_stream(self, stream: Any) -> None:
         """``Tensor.record_stream``: the block is not reused before ``stream``'s current work ends."""
@@ -99,6 +108,7 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        SimTensor.dispatches += 1
         gpu = _current_gpu
         name = getattr(func, "__name__", "")
         if (gpu is not None and name.endswith("_") and not name.startswith("_")
@@ -108,10 +118,13 @@ class SimTensor(torch.Tensor):
                 gpu.kernel(state, lambda: func(*args, **kwargs), uses=_tensors(args, kwargs), name=name)
                 return args[0]
         ret = super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
-        if gpu is not None:
-            src = next(iter(_tensors(args, kwargs)), None)
-            for t in _tensors((ret,), {}):
-                gpu._track(t, src)
+        if gpu is not None and isinstance(ret, (torch.Tensor, list, tuple)):
+            made = _tensors((ret,), {})
+            if made:
+                src = next(iter(_tensors(args, kwargs)), None)
+                for t in made:
+                    if t is not src:
+                        gpu._track(t, src)
         return ret
 
 
@@ -186,9 +199,9 @@ class Latch:
         self.is_open = False
 
     def open(self) -> None:
-        with self._gpu._cv:
+        with self._gpu.cv:
             self.is_open = True
-            self._gpu._cv.notify_all()
+            self._gpu.cv.notify_all()
 
 
 class SimGPU:
@@ -210,7 +223,7 @@ class SimGPU:
         prev = _current_gpu
         if prev is not None and not prev.closed:
             raise RuntimeError("a simulated GPU is already open; close it first")
-        self._cv = threading.Condition()
+        self.cv = threading.Condition()
         self._closed = False
         self.devices = devices
         env = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
@@ -231,6 +244,7 @@ class SimGPU:
         self._device_of: dict[int, int] = {}
         self.ran: list[str] = []  # names of kernels, in the order the device completed them
         self.push_checks: list[Callable[[StreamState, Item], None]] = []  # see nccl.py
+        self.observers: list[Callable[[Item], None]] = []  # called as each item completes (benchmarks)
         self._defaults = [self._new_state(0, d, 0, f"default{d}") for d in range(devices)]
         _current_gpu = self
         self.runtime = cudart.TorchCuda(self)
@@ -255,7 +269,7 @@ class SimGPU:
         return self.runtime.stream_object(state)
 
     def new_stream(self, device: int, priority: int = 0, name: str = "") -> StreamState:
-        with self._cv:
+        with self.cv:
             handle = next(self._handles)
             return self._new_state(handle, device, priority, name or f"s{handle:#x}")
 
@@ -298,7 +312,7 @@ class SimGPU:
         base = torch.as_tensor(data, dtype=dtype).clone()
         t = base.as_subclass(SimTensor)
         key = _key(t)
-        with self._cv:
+        with self.cv:
             self._alloc[key] = state
             self._device_of[key] = state.device
         self._track(t, None)
@@ -328,42 +342,42 @@ class SimGPU:
                     uses=[_key(t) for t in uses])
         if seconds is not None:
             item.on_dispatch = lambda: started.append(time.monotonic())
-        with self._cv:
+        with self.cv:
             self.push(state, item)
 
     def host(self, t: torch.Tensor) -> torch.Tensor:
         """A plain CPU copy of a SimTensor's current contents (for assertions)."""
-        with self._cv:
+        with self.cv:
             return _plain(t).clone()
 
     def idle(self, timeout: float = 10.0) -> bool:
         """Wait until the device can do nothing more (all heads blocked or empty)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._step(dry=True), timeout)
+        with self.cv:
+            return self.cv.wait_for(lambda: not self._step(dry=True), timeout)
 
     def synchronize(self, timeout: float | None = None, device: int | None = None) -> None:
         """Wait until every stream (of ``device``, or of all devices) is empty."""
-        with self._cv:
-            ok = self._cv.wait_for(
-                lambda: all(not s.q for s in self._all_states() if device is None or s.device == device),
+        with self.cv:
+            ok = self.cv.wait_for(
+                lambda: all(not s.q for s in self.states() if device is None or s.device == device),
                 timeout or self.sync_limit)
             if not ok:
                 raise RuntimeError(f"SimGPU.synchronize: streams still busy: {self.busy()}")
 
     def busy(self) -> list[str]:
-        return [f"{s.name}: {[i.kind for i in s.q]}" for s in self._all_states() if s.q]
+        return [f"{s.name}: {[i.kind for i in s.q]}" for s in self.states() if s.q]
 
     def error(self, text: str) -> None:
-        with self._cv:
+        with self.cv:
             self.errors.append(text)
 
     def close(self) -> None:
         global _current_gpu
-        with self._cv:
+        with self.cv:
             if self._closed:
                 return
             self._closed = True
-            self._cv.notify_all()
+            self.cv.notify_all()
         self._thread.join(5.0)
         import streams
 
@@ -390,11 +404,11 @@ class SimGPU:
             self._streams[handle] = state
         return state
 
-    def _all_states(self) -> list[StreamState]:
+    def states(self) -> list[StreamState]:
         return self._defaults + list(self._streams.values())
 
     def push(self, state: StreamState, item: Item) -> None:
-        """Append ``item`` to ``state``'s FIFO and hardware queue (the caller holds ``_cv``)."""
+        """Append ``item`` to ``state``'s FIFO and hardware queue (the caller holds ``cv``)."""
         if state.gpu is not self:
             raise TypeError(f"{state!r} is not a stream of this simulated GPU")
         if state.destroyed:
@@ -404,7 +418,7 @@ class SimGPU:
             check(state, item)
         state.q.append(item)
         self._hwq[state.device][state.hwq].append(item)
-        self._cv.notify_all()
+        self.cv.notify_all()
 
     def _step(self, dry: bool = False) -> bool:
         """Dispatch and complete what can be; with ``dry``, only say whether anything could."""
@@ -424,7 +438,7 @@ class SimGPU:
                     if item.on_dispatch is not None:
                         item.on_dispatch()
                     progressed = True
-        for st in self._all_states():
+        for st in self.states():
             while st.q and st.q[0].dispatched and (st.q[0].hold is None or st.q[0].hold()):
                 if dry:
                     return True
@@ -433,33 +447,38 @@ class SimGPU:
                     item.run()
                 except Exception as exc:  # noqa: BLE001 - a kernel's bug is the test's failure
                     self.errors.append(f"{item.kind} on {st.name} raised {exc!r}")
+                for observe in self.observers:
+                    observe(item)
                 progressed = True
         return progressed
 
     def _run(self) -> None:
-        with self._cv:
+        with self.cv:
             while not self._closed:
                 if self._step():
-                    self._cv.notify_all()
+                    self.cv.notify_all()
                 else:
-                    self._cv.wait(0.005)
+                    self.cv.wait(0.005)
 
     def _stream_for_kernel(self, t: SimTensor) -> StreamState | None:
         """Where an in-place op on ``t`` goes: its device's current stream, if work is pending there."""
         state = self.runtime.current_state(t.device.index)
-        with self._cv:
+        with self.cv:
             return state if state.q else None
 
     def _track(self, t: torch.Tensor, src: torch.Tensor | None) -> None:
         key = _key(t)
-        with self._cv:
+        with self.cv:
             self._live[key] += 1
             if key not in self._device_of and src is not None:
                 self._device_of[key] = self._device_of.get(_key(src), 0)
+            dev = self._device_of.get(key)
+        if dev is not None:
+            t._sim_device = torch.device("cuda", dev)  # type: ignore[attr-defined]
         weakref.finalize(t, self._untrack, key)
 
     def _untrack(self, key: int) -> None:
-        with self._cv:
+        with self.cv:
             self._live[key] -= 1
             if self._live[key] > 0:
                 return
@@ -467,7 +486,7 @@ class SimGPU:
             self._device_of.pop(key, None)
             alloc = self._alloc.pop(key, None)
             recorded = self._recorded.pop(key, set())
-            for s in self._all_states():
+            for s in self.states():
                 if s is alloc or s in recorded:
                     continue
                 if any(key in item.uses for item in s.q):
@@ -476,5 +495,5 @@ class SimGPU:
                         f"record_stream({s.name}) was never called")
 
     def _record_stream(self, key: int, state: StreamState) -> None:
-        with self._cv:
+        with self.cv:
             self._recorded[key].add(state)

@@ -150,12 +150,12 @@ class Driver:
         name = threading.current_thread().name
         self.host_allocs.append(name)
         gpu = self.gpu
-        with gpu._cv:
-            busy = [s.name for s in gpu._all_states() if s.device == d and s.q]
+        with gpu.cv:
+            busy = [s.name for s in gpu.states() if s.device == d and s.q]
             if busy:
                 gpu.errors.append(f"cuMemHostAlloc on thread {name!r} synchronises implicitly while {busy} "
                                   "have work pending (allocate pinned memory before traffic)")
-            gpu._cv.wait_for(lambda: not any(s.q for s in gpu._all_states() if s.device == d), gpu.sync_limit)
+            gpu.cv.wait_for(lambda: not any(s.q for s in gpu.states() if s.device == d), gpu.sync_limit)
         buf = ctypes.create_string_buffer(int(bytesize))
         addr = ctypes.addressof(buf)
         self._mem[addr] = buf
@@ -192,7 +192,7 @@ class Driver:
         n = int(value) & 0xFFFFFFFF
         state = self._stream_state(stream)
         self.value_waits += 1
-        with self.gpu._cv:
+        with self.gpu.cv:
             self.gpu.push(state, Item("wait_value", ready=lambda: ((word.value - n) & 0xFFFFFFFF) < 0x80000000))
         return (R.CUDA_SUCCESS,)
 
@@ -210,7 +210,7 @@ class Driver:
         def write() -> None:
             word.value = n
 
-        with self.gpu._cv:
+        with self.gpu.cv:
             self.gpu.push(state, Item("write_value", write))
         return (R.CUDA_SUCCESS,)
 

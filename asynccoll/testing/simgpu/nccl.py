@@ -107,12 +107,12 @@ class SimNccl:
     def kill(self, comm: Any) -> None:
         """The rank of ``comm`` dies: its kernels never complete; its peers see RemoteError."""
         st = self.state(comm)
-        with self.gpu._cv:
+        with self.gpu.cv:
             st.dead = True
             for other in st.world.comms.values():
                 if other is not st and other.valid:
                     other.error = int(Result.RemoteError)
-            self.gpu._cv.notify_all()
+            self.gpu.cv.notify_all()
 
     def stall_revoke(self, comm: Any) -> None:
         """A revoke of ``comm`` never quiesces (its state stays ``InProgress``)."""
@@ -123,7 +123,7 @@ class SimNccl:
         self.state(comm).hung = True
 
     def set_error(self, comm: Any, code: int) -> None:
-        with self.gpu._cv:
+        with self.gpu.cv:
             self.state(comm).error = int(code)
 
     def fail_call(self, comm: Any, name: str, exc: BaseException) -> None:
@@ -137,15 +137,15 @@ class SimNccl:
 
     def drain_aborted(self) -> None:
         """Let aborted kernels leave their streams (with ``SimGPU(abort_drains=False)``)."""
-        with self.gpu._cv:
+        with self.gpu.cv:
             for st in self.comms:
                 for la in st.launches:
                     la.drained = True
-            self.gpu._cv.notify_all()
+            self.gpu.cv.notify_all()
 
     def pushed(self, comm: Any) -> int:
         """How many launches of ``comm`` are on their stream (left ncclInProgress)."""
-        with self.gpu._cv:
+        with self.gpu.cv:
             return sum(1 for la in self.state(comm).launches if la.pushed)
 
     def live(self) -> list[CommState]:
@@ -180,15 +180,15 @@ class SimNccl:
         blocking = config is None or config.blocking is not False
         st = self.join(bytes(unique_id), nranks, rank, blocking, self.current_device())
         if blocking:  # ncclCommInitRank blocks until every rank arrived
-            with self.gpu._cv:
-                if not self.gpu._cv.wait_for(st.world.complete, self.gpu.sync_limit):
+            with self.gpu.cv:
+                if not self.gpu.cv.wait_for(st.world.complete, self.gpu.sync_limit):
                     raise nccl_error(Result.Timeout)
         return st.mock
 
     def join(self, key: Any, nranks: int, rank: int, blocking: bool, device: int,
              parent_nranks: int | None = None) -> CommState:
         """Rank ``rank`` joins the world ``key`` (created by its first member)."""
-        with self.gpu._cv:
+        with self.gpu.cv:
             world = self._worlds.get(key)
             if world is None:
                 world = self._worlds[key] = World(nranks, key)
@@ -204,12 +204,12 @@ class SimNccl:
                 if parent is not None:  # the id is consumed by this grow
                     parent.grown.add(key[2])
                     parent.grow_uid = None
-            self.gpu._cv.notify_all()
+            self.gpu.cv.notify_all()
             return st
 
     def grow_owner(self, uid: bytes) -> World | None:
         """The world whose root took ``uid`` (for a new rank's grow), if still unconsumed."""
-        with self.gpu._cv:
+        with self.gpu.cv:
             for world in self._worlds.values():
                 if world.grow_uid == uid:
                     return world
@@ -251,7 +251,7 @@ class SimNccl:
         error, self._tls.error = self._tls.error, None
         if error is not None:  # groupCleanup: nothing is launched
             raise nccl_error(error.status)
-        with self.gpu._cv:
+        with self.gpu.cv:
             by_comm: dict[int, list[tuple[Op, StreamState]]] = collections.defaultdict(list)
             for op, stream in ops:
                 by_comm[id(op.comm)].append((op, stream))
