@@ -144,7 +144,7 @@ async def _measure(comm: Any, sim: Any, n: int) -> dict[str, Any]:
         profs["watcher"].disable()
 
     be.launch_next, be._completed = prof_launch, prof_completed
-    m = max(200, n // 2)
+    m = max(50, n // 2)
     for _ in range(m):
         profs["caller"].enable()
         w = comm.all_reduce(t)

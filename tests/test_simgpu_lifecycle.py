@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import nccl.core as nc
@@ -167,6 +168,48 @@ def test_a_stop_thread_is_owned_and_joined() -> None:
         stops[0].join(WAIT)
         assert not stops[0].is_alive()
         be1.close()
+
+
+def test_a_finalize_that_does_not_complete_in_time_falls_back_to_abort() -> None:
+    with SimCluster() as sim:
+        be0, be1 = sim.backends(2)
+        st = sim.nccl.state(comm_of(be0))
+        submit(be0, sim.gpu.tensor([1.0]))  # rank 1 never joins: finalize cannot complete
+        until(lambda: be0.busy())
+        be0.handle.close_timeout = 0.3
+        be0.close()
+        assert "finalize" in st.calls and st.aborted and not st.destroyed
+        assert be0.handle.close(broken=False) is False  # closed already
+        be1.close()
+
+
+def test_stopping_an_ended_communicator_is_a_no_op() -> None:
+    with SimCluster() as sim:
+        (be,) = sim.backends(1)
+        be.abort()
+        assert "revoked" in repr(be.handle) and be.handle.state == "revoked"
+        be.release()  # nothing will shrink it: aborted now
+        assert be.handle.communicator is None and be.handle.state == "aborted"
+        deadline = time.monotonic() + 1
+        with pytest.raises(ac.CommAborted):
+            be.handle.shrink([1], True, deadline)
+        with pytest.raises(ac.CommAborted):
+            be.handle.grow(2, None, deadline)
+        be.abort()  # idempotent
+        be.close()
+
+
+def test_a_shrink_interrupted_by_an_abort_ends_at_once() -> None:
+    with SimCluster() as sim:
+        bes = sim.backends(3)
+        threading.Timer(0.3, bes[0].abort).start()
+        t0 = time.monotonic()
+        with pytest.raises(ac.CommAborted):
+            bes[0].shrink([2], timeout=WAIT)  # rank 1 never calls it
+        assert time.monotonic() - t0 < WAIT / 2
+        for be in bes:
+            be.abort()
+            be.close()
 
 
 # ==================================================================== shrink

@@ -510,6 +510,31 @@ def test_loop_waker_closed_loop() -> None:
     assert ran == [] and waker.pending() == 0
 
 
+def test_loop_waker_loop_closing_while_posting() -> None:
+    # The loop closes between post()'s is_closed() check and call_soon_threadsafe: the
+    # posted callable is dropped and post() says so, and the next post starts afresh.
+    class ClosingLoop(asyncio.SelectorEventLoop):
+        fail = True
+
+        def call_soon_threadsafe(self, *a: Any, **k: Any) -> Any:
+            if self.fail:
+                raise RuntimeError("Event loop is closed")
+            return super().call_soon_threadsafe(*a, **k)
+
+    loop = ClosingLoop()
+    try:
+        waker = streams.LoopWaker(loop)
+        assert waker.loop is loop and "pending=0" in repr(waker)
+        ran: list[int] = []
+        assert waker.post(ran.append, 1) is False and waker.pending() == 0
+        ClosingLoop.fail = False
+        assert waker.post(ran.append, 2) is True  # not stuck "scheduled"
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert ran == [2]
+    finally:
+        loop.close()
+
+
 # -- wait_event ---------------------------------------------------------------------------
 
 
@@ -747,6 +772,46 @@ def test_gpu_current_stream_of_tensor_and_device(gpu: Any) -> None:
 
     assert streams.current_stream(Foreign()).cuda_stream == s.cuda_stream
     assert streams.as_torch_tensor(t) is t
+
+
+def test_gpu_current_stream_of_foreign_arrays(gpu: Any) -> None:
+    if gpu is None:
+        pytest.skip("the simulated GPU decides which devices exist here")
+    pytest.importorskip("cuda.bindings")
+    side = gpu.stream("side")
+
+    class Cai:  # CuPy-like, without CuPy: __cuda_array_interface__ v3 with its stream
+        def __init__(self, stream: int | None) -> None:
+            self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x10, False),
+                                             "version": 3, "stream": stream}
+
+    class OnDevice:  # DLPack device only (device type 2 = CUDA)
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, self.index)
+
+    class CupyLike:  # .device.id, as CuPy arrays have
+        __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "data": (0x10, False), "version": 3}
+
+        class device:  # noqa: N801 - CuPy's attribute name
+            id = 0
+
+    assert streams.current_stream(Cai(side.cuda_stream)) == side
+    assert streams.current_stream(Cai(None)) == torch.cuda.current_stream(0)
+    assert streams.current_stream(Cai(1)) == torch.cuda.default_stream(0)  # the legacy default stream
+    with torch.cuda.stream(side):
+        assert streams.current_stream(OnDevice(0)) == side
+        assert streams.current_stream(CupyLike()) == side
+    assert streams.current_stream(OnDevice(0)) == torch.cuda.current_stream(0)
+
+    class BadStream:
+        def __cuda_stream__(self) -> Any:
+            return "not a pair"
+
+    with pytest.raises(TypeError, match="version, ptr"):
+        streams.current_stream(BadStream())
 
 
 def test_gpu_own_streams_are_handed_out_once(gpu: Any) -> None:

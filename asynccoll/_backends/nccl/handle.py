@@ -210,10 +210,6 @@ class CommHandle:
             time.sleep(delay)
             delay = min(delay * 2, 2e-3)
 
-    def stopped(self, timeout: float) -> bool:
-        """Wait (bounded) for a stop in progress; True once none is running."""
-        return self._stopped.wait(timeout)
-
     def discard(self) -> None:
         """``ncclCommAbort`` a revoked communicator nobody will shrink (bounded, idempotent)."""
         self._stopped.wait(self.abort_timeout)  # a revoke still running
