@@ -5,7 +5,7 @@ VENV    ?= .venv
 TORCH   ?= torch==2.13.0
 BIN      = $(VENV)/bin
 
-.PHONY: demo test bench venv clean gpu-test coverage mutations
+.PHONY: demo test bench venv clean gpu-test docs dist-check coverage mutations
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,17 @@ test: venv
 
 bench: venv
 	$(BIN)/python -m bench
+
+# The documentation (docs/), warnings as errors; and the sdist + wheel checked in a fresh venv.
+$(BIN)/.docs-installed: pyproject.toml $(BIN)/.installed
+	$(BIN)/pip install -q -e ".[test,docs,dist]"
+	touch $@
+
+docs: $(BIN)/.docs-installed
+	$(BIN)/sphinx-build -q -W --keep-going -n -b html docs docs/_build/html
+
+dist-check: $(BIN)/.docs-installed
+	PY="$(PY)" BIN="$(BIN)" TORCH="$(TORCH)" bash .ci/dist-check
 
 # Line coverage of the GPU path (asynccoll/_backends/nccl/, streams/) by the CPU suite,
 # per file; fails below 90 %.
@@ -52,4 +63,4 @@ gpu-test:
 	$(GPU_VENV)/bin/python -m bench.gpu --report
 
 clean:
-	rm -rf $(VENV) bench/results
+	rm -rf $(VENV) bench/results docs/_build dist

@@ -236,6 +236,7 @@ class RankPool:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` was called; a closed pool runs nothing more."""
         return self._closed
 
     def _spawn(self) -> None:
