@@ -57,7 +57,7 @@ MUTATIONS = [
       "status = self._handle.poll(time.monotonic() + job.timeout)", "status = SUCCESS",
       ("tests/test_simgpu_collectives.py",)),
     M("wait_stream does not wait for the launch", NCCL + "launcher.py",
-      "if not job.launched.is_set():", "if False:",
+      "if not job.settled:", "if False:",
       (BUGS + "test_3_wait_stream_on_a_queued_op_is_deadlock_free_with_one_hardware_queue",)),
     M("wait_stream orders nothing", NCCL + "launcher.py",
       "target.wait_event(job.done)", "pass",
