@@ -95,8 +95,7 @@ def as_torch_tensor(obj: Any) -> torch.Tensor:
 
 def _is_torch_stream(obj: Any) -> bool:
     """True for torch CUDA streams (checked without touching CUDA on CPU-only builds)."""
-    stream_base = getattr(torch._C, "_CudaStreamBase", None)
-    return isinstance(stream_base, type) and isinstance(obj, stream_base)
+    return isinstance(obj, torch.cuda.Stream)
 
 
 def _stream_ptr(obj: Any) -> int:

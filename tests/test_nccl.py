@@ -170,7 +170,7 @@ def test_contract_result_codes_are_nccl4py_s() -> None:
     assert nccl.REMOTE_ERROR == int(Result.RemoteError)
     assert nccl.SYSTEM_ERROR == int(Result.SystemError)
     assert nccl.INVALID_ARGUMENT == int(Result.InvalidArgument)
-    assert set(nccl._PEER_ERRORS) == {int(Result.SystemError), int(Result.RemoteError)}
+    assert set(nccl.PEER_ERRORS) == {int(Result.SystemError), int(Result.RemoteError)}
 
 
 def test_contract_inprogress_is_not_raised_by_nccl4py() -> None:

@@ -248,7 +248,7 @@ def test_7_fp8_reductions_are_refused_at_the_call_below_sm90() -> None:
 
         async def body(comm: Any) -> Any:
             t = gpu.tensor(torch.ones(4).to(fp8))
-            with pytest.raises(ac.InvalidArgument, match="sm_90"):
+            with pytest.raises(ac.InvalidArgument, match="float8_e4m3fn"):  # validate.py asks be.caps
                 comm.all_reduce(t)
             out = gpu.tensor(torch.zeros(8).to(fp8))
             await comm.all_gather(out, t)  # moving fp8 is fine on any device

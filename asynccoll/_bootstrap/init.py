@@ -12,11 +12,14 @@ from typing import Any, Generator
 import torch
 import torch.distributed as dist
 
+from .._backends import gloo
 from .._backends.torch_pg import TorchGroupBackend
 from .._base.errors import InvalidArgument
 from .._core import validate
+from .._core.backend import ANY
 from .._core.communicator import Communicator, exit_scope
-from .build import build_communicator
+from .._faults.shrink import shrink
+from .build import Factories, build_communicator
 
 
 class _Init:
@@ -77,6 +80,14 @@ def init(
     )
 
 
+def init_with(factories: Factories, backend: str = "auto", **kwargs: Any) -> _Init:
+    """``init(backend, **kwargs)`` with the backends that ``factories`` make (also in every
+    ``shrink()``): the seam for the test kit's simulated GPU and for benches."""
+    opening = init(backend, **kwargs)
+    opening._kwargs["factories"] = factories
+    return opening
+
+
 def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Communicator:
     """A Communicator over an existing ``torch.distributed.ProcessGroup`` (any backend).
 
@@ -95,9 +106,9 @@ def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Com
         raise InvalidArgument(f"store must be a torch.distributed.Store, got {type(store).__name__}")
     ws = process_group.size()
     name = process_group.name() if hasattr(process_group, "name") else "torch"
-    # A Gloo group gets Gloo's capability table (validate.CAPS); any other kind, torch's checks.
-    kind = "gloo" if name == "gloo" else "torch"
-    backend = TorchGroupBackend(process_group, name=kind, device_type=None, world_size=ws, timeout=timeout)
+    # A Gloo group declares Gloo's capability table; any other kind leaves the checks to torch.
+    kind, caps = ("gloo", gloo.CAPS) if name == "gloo" else ("torch", ANY)
+    backend = TorchGroupBackend(process_group, name=kind, device_type=None, world_size=ws, timeout=timeout, caps=caps)
     return Communicator(
         rank=process_group.rank(),
         world_size=ws,
@@ -106,4 +117,5 @@ def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Com
         device=torch.device("cpu"),
         store=store,
         timeout=timeout,
+        recover=shrink,  # which refuses: no rebuild for a group made elsewhere
     )

@@ -396,6 +396,19 @@ class Liveness:
                 svc._publishing.add(self)
         self._wake()
 
+    def hold(self) -> None:
+        """Keep this process's service (its census answers) up, even once this member has
+        stopped, until :meth:`release`: ``shrink`` holds it while the survivors rebuild."""
+        svc = self._service
+        if svc is not None:
+            svc.hold()
+
+    def release(self) -> None:
+        """Undo one :meth:`hold`."""
+        svc = self._service
+        if svc is not None:
+            svc.release()
+
     @property
     def dead(self) -> tuple[int, ...]:
         with self._lock:

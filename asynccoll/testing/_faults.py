@@ -80,7 +80,7 @@ def skip_collective(comm: Any, n: int = 1) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
-    backends = list(comm._backends.values())
+    backends = list(comm.backends.values())
     lock = threading.Lock()
     left = [n]
     saved: list[tuple[Any, bool, Any]] = []

@@ -1,7 +1,7 @@
 """NCCL backend through nccl4py (non-blocking communicator, CUDA-event completion).
 
-Modules, by owner: ``lib`` (the nccl4py seam: result codes, ``missing``, what NCCL
-can run: :data:`CAPS`), ``cuda`` (a communicator's device, own stream, events),
+Modules, by owner: ``lib`` (the nccl4py seam: result codes, ``missing``, version
+gates), ``caps`` (what NCCL can run: :data:`CAPS`, one table), ``cuda`` (a communicator's device, own stream, events),
 ``handle`` (:class:`CommHandle`, the one owner of an NCCL communicator: its lock,
 state, abort/revoke/finalize/shrink/grow), ``lanes`` (one launch thread per device),
 ``encode`` (OpSpecs to planned NCCL calls), ``launcher`` (:class:`NcclBackend`: jobs,
@@ -10,6 +10,10 @@ launch, completion), ``agree`` (shrink/grow agreement through the store), ``crea
 Importing this package imports neither nccl4py nor CUDA.
 """
 
+from .caps import CAPS as CAPS
+from .caps import COMPLEX as COMPLEX
+from .caps import NATIVE as NATIVE
+from .caps import NcclCaps as NcclCaps
 from .creation import abort_quietly as abort_quietly
 from .creation import create as create
 from .creation import device_index as device_index
@@ -19,16 +23,12 @@ from .cuda import CudaRuntime as CudaRuntime
 from .handle import CommHandle as CommHandle
 from .launcher import NcclBackend as NcclBackend
 from .launcher import backend_class as backend_class
-from .lib import _PEER_ERRORS as _PEER_ERRORS
-from .lib import CAPS as CAPS
-from .lib import COMPLEX as COMPLEX
 from .lib import IN_PROGRESS as IN_PROGRESS
 from .lib import INVALID_ARGUMENT as INVALID_ARGUMENT
-from .lib import NATIVE as NATIVE
+from .lib import PEER_ERRORS as PEER_ERRORS
 from .lib import REMOTE_ERROR as REMOTE_ERROR
 from .lib import SUCCESS as SUCCESS
 from .lib import SYSTEM_ERROR as SYSTEM_ERROR
-from .lib import NcclCaps as NcclCaps
 from .lib import NcclError as NcclError
 from .lib import NcclLib as NcclLib
 from .lib import library_problem as library_problem

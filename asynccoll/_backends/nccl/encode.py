@@ -18,7 +18,7 @@ import torch
 
 from ..._base.errors import InvalidArgument
 from ..._base.ops import OpKind, OpSpec, ReduceOp
-from .lib import COMPLEX, NATIVE, REDUCING, NcclCaps
+from .caps import COMPLEX, NATIVE, REDUCING, NcclCaps
 
 #: One NCCL call: ``call(communicator, stream_handle)``.
 Call = Callable[[Any, int], None]

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted, PeerFailure
-from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, poll_async_error
+from .lib import IN_PROGRESS, INTERNAL_ERROR, PEER_ERRORS, SUCCESS, NcclError, poll_async_error
 
 
 def abort_quietly(comm: Any) -> None:
@@ -46,7 +46,7 @@ def wait_ready(comm: Any, lib: Any, deadline: float, what: str, cancel: threadin
         if status != IN_PROGRESS:
             abort_quietly(comm)
             text = lib.error_string(status)
-            cls = PeerFailure if status in _PEER_ERRORS else BackendUnavailable
+            cls = PeerFailure if status in PEER_ERRORS else BackendUnavailable
             raise cls(f"{what} failed: NCCL error {status} ({text})") from NcclError(status, text)
         if time.monotonic() > deadline or (cancel is not None and cancel.is_set()):
             abort_quietly(comm)
@@ -132,7 +132,7 @@ class CommHandle:
                 except Exception:  # noqa: BLE001, S110 - the status code alone is reported
                     pass
         msg = f"NCCL reported error {status} ({text}) on rank {self.rank}" + (f": {last}" if last else "")
-        exc: CommAborted = PeerFailure(msg) if status in _PEER_ERRORS else CommAborted(msg)
+        exc: CommAborted = PeerFailure(msg) if status in PEER_ERRORS else CommAborted(msg)
         exc.__cause__ = NcclError(status, text)
         return exc
 

@@ -41,8 +41,9 @@ from ..._base.ops import OpSpec
 from ..._core.backend import Backend
 from ..._core.work import Bundle, Work
 from . import agree, encode, lanes
+from .caps import CAPS
 from .handle import CommHandle
-from .lib import _PEER_ERRORS, CAPS, IN_PROGRESS, SUCCESS, status_of
+from .lib import IN_PROGRESS, PEER_ERRORS, SUCCESS, status_of
 
 _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
 
@@ -71,6 +72,8 @@ class NcclBackend(Backend):
 
     name = "nccl"
     device_type = "cuda"
+    caps = CAPS  # each instance: its device's table (fp8 reductions from sm_90)
+    device: torch.device
 
     def __init__(
         self, comm: Any, *, rank: int, world_size: int, device: torch.device, lib: Any, runtime: Any,
@@ -150,7 +153,7 @@ class NcclBackend(Backend):
         self._lane.post(self)
         hook = functools.partial(self._wait_stream, job)
         for work in works:
-            work._stream_hook = hook
+            work.set_stream_hook(hook)
 
     # ---------------------------------------------------------- lane thread
     def busy(self) -> bool:
@@ -343,7 +346,7 @@ class NcclBackend(Backend):
         status = status_of(exc)
         w = job.works[0]
         new: CommAborted
-        if status is not None and status in _PEER_ERRORS:
+        if status is not None and status in PEER_ERRORS:
             new = PeerFailure(f"{w.op} (seq {w.seq}): a peer failed: {exc}")
         else:
             new = CommAborted(f"{w.op} (seq {w.seq}) failed in NCCL: {exc}")
@@ -424,15 +427,13 @@ class NcclBackend(Backend):
         self._handle.discard()
 
     def shrink(self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0) -> NcclBackend:
-        """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking).
+        """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking, off the loop).
 
-        Every surviving rank must call it; excluded ranks must not. ``abort_pending``
-        (default: whether ops are queued or in flight here, or an error was seen)
-        shrinks with ``CommShrinkFlag.ABORT``, which first terminates the parent's
-        outstanding ops; otherwise ``DEFAULT``, which needs them quiesced. Survivors
-        are renumbered in order; the new backend gets its own comm stream. Needs the
-        parent alive or revoked (``abort()`` revokes where NCCL can); after an
-        ``ncclCommAbort`` build a new one with ``create``. Run it off the event loop.
+        Every surviving rank calls it; excluded ranks must not. ``abort_pending`` (default:
+        ops queued or in flight here, or an error seen) shrinks with ``CommShrinkFlag.ABORT``
+        (the parent's ops are terminated first), else ``DEFAULT`` (they must be quiesced).
+        Survivors are renumbered in order; the new backend gets its own comm stream. Needs
+        the parent alive or revoked; after an ``ncclCommAbort``, ``create`` a new one.
         """
         if not self._handle.can_shrink:
             raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")

@@ -10,16 +10,16 @@ It replaces the vendor libraries, never asynccoll's own code:
 * :class:`SimNccl` (``nccl.py``, ``comm.py``, ``world.py``): a multi-rank NCCL behind
   autospecs of the real nccl4py ``Communicator``/``group_start``/``group_end`` with
   real enums and result codes; faults: kill, hang, async error, stuck calls.
-* :class:`SimCluster` (``runtime.py``): both, and ways to build NCCL backends or make
-  ``asynccoll.init`` use them (``patch_init``).
+* :class:`SimCluster` (``runtime.py``): both, and ways to build NCCL backends, or
+  communicators whose ``init`` builds NCCL on them (``factories``, ``run_comms``).
 
 Every rule is cited in its module to the CUDA/NCCL/torch source or doc it follows.
 Needs nccl4py and cuda-bindings importable (no GPU, no libnccl call is made).
 """
 
 from .device import Latch as Latch
-from .device import SimGPU as SimGPU
 from .device import SimTensor as SimTensor
+from .gpu import SimGPU as SimGPU
 from .nccl import SimNccl as SimNccl
 from .runtime import Rdv as Rdv
 from .runtime import SimCluster as SimCluster

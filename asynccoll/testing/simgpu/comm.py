@@ -37,19 +37,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nccl.bindings.nccl as _b
 import nccl.core as _nc
 import torch
-from nccl.core.interop.torch import _to_nccl_dtype
+from nccl.core.interop.torch import resolve_tensor
 
 from ._double import strict
-from .device import Latch, SimTensor, StreamState, _plain
+from .device import Latch, SimTensor, StreamState, plain
 from .world import COLL, DATA, Launch, Op, World
-
-if TYPE_CHECKING:
-    from .nccl import SimNccl
 
 Result = _b.Result
 REAL = _nc.Communicator
@@ -69,7 +66,7 @@ def nccl_error(code: Any) -> _b.NCCLError:
 class CommState:
     """What one simulated ``ncclComm_t`` knows; its ``mock`` is what the code under test holds."""
 
-    def __init__(self, sim: SimNccl, world: World | None, rank: int, blocking: bool, device: int) -> None:
+    def __init__(self, sim: Any, world: World | None, rank: int, blocking: bool, device: int) -> None:
         self.sim = sim
         self.world: World = world  # type: ignore[assignment]  # None only for a null communicator
         self.rank = rank
@@ -151,7 +148,7 @@ class CommState:
         """nccl4py's ``NcclBuffer`` + ``_validate_buffer_device`` (communicator.py)."""
         if not isinstance(t, torch.Tensor):
             raise _nc.NcclInvalid(f"{what} must be a tensor here, got {type(t).__name__}")
-        _to_nccl_dtype(t.dtype)  # the real mapping: NcclInvalid for complex, int16, ...
+        resolve_tensor(t)  # nccl4py's own (NcclBuffer): NcclInvalid for complex, int16, ...
         if not isinstance(t, SimTensor):
             self.sim.gpu.errors.append(f"{what}: a host tensor was passed to NCCL (not a simulated CUDA tensor)")
         elif t.device.index != self.device:
@@ -159,7 +156,7 @@ class CommState:
                                   f"{self.device}")
         if not t.is_contiguous():
             self.sim.gpu.errors.append(f"{what}: a non-contiguous tensor was passed to NCCL")
-        return _plain(t)  # like a device pointer: does not keep the caller's tensor alive
+        return plain(t)  # like a device pointer: does not keep the caller's tensor alive
 
     def _stream(self, stream: Any) -> StreamState:
         if isinstance(stream, bool):
@@ -168,7 +165,7 @@ class CommState:
         gpu = self.sim.gpu
         if handle == 0:
             gpu.errors.append("an NCCL op was enqueued on the default stream (stream=None/0)")
-        state = gpu.state_by_handle(handle, self.device)
+        state: StreamState = gpu.state_by_handle(handle, self.device)
         if state.device != self.device:
             gpu.errors.append(f"{self!r}: an op was enqueued on {state!r} of another device")
         return state

@@ -44,7 +44,7 @@ import torch
 import torch.cuda.streams as _streams_mod
 
 from ._double import strict
-from .device import EventState, Item, SimGPU, StreamState, open_gpu
+from .device import Device, EventState, Item, StreamState, open_gpu
 
 _REAL_STREAM = torch.cuda.Stream
 _REAL_EXTERNAL = torch.cuda.ExternalStream
@@ -55,7 +55,8 @@ _CLOCK_HZ = 1.98e9  # torch.cuda._sleep counts GPU cycles (H100 boost clock)
 
 
 def _rt() -> TorchCuda:
-    return open_gpu().runtime
+    rt: TorchCuda = open_gpu().runtime
+    return rt
 
 
 class Stream(_REAL_STREAM):
@@ -131,6 +132,8 @@ class Event(_REAL_EVENT):
     """``torch.cuda.Event`` double (ATen/cuda/CUDAEvent.h semantics, see the module docstring)."""
 
     _sim: EventState
+    _timing: bool
+    _times: dict[int, float]
 
     def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
                 external: bool = False) -> Event:
@@ -138,8 +141,8 @@ class Event(_REAL_EVENT):
             raise NotImplementedError("interprocess events are not simulated")
         obj = object.__new__(cls)
         obj._sim = EventState()
-        obj._timing = enable_timing  # type: ignore[attr-defined]
-        obj._times = {}  # type: ignore[attr-defined]
+        obj._timing = enable_timing
+        obj._times = {}
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -168,7 +171,7 @@ class Event(_REAL_EVENT):
             ev.device = state.device
             ev.recorded += 1
             n = ev.recorded
-            times = self._times  # type: ignore[attr-defined]
+            times = self._times
 
             def reach() -> None:
                 ev.done = max(ev.done, n)
@@ -206,8 +209,8 @@ class Event(_REAL_EVENT):
                 raise RuntimeError(f"Event.synchronize: not reached within {gpu.sync_limit} s")
 
     def elapsed_time(self, end_event: Any) -> float:
-        a, b = self._times.get(self._sim.recorded), end_event._times.get(end_event._sim.recorded)  # type: ignore[attr-defined]
-        if not (self._timing and end_event._timing) or a is None or b is None:  # type: ignore[attr-defined]
+        a, b = self._times.get(self._sim.recorded), end_event._times.get(end_event._sim.recorded)
+        if not (self._timing and end_event._timing) or a is None or b is None:
             raise RuntimeError("elapsed_time: events need enable_timing=True and must have completed")
         return float((b - a) * 1e3)
 
@@ -249,7 +252,7 @@ class _DeviceGuard:
 class TorchCuda:
     """The ``torch.cuda`` doubles of one SimGPU: per-thread state, the stream pool, the patches."""
 
-    def __init__(self, gpu: SimGPU) -> None:
+    def __init__(self, gpu: Device) -> None:
         self.gpu = gpu
         self.tls = _Thread()
         self._pool: dict[tuple[int, int], list[StreamState]] = {}
@@ -420,7 +423,7 @@ class TorchCuda:
         return factory
 
 
-def bound_contexts(gpu: SimGPU) -> dict[int, set[str]]:
+def bound_contexts(gpu: Device) -> dict[int, set[str]]:
     """Which threads bound each device's primary context (for tests of the device rule)."""
     return {d: set(names) for d, names in gpu.runtime.contexts.items()}
 

@@ -48,23 +48,27 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 
-_current_gpu: SimGPU | None = None  # the open GPU (SimTensors report to it)
+_current_gpu: Device | None = None  # the open GPU (SimTensors report to it)
 _DEFAULT_QUEUES = 8  # CUDA_DEVICE_MAX_CONNECTIONS default (CUDA C Programming Guide)
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    with torch._C.DisableTorchFunctionSubclass():
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain CPU tensor (the subclass's dispatch off, as torch's docs on
+    extending torch do it)."""
+    with DisableTorchFunctionSubclass():
         return torch.Tensor.as_subclass(t, torch.Tensor)
 
 
-def _key(t: torch.Tensor) -> int:
-    with torch._C.DisableTorchFunctionSubclass():
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (the allocator's block)."""
+    with DisableTorchFunctionSubclass():
         return int(t.untyped_storage().data_ptr())
 
 
-def open_gpu() -> SimGPU:
-    """The open SimGPU (TypeError when none is)."""
+def open_gpu() -> Device:
+    """The open simulated GPU (RuntimeError when none is)."""
     gpu = _current_gpu
     if gpu is None:
         raise RuntimeError("no simulated GPU is open")
@@ -92,7 +96,7 @@ class SimTensor(torch.Tensor):
             return self._sim_device
         except AttributeError:  # a tensor made by torch itself (e.g. inside an op): its storage's device
             gpu = _current_gpu
-            dev = torch.device("cuda", gpu._device_of.get(_key(self), 0) if gpu is not None else 0)
+            dev = torch.device("cuda", gpu._device_of.get(storage_key(self), 0) if gpu is not None else 0)
             self._sim_device = dev
             return dev
 
@@ -103,7 +107,7 @@ class SimTensor(torch.Tensor):
         if state.device != self.device.index:
             # c10 CUDACachingAllocator::recordStream: a stream of another device is an error.
             raise RuntimeError(f"record_stream: stream on cuda:{state.device}, tensor on {self.device}")
-        gpu._record_stream(_key(self), state)
+        gpu._record_stream(storage_key(self), state)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -145,7 +149,7 @@ def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 class StreamState:
     """The device side of one ``cudaStream_t``: its FIFO, device, priority, hardware queue."""
 
-    def __init__(self, gpu: SimGPU, handle: int, device: int, priority: int, name: str, hwq: int) -> None:
+    def __init__(self, gpu: Device, handle: int, device: int, priority: int, name: str, hwq: int) -> None:
         self.gpu = gpu
         self.handle = handle
         self.device = device
@@ -194,7 +198,7 @@ class Item:
 class Latch:
     """Holds a kernel until :meth:`open` (a "long kernel" without any timing)."""
 
-    def __init__(self, gpu: SimGPU) -> None:
+    def __init__(self, gpu: Device) -> None:
         self._gpu = gpu
         self.is_open = False
 
@@ -204,22 +208,24 @@ class Latch:
             self._gpu.cv.notify_all()
 
 
-class SimGPU:
+class Device:
     """The simulated devices of one test: streams, queues, events, kernels, allocator, device thread.
 
     ``errors`` collects every misuse seen (allocator hazards, CUDA and NCCL contract
-    breaches); a test asserts it stays empty. Opening one installs the ``torch.cuda``
-    and ``cuda.bindings.driver`` doubles; :meth:`close` removes them. Use as a context
-    manager, or call :meth:`close`.
+    breaches); a test asserts it stays empty. :class:`SimGPU` (``gpu.py``) is this model
+    with the vendor doubles installed on top.
     """
+
+    #: The ``torch.cuda`` and ``cuda.bindings.driver`` doubles (``cudart.TorchCuda``,
+    #: ``driver.Driver``), set by :class:`SimGPU`.
+    runtime: Any
+    driver: Any
 
     def __init__(
         self, *, devices: int = 1, hw_queues: int | None = None, capability: tuple[int, int] = (9, 0),
         sync_limit: float = 30.0, abort_drains: bool = True, stream_mem_ops: bool = True,
     ) -> None:
         global _current_gpu
-        from . import cudart, driver
-
         prev = _current_gpu
         if prev is not None and not prev.closed:
             raise RuntimeError("a simulated GPU is already open; close it first")
@@ -247,13 +253,6 @@ class SimGPU:
         self.observers: list[Callable[[Item], None]] = []  # called as each item completes (benchmarks)
         self._defaults = [self._new_state(0, d, 0, f"default{d}") for d in range(devices)]
         _current_gpu = self
-        self.runtime = cudart.TorchCuda(self)
-        self.driver = driver.Driver(self)
-        import streams
-
-        streams.reset()  # a new "process": nothing of an earlier GPU (or none) survives
-        self.runtime.install()
-        self.driver.install()
         self._thread = threading.Thread(target=self._run, name="simgpu-device", daemon=True)
         self._thread.start()
 
@@ -311,7 +310,7 @@ class SimGPU:
         state = self.stream_state(stream) if stream is not None else self.runtime.current_state(dev)
         base = torch.as_tensor(data, dtype=dtype).clone()
         t = base.as_subclass(SimTensor)
-        key = _key(t)
+        key = storage_key(t)
         with self.cv:
             self._alloc[key] = state
             self._device_of[key] = state.device
@@ -339,7 +338,7 @@ class SimGPU:
             fn()
 
         item = Item("kernel", run, hold=end if (hold is not None or seconds is not None) else None,
-                    uses=[_key(t) for t in uses])
+                    uses=[storage_key(t) for t in uses])
         if seconds is not None:
             item.on_dispatch = lambda: started.append(time.monotonic())
         with self.cv:
@@ -348,7 +347,7 @@ class SimGPU:
     def host(self, t: torch.Tensor) -> torch.Tensor:
         """A plain CPU copy of a SimTensor's current contents (for assertions)."""
         with self.cv:
-            return _plain(t).clone()
+            return plain(t).clone()
 
     def idle(self, timeout: float = 10.0) -> bool:
         """Wait until the device can do nothing more (all heads blocked or empty)."""
@@ -379,15 +378,14 @@ class SimGPU:
             self._closed = True
             self.cv.notify_all()
         self._thread.join(5.0)
-        import streams
-
-        streams.reset()  # its process-wide streams and watchers belong to this GPU
-        self.driver.uninstall()
-        self.runtime.uninstall()
+        self.closing()
         if _current_gpu is self:
             _current_gpu = None
 
-    def __enter__(self) -> SimGPU:
+    def closing(self) -> None:
+        """After the device thread stopped, before the GPU is let go (a subclass's hook)."""
+
+    def __enter__(self) -> Device:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -467,11 +465,11 @@ class SimGPU:
             return state if state.q else None
 
     def _track(self, t: torch.Tensor, src: torch.Tensor | None) -> None:
-        key = _key(t)
+        key = storage_key(t)
         with self.cv:
             self._live[key] += 1
             if key not in self._device_of and src is not None:
-                self._device_of[key] = self._device_of.get(_key(src), 0)
+                self._device_of[key] = self._device_of.get(storage_key(src), 0)
             dev = self._device_of.get(key)
         if dev is not None:
             t._sim_device = torch.device("cuda", dev)  # type: ignore[attr-defined]

@@ -31,7 +31,7 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from ._double import strict
-from .device import Item, SimGPU
+from .device import Device, Item
 
 R = cu.CUresult
 _PRIORITIES = (0, -5)  # (least, greatest), as an H100 reports them
@@ -41,7 +41,7 @@ A = cu.CUdevice_attribute
 class Driver:
     """The ``cuda.bindings.driver`` doubles of one SimGPU."""
 
-    def __init__(self, gpu: SimGPU) -> None:
+    def __init__(self, gpu: Device) -> None:
         self.gpu = gpu
         self._mem: dict[int, ctypes.Array[ctypes.c_char]] = {}  # pinned host allocations by address
         self._saved: list[tuple[str, Any]] = []
@@ -51,7 +51,8 @@ class Driver:
 
     # ------------------------------------------------------------ helpers
     def _ctx(self) -> int | None:
-        return self.gpu.runtime.tls.ctx
+        ctx: int | None = self.gpu.runtime.tls.ctx
+        return ctx
 
     def _stream_state(self, stream: Any) -> Any:
         dev = self._ctx()

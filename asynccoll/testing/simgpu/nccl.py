@@ -48,8 +48,8 @@ import nccl.bindings.nccl as _b
 import nccl.core as _nc
 
 from .comm import REAL, CommState, nccl_error
-from .device import Latch, SimGPU, StreamState
-from .world import Device, Op, World
+from .device import Device, Latch, StreamState
+from .world import Kernels, Op, World
 
 Result = _b.Result
 
@@ -66,7 +66,7 @@ def _without(cls: type, name: str) -> type:
 class SimNccl:
     """The NCCL of every simulated rank in this process (see the module docstring)."""
 
-    def __init__(self, gpu: SimGPU, *, inprogress_polls: int = 2, revoke: bool = True, revoke_polls: int = 3,
+    def __init__(self, gpu: Device, *, inprogress_polls: int = 2, revoke: bool = True, revoke_polls: int = 3,
                  grow: bool = True) -> None:
         self.gpu = gpu
         self.inprogress_polls = inprogress_polls
@@ -78,7 +78,7 @@ class SimNccl:
         #: The nccl4py ``Communicator`` interface simulated.
         self.spec = spec
         self.comms: list[CommState] = []
-        self.device = Device(self)
+        self.device = Kernels(self)
         self._worlds: dict[Any, World] = {}
         self._by_mock: dict[int, CommState] = {}
         self._tls = threading.local()
@@ -160,7 +160,8 @@ class SimNccl:
         return _nc.UniqueId.from_bytes(bytes(128)) if empty else self.new_uid()
 
     def current_device(self) -> int:
-        return self.gpu.runtime.current_device()
+        d: int = self.gpu.runtime.current_device()
+        return d
 
     def _null(self, ptr: Any = None) -> Any:
         """``Communicator()``: a null communicator (only ``grow`` as a new rank is meaningful)."""

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .compute import _compute
-from .device import Item, StreamState, _key, _plain
+from .compute import compute
+from .device import Item, StreamState, plain, storage_key
 
-if TYPE_CHECKING:
-    from .comm import CommState
+#: A communicator's state (``comm.CommState``; world.py stands below it and names it so).
+CommState = Any
 
 COLL = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
 DATA = (*COLL, "send", "recv", "alltoall", "gather", "scatter")
@@ -87,7 +87,7 @@ class World:
         return f"<world {self.label}>"
 
 
-class Device:
+class Kernels:
     """What the simulated NCCL puts on the device: kernels, and their progress."""
 
     def __init__(self, sim: Any) -> None:
@@ -102,7 +102,7 @@ class Device:
 
     def push(self, la: Launch) -> None:
         """Put ``la``'s kernel on its stream (the caller holds the GPU lock)."""
-        keys = [_key(t) for op in la.ops for t in (op.send, op.recv) if t is not None]
+        keys = [storage_key(t) for op in la.ops for t in (op.send, op.recv) if t is not None]
         item = Item("nccl", self._left(la), hold=functools.partial(self._progress, la), uses=keys)
         item.launch = la
 
@@ -183,7 +183,7 @@ class Device:
                 "collective mismatch across ranks: "
                 + ", ".join(f"{o.kind}/{o.count}/{o.dtype}/op{o.op}/root{o.root}" for o in ops))
         else:
-            _compute(ops, world.nranks)
+            compute(ops, world.nranks)
         for o in ops:
             o.done = True
         del world.colls[op.key]
@@ -196,6 +196,6 @@ class Device:
         if s.count != r.count or s.dtype != r.dtype:
             self.gpu.errors.append(f"send/recv mismatch {op.key}: {s.count}x{s.dtype} vs {r.count}x{r.dtype}")
         else:
-            _plain(r.recv).copy_(_plain(s.send))
+            plain(r.recv).copy_(plain(s.send))
         s.done = r.done = True
         del op.comm.world.p2p[op.key]
