@@ -89,8 +89,10 @@ async def build_communicator(
     heartbeat: float | None = None,
     nccl_backend: Backend | None = None,
     factories: Factories = REAL,
+    group: Any = None,
 ) -> Communicator:
     # nccl_backend: a ready NCCL backend (shrink's ncclCommShrink) used instead of a new init.
+    # group: the named group (elastic.Group) this communicator belongs to, or None.
     timeout = check_args(backend, store, master_addr, device, timeout, heartbeat)
     if check not in (None, "fingerprint"):
         raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
@@ -109,11 +111,14 @@ async def build_communicator(
         rank=rank, world_size=world_size, master_addr=master_addr,
         master_port=master_port, store=store, timeout=timeout,
     )
+    if group is not None:
+        group = group.bound(rdv.store, rdv.key)  # the first communicator's store: joiners meet there
     try:
         lock = await exclusive(rdv.store, rdv.rank, timeout)
         try:
             comm = await connect(
-                rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat, nccl_backend, factories
+                rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat, nccl_backend, factories,
+                group,
             )
         finally:
             lock.release()
@@ -124,6 +129,8 @@ async def build_communicator(
     if rdv.key is not None:
         # The hold taken by rendezvous() ends with this communicator.
         weakref.finalize(comm, STORES.release, rdv.key)
+    elif group is not None and group.key is not None:
+        STORES.hold(group.key, comm)  # a grown group's communicator uses the group's store
     return comm
 
 
@@ -131,6 +138,7 @@ async def connect(
     rdv: Rendezvous, backend: str, use_nccl: bool, device: Any, timeout: float,
     check: str | None, trace_dir: Any, heartbeat: float | None, nccl_backend: Backend | None = None,
     factories: Factories = REAL,
+    group: Any = None,
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous."""
     prefix = await comm_prefix(rdv, timeout)
@@ -171,6 +179,7 @@ async def connect(
                 backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
                 store=store, device=device, timeout=timeout, check=check,
                 trace_dir=trace_dir, heartbeat=heartbeat, nccl_backend=shrunk, factories=factories,
+                group=group,
             )
         except BaseException:
             if shrunk is not None:
@@ -192,6 +201,7 @@ async def connect(
         rebuild=rebuild,
         recover=shrink,
         diagnostics=diagnostics,
+        group=group,
     )
 
 

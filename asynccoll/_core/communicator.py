@@ -19,7 +19,8 @@ from .coalescing import CoalescingGroup
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
 from .parts import Parts, weakly
-from .seams import Diagnosis, Membership, MembershipFactory, Recovery
+from .seams import Diagnosis, Elastic, Membership, MembershipFactory, Recovery
+from .state import broadcast_state as _broadcast_state
 from .work import Work
 
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
@@ -47,6 +48,7 @@ class Communicator:
         rebuild: Callable[..., Awaitable[Communicator]] | None = None,
         recover: Recover | None = None,
         diagnostics: Diagnosis | None = None,
+        group: Elastic | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -61,6 +63,7 @@ class Communicator:
         self._rebuild = rebuild
         self._recover = recover
         self._shrunk = False
+        self._group = group  # elastic membership (bootstrap's Group): waiting() and grow()
         self._diag = diagnostics if diagnostics is not None else Diagnosis()
         self._ledger = ledger = Ledger(
             rank, deadlines=deadline_service(), on_abort=weakly(self._after_abort), recorder=self._diag.recorder
@@ -90,6 +93,11 @@ class Communicator:
         if isinstance(error, PeerFailure):
             ranks.update(error.ranks)
         return tuple(sorted(ranks))
+
+    @property
+    def name(self) -> str | None:
+        """The group's name (``ac.init(..., name=)``), or None for a private group."""
+        return self._group.name if self._group is not None else None
 
     @property
     def pending(self) -> int:
@@ -419,6 +427,46 @@ class Communicator:
 
     def _claim_shrink(self) -> None:
         self._shrunk = True
+
+    # ---------------------------------------------------------------- elastic
+    def _named(self, what: str) -> Elastic:
+        if self._group is None:
+            raise InvalidArgument(f"{what} needs a named group: ac.init(..., name=...)")
+        return self._group
+
+    async def waiting(self, *, timeout: float | None = None) -> int:
+        """How many processes wait in ``ac.join`` for this group (API.md §5).
+
+        A collective: every member calls it at the same point of its op order and
+        gets the same count (rank 0 reads the waiting room and broadcasts it).
+        """
+        return await self._named("waiting()").waiting(self, timeout)
+
+    async def grow(self, world_size: int, timeout: float | None = None) -> Communicator:
+        """A communicator of ``world_size`` ranks: this group plus joiners (API.md §5).
+
+        Every member calls it; it returns once ``world_size - self.world_size``
+        processes waiting in ``ac.join`` are in (``timeout``: how long to wait for
+        them, default the communicator's timeout, then ``CollectiveTimeout`` and this
+        communicator is left as it was). Old ranks keep their numbers; newcomers get
+        ``self.world_size .. world_size - 1``. This communicator is closed. If a
+        participant dies meanwhile, every member gets ``PeerFailure`` (``.ranks``
+        numbered as in the grown group); if members died, this communicator is
+        aborted and ``shrink()`` recovers as after any failure.
+        """
+        new: Communicator = await self._named("grow()").grow(self, world_size, timeout)
+        return new
+
+    async def broadcast_state(self, state: Any, src: int = 0, *, timeout: float | None = None) -> Any:
+        """Send ``state`` (nested dicts/lists/tuples of tensors and picklable objects,
+        such as a ``state_dict()``) from ``src`` to every rank (API.md §5).
+
+        Receivers pass None (what they pass is ignored) and get the whole structure
+        back, with tensors on CPU or this communicator's CUDA device as on ``src``;
+        ``src`` gets its ``state`` back. Tensors travel as tensors in one coalesced
+        batch, the rest as one object.
+        """
+        return await _broadcast_state(self, state, src, timeout)
 
     async def __aenter__(self) -> Communicator:
         return self

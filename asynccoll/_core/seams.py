@@ -11,6 +11,8 @@ and ``_bootstrap`` hands the implementations to the :class:`Communicator`:
   heartbeats, the census that names failed peers, abort news. The communicator makes
   it with a :data:`MembershipFactory`, giving it where failures go.
 * :class:`Recovery`: what ``shrink`` (``_faults.shrink``) needs of a communicator.
+* :class:`Elastic`: a named group's membership changes (``_bootstrap.elastic.Group``):
+  ``waiting()`` and ``grow()``.
 """
 
 from __future__ import annotations
@@ -102,3 +104,18 @@ class Recovery:
     abort: Callable[[str], None]
     #: Marks the communicator shrunk (once valid arguments are known).
     claim: Callable[[], None]
+
+
+class Elastic(Protocol):
+    """A named group (implemented by ``_bootstrap.elastic.Group``): ``waiting()`` and ``grow()``."""
+
+    @property
+    def name(self) -> str:
+        """The group's name (``ac.init(..., name=)``)."""
+
+    async def waiting(self, comm: Any, timeout: float | None) -> int:
+        """``comm.waiting()`` (``comm``: the Communicator): how many processes wait in
+        ``ac.join``, agreed by the members."""
+
+    async def grow(self, comm: Any, world_size: Any, timeout: float | None) -> Any:
+        """``comm.grow(world_size)``: the Communicator of the members and the admitted joiners."""
