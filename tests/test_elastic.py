@@ -183,7 +183,7 @@ def test_grow_on_nccl_with_a_fresh_init_on_the_simulated_gpu() -> None:
                     await asyncio.sleep(0.01)
                 comm = await old.grow(old.world_size + n)
                 assert old.state == "closed"
-            nccl_comm = comm.backends["cuda"]._comm
+            nccl_comm = comm.backends["cuda"].handle.communicator
             t = gpu.tensor([float(comm.rank + 1)])
             await asyncio.wait_for(comm.all_reduce(t), 20)
             res = (comm.rank, comm.world_size, gpu.host(t).item(), comm.backend, sim.nccl.state(nccl_comm).world.nranks)
