@@ -94,12 +94,15 @@ class SimCluster:
     def factories(self) -> Factories:
         """The bootstrap's backend factories (``_bootstrap.build.Factories``) with CUDA and
         nccl4py seen as present and NCCL built on this simulator; Gloo is the real one."""
-        from ..._bootstrap.build import Factories
+        from ..._bootstrap.build import Factories, join_nccl
 
         async def nccl(rdv: Any, prefix: str, device: Any, timeout: float) -> Any:
             return await self.create(rdv, prefix + "nccl/", timeout)
 
-        return Factories(nccl=nccl, nccl_missing=lambda: None)
+        async def nccl_join(store: Any, rank: int, new_size: int, device: Any, timeout: float) -> Any:
+            return await join_nccl(store, rank, new_size, device, timeout, lib=self.lib())
+
+        return Factories(nccl=nccl, nccl_join=nccl_join, nccl_missing=lambda: None)
 
     def close(self) -> None:
         self.gpu.close()
