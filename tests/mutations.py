@@ -126,6 +126,12 @@ MUTATIONS = [
     M("streams' event watcher never selects the device", "streams/_watcher.py",
       "torch.cuda.set_device(self.cuda_device)", "pass",
       ("tests/test_simgpu_device.py::test_watcher_selects_its_device_before_waiting",)),
+    M("comm.grow() never grows NCCL natively", "asynccoll/_bootstrap/elastic.py",
+      "if cuda is not None:  # Backend.grow_agreed", "if False:  # Backend.grow_agreed",
+      ("tests/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",)),
+    M("a joiner never meets the native grow", "asynccoll/_bootstrap/elastic.py",
+      'if plan.get("cuda") else None', "if False else None",
+      ("tests/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",)),
 ]
 
 

@@ -17,31 +17,15 @@ from typing import Any
 import nccl.core as nc
 import pytest
 import torch
+from simgpu_util import WAIT, submit, until
 
 import asynccoll as ac
 import streams
 from asynccoll._backends import nccl
-from asynccoll._base.ops import OpKind, OpSpec
-from asynccoll._core.work import Work
+from asynccoll._base.ops import OpKind
 from asynccoll.testing.simgpu import SimCluster
 
 pytestmark = pytest.mark.timeout(120)
-WAIT = 20.0
-
-
-def until(pred: Any, timeout: float = WAIT) -> None:
-    ev = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if pred():
-            return
-        ev.wait(0.01)
-    raise AssertionError("condition not reached")
-
-
-def submit(be: Any, kind: OpKind, t: Any, timeout: float = 30.0, **kw: Any) -> Work:
-    w = Work(kind.value, 1)
-    be.submit(OpSpec(kind, t, timeout=timeout, **kw), w)
-    return w
 
 
 def close_all(*bes: Any) -> None:

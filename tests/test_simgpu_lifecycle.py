@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from nccl.bindings.nccl import NCCLError, Result
+from simgpu_util import WAIT, until
 
 import asynccoll as ac
 from asynccoll._backends import nccl
@@ -22,16 +23,6 @@ from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import Rdv, SimCluster
 
 pytestmark = pytest.mark.timeout(120)
-WAIT = 20.0
-
-
-def until(pred: Any, timeout: float = WAIT) -> None:
-    ev = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if pred():
-            return
-        ev.wait(0.01)
-    raise AssertionError("condition not reached")
 
 
 def submit(be: Any, t: Any, timeout: float = 30.0) -> Work:

@@ -182,14 +182,19 @@ class Driver:
             return None
         return ctypes.c_uint32.from_address(a)
 
-    def cuStreamWaitValue32(self, stream: Any, addr: Any, value: Any, flags: Any) -> tuple[Any]:
+    def _value_op(self, addr: Any) -> tuple[Any, ctypes.c_uint32 | None]:
+        """The checks a stream memory operation makes before it is queued: an error, or its word."""
         if self._ctx() is None:
-            return (R.CUDA_ERROR_INVALID_CONTEXT,)
+            return R.CUDA_ERROR_INVALID_CONTEXT, None
         if not self.gpu.stream_mem_ops:
-            return (R.CUDA_ERROR_NOT_SUPPORTED,)
+            return R.CUDA_ERROR_NOT_SUPPORTED, None
         word = self._word(addr)
+        return (R.CUDA_ERROR_INVALID_VALUE, None) if word is None else (R.CUDA_SUCCESS, word)
+
+    def cuStreamWaitValue32(self, stream: Any, addr: Any, value: Any, flags: Any) -> tuple[Any]:
+        err, word = self._value_op(addr)
         if word is None:
-            return (R.CUDA_ERROR_INVALID_VALUE,)
+            return (err,)
         n = int(value) & 0xFFFFFFFF
         state = self._stream_state(stream)
         self.value_waits += 1
@@ -198,13 +203,9 @@ class Driver:
         return (R.CUDA_SUCCESS,)
 
     def cuStreamWriteValue32(self, stream: Any, addr: Any, value: Any, flags: Any) -> tuple[Any]:
-        if self._ctx() is None:
-            return (R.CUDA_ERROR_INVALID_CONTEXT,)
-        if not self.gpu.stream_mem_ops:
-            return (R.CUDA_ERROR_NOT_SUPPORTED,)
-        word = self._word(addr)
+        err, word = self._value_op(addr)
         if word is None:
-            return (R.CUDA_ERROR_INVALID_VALUE,)
+            return (err,)
         n = int(value) & 0xFFFFFFFF
         state = self._stream_state(stream)
 
