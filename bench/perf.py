@@ -1,6 +1,6 @@
 """Every figure of issue 20 (per-op cost) in one run, with its goal, its floor and a verdict.
 
-    python -m bench.perf [--quick] [--noisy] [--only SECTION ...] [--out bench/results] [--readme]
+    python -m bench.perf [--quick] [--noisy] [--only SECTION ...] [--out bench/results] [--readme [PATH ...]]
 
 Sections (each spawns its own ranks on this machine; all on Gloo, CPU):
 
@@ -22,8 +22,8 @@ after each section), ``perf.md`` (the summary table: goal, measured, p10, floor,
 load, verdict), ``perf_summary.png`` (each figure against its goal) and the
 sections' own plots, under ``--out``. A verdict needs a quiet machine: a section
 that started or ended with a 1-minute load average above 1.5 gets "no verdict"
-unless ``--noisy`` is given; ``--readme`` then writes the table into the README's
-performance section (refused for a loaded run). About 3 minutes on a quiet machine (``--quick``: about
+unless ``--noisy`` is given; ``--readme`` then writes the table between the markers of
+README.md and docs/performance.md (refused for a loaded run). About 3 minutes on a quiet machine (``--quick``: about
 1; ``--smoke``: one round of each, for the test suite).
 """
 
@@ -208,6 +208,7 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
 
 README_BEGIN = "<!-- bench.perf: begin (written by python -m bench.perf --readme) -->"
 README_END = "<!-- bench.perf: end -->"
+README_PATHS = ("README.md", "docs/performance.md")  # --readme's default: both hold the markers
 
 
 def update_readme(path: Path, rows: list[Row], header: dict[str, Any], noisy: bool) -> str:
@@ -274,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noisy", action="store_true", help="give verdicts even when the load was above 1.5")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--readme", nargs="?", const="README.md", default=None, metavar="PATH",
-                    help="also write the table into the README's performance section (quiet runs only)")
+    ap.add_argument("--readme", nargs="*", default=None, metavar="PATH",
+                    help="also write the table between the bench.perf markers of each PATH (default: "
+                    + " and ".join(README_PATHS) + "; quiet runs only)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -300,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if plot(rows, out / "perf_summary.png"):
         written.append(out / "perf_summary.png")
     print("wrote " + ", ".join(str(p) for p in written))
-    if args.readme:
-        print(update_readme(Path(args.readme), rows, header, args.noisy))
+    if args.readme is not None:
+        for path in args.readme or README_PATHS:
+            print(update_readme(Path(path), rows, header, args.noisy))
     return 0
 
 

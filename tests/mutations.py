@@ -95,10 +95,10 @@ MUTATIONS = [
     M("revoke only from NCCL 2.29", NCCL + "lib.py",
       "REVOKE_SINCE = (2, 28, 7)", "REVOKE_SINCE = (2, 29, 0)",
       (BUGS + "test_10_revoke_exists_from_nccl_2_28_7",)),
-    M("fp8 reductions allowed below sm_90", NCCL + "lib.py",
+    M("fp8 reductions allowed below sm_90", NCCL + "caps.py",
       "drop = FP8 if capability is not None", "drop = frozenset() if capability is not None",
       (BUGS + "test_7_fp8_reductions_are_refused_at_the_call_below_sm90",)),
-    M("bool AVG allowed", NCCL + "lib.py",
+    M("bool AVG allowed", NCCL + "caps.py",
       "ReduceOp.AVG: _NUMERIC | COMPLEX,", "ReduceOp.AVG: _NUMERIC | COMPLEX | {torch.bool},",
       (BUGS + "test_1_every_argument_is_resolved_before_the_group_starts",)),
     M("one launch thread per communicator", NCCL + "lanes.py",
@@ -126,6 +126,12 @@ MUTATIONS = [
     M("streams' event watcher never selects the device", "streams/_watcher.py",
       "torch.cuda.set_device(self.cuda_device)", "pass",
       ("tests/test_simgpu_device.py::test_watcher_selects_its_device_before_waiting",)),
+    M("comm.grow() never grows NCCL natively", "asynccoll/_bootstrap/elastic.py",
+      "if cuda is not None:  # Backend.grow_agreed", "if False:  # Backend.grow_agreed",
+      ("tests/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",)),
+    M("a joiner never meets the native grow", "asynccoll/_bootstrap/elastic.py",
+      'if plan.get("cuda") else None', "if False else None",
+      ("tests/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",)),
 ]
 
 
