@@ -22,6 +22,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+#: Above this 1-minute load average a figure is not a verdict (issue 20).
+QUIET_LOAD = 1.5
+
+
+def machine() -> dict[str, Any]:
+    """What every result records: the load average (1, 5, 15 min) and the CPU count."""
+    return {"loadavg": list(os.getloadavg()), "cpus": os.cpu_count()}
+
+
+def quiet(*snapshots: dict[str, Any]) -> bool:
+    """True if the 1-minute load average was at most ``QUIET_LOAD`` in every snapshot."""
+    return all(s["loadavg"][0] <= QUIET_LOAD for s in snapshots)
+
 
 def free_port() -> int:
     with socket.socket() as s:

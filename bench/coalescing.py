@@ -16,8 +16,8 @@ per-iteration wall-time medians (and p10/p90) over ``--repeats`` samples, and th
 median CPU time of rank 0's process (all its threads) per iteration, which is
 less sensitive to other load on the machine. The modes run in a rotating order
 (round r starts at mode r mod 6). Ratios coalesced/flattened and coalesced/torch_cm
-are given for wall and CPU time. Goals: coalesced <= 1.5x flattened, and <= 0.5x
-torch's coalescing manager. Progress goes to stderr; JSON and a PNG plot to
+are given for wall and CPU time. Goals (issue 20): coalesced <= 1.3x flattened,
+and <= 0.8x torch's coalescing manager. Progress goes to stderr; JSON and a PNG plot to
 bench/results/ (``coalescing_<loop>.json``).
 
     python bench/coalescing.py [--quick|--smoke] [--ops 64] [--numel 256] [--repeats 40]
@@ -40,7 +40,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import free_port, progress, spawn
+from bench._common import QUIET_LOAD, free_port, machine, progress, quiet, spawn
 
 MODES = ("separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep")
 
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="10 samples x 2 iterations")
     p.add_argument("--smoke", action="store_true", help="2 samples x 1 iteration (does it still run?)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--noisy", action="store_true", help="print verdicts even above load 1.5")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also cProfile N coalesced iterations (rank 0's loop thread) into <json>_profile.txt")
     args = p.parse_args(argv)
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.warmup, args.inner = 10, 2, 2
 
     ws = 2
+    before = machine()
     results = spawn(_rank, (ws, free_port(), args), ws, limit=900.0)
 
     samples, cpu = results[0]["wall"], results[0]["cpu"]
@@ -188,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         "cpu coalesced/flattened": cpu_med["coalesced"] / cpu_med["flattened"],
         "cpu coalesced/torch_cm": cpu_med["coalesced"] / cpu_med["torch_cm"],
     }
-    goals = {
-        "coalesced <= 1.5x flattened": ratios["coalesced/flattened"] <= 1.5,
-        "coalesced <= 0.5x torch_cm": ratios["coalesced/torch_cm"] <= 0.5,
+    goals = {  # issue 20
+        "coalesced <= 1.3x flattened": ratios["coalesced/flattened"] <= 1.3,
+        "coalesced <= 0.8x torch_cm": ratios["coalesced/torch_cm"] <= 0.8,
     }
     print(f"Gloo, world size {ws}, {args.ops} x all_reduce of {args.numel} float32, loop={args.loop}, "
           f"{args.repeats} samples x {args.inner} iterations (rank 0, per iteration)")
@@ -201,14 +203,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['cpu_median_ms']:>10.3f}")
     for k, v in ratios.items():
         print(f"{k:<24}{v:>8.2f}x")
+    loaded = not quiet(before, machine())
     for k, ok in goals.items():
-        print(f"goal {k}: {'met' if ok else 'NOT met'}")
+        if loaded and not args.noisy:
+            print(f"goal {k}: no verdict (load {before['loadavg'][0]:.2f} > {QUIET_LOAD}; --noisy to judge anyway)")
+        else:
+            print(f"goal {k}: {'met' if ok else 'NOT met'}{' (noisy: load > 1.5)' if loaded else ''}")
     path = Path(args.json_path or f"bench/results/coalescing_{args.loop}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "config": {"world_size": ws, "ops": args.ops, "numel": args.numel, "dtype": "float32",
                    "repeats": args.repeats, "inner": args.inner, "loop": args.loop, "cpus": os.cpu_count()},
-        "results": table, "ratios": ratios, "goals": goals,
+        "results": table, "ratios": ratios, "goals": goals, "machine": before, "machine_after": machine(),
     }
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

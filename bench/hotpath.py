@@ -48,6 +48,7 @@ from typing import Any
 from bench._common import (
     FloorBridge,
     free_port,
+    machine,
     median,
     orders,
     pct,
@@ -209,7 +210,7 @@ class Timeline:
 
 def instrument(comm: Any, tl: Timeline) -> None:
     """Wrap this process's objects (not the library's code) so each step stamps ``tl``."""
-    from asynccoll._core import work as work_mod
+    from asynccoll._core import wakeups as wake_mod
 
     backend = comm._cpu_backend
     ledger = comm.ledger
@@ -234,7 +235,7 @@ def instrument(comm: Any, tl: Timeline) -> None:
         tl.mark("succeed_out")
 
     ledger.succeed_all = succeed_all
-    orig_deliver, orig_run_all = work_mod.Wakeups.deliver, work_mod._run_all
+    orig_deliver, orig_run_all = wake_mod.Wakeups.deliver, wake_mod._run_all
 
     def deliver(self: Any) -> None:
         tl.mark("post")
@@ -244,8 +245,8 @@ def instrument(comm: Any, tl: Timeline) -> None:
         tl.mark("drain")
         orig_run_all(items)
 
-    work_mod.Wakeups.deliver = deliver  # type: ignore[method-assign]
-    work_mod._run_all = run_all
+    wake_mod.Wakeups.deliver = deliver  # type: ignore[method-assign]
+    wake_mod._run_all = run_all
 
 
 STEPS_AC = [
@@ -491,8 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="default bench/results/hotpath_<loop>.json")
     args = ap.parse_args(argv)
     n_issue, n_tl = (3, 60) if args.smoke else ((7, 500) if args.quick else (15, 3000))
+    before = machine()
     results = spawn(_rank, (2, free_port(), args.loop, n_issue, n_tl, args.groups), 2)
-    res = {"loop": args.loop, "groups": args.groups, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **results[0]}
+    res = {"loop": args.loop, "groups": args.groups, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": before, "machine_after": machine(), **results[0]}
     print(tables(res))
     suffix = "" if args.groups == "shared" else "_own"
     path = Path(args.json or f"bench/results/hotpath_{args.loop}{suffix}.json")

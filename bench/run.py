@@ -45,6 +45,7 @@ from bench._common import (
     FloorBridge,
     Runtime,
     free_port,
+    machine,
     median,
     orders,
     pct,
@@ -59,17 +60,26 @@ MODES = ("asynccoll", "floor", "torch")
 SKIP_TRIO = "skipped: asynccoll does not support trio yet"
 
 
-class Config:
-    """What to run; ``quick`` and ``smoke`` shrink everything."""
+PARTS = ("latency", "throughput", "loop_lag")
 
-    def __init__(self, quick: bool = False, smoke: bool = False, groups: str = "shared") -> None:
+
+class Config:
+    """What to run; ``quick`` and ``smoke`` shrink everything. ``sizes``, ``parts``
+    (a subset of ``PARTS``) and the counts can be set for a focused run (``bench.perf``)."""
+
+    def __init__(
+        self, quick: bool = False, smoke: bool = False, groups: str = "shared", *,
+        sizes: list[int] | None = None, parts: tuple[str, ...] = PARTS,
+        small_iters: int | None = None, tput_rounds: int | None = None,
+    ) -> None:
         self.quick, self.smoke = quick or smoke, smoke
         self.groups = groups
-        self.small_iters = 40 if smoke else (400 if quick else 2000)
+        self.parts = parts
+        self.small_iters = small_iters or (40 if smoke else (400 if quick else 2000))
         self.passes = 1 if smoke else (2 if quick else 4)
-        self.sizes = [8, 4096] if smoke else SMALL + ([LARGE[0]] if quick else LARGE)
+        self.sizes = sizes or ([8, 4096] if smoke else SMALL + ([LARGE[0]] if quick else LARGE))
         self.tput_ops = 100 if smoke else (300 if quick else 1000)
-        self.tput_rounds = 1 if smoke else (3 if quick else 9)
+        self.tput_rounds = tput_rounds or (1 if smoke else (3 if quick else 9))
         self.lag_ops = 100 if smoke else (300 if quick else 1000)
         self.lag_rounds = 1 if smoke else (2 if quick else 3)
 
@@ -341,10 +351,13 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
         ctx = Ctx(rank, comm if usable else None, dist, floor, rt)
         res: dict[str, Any] = {"asynccoll_supported": usable}
         try:
-            ctx.say(f"ranks up ({loop}); latency: {len(cfg.sizes)} sizes, modes {', '.join(ctx.modes)}")
-            res["latency"] = await latency(ctx, cfg)
-            res["throughput"] = await throughput(ctx, cfg)
-            res["loop_lag"] = await loop_lag(ctx, cfg)
+            ctx.say(f"ranks up ({loop}); {', '.join(cfg.parts)}: modes {', '.join(ctx.modes)}")
+            if "latency" in cfg.parts:
+                res["latency"] = await latency(ctx, cfg)
+            if "throughput" in cfg.parts:
+                res["throughput"] = await throughput(ctx, cfg)
+            if "loop_lag" in cfg.parts:
+                res["loop_lag"] = await loop_lag(ctx, cfg)
         finally:
             floor.close()
             dist.barrier()
@@ -360,9 +373,10 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
 
 def run(cfg: Config, loop: str = "asyncio", world_size: int = 2) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark, return rank 0's results."""
+    before = machine()
     results = spawn(_rank, (world_size, free_port(), cfg, loop), world_size)
     return {
-        "loop": loop, "world_size": world_size, "cpus": os.cpu_count(),
+        "loop": loop, "world_size": world_size, "cpus": os.cpu_count(), "machine": before, "machine_after": machine(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": cfg.as_dict(), **results[0],
     }
 
@@ -384,12 +398,14 @@ def tables(res: dict[str, Any]) -> str:
         spread = " ac/floor per pass (min-max)" if not suffix else ""
         out.append(f"{'bytes':>9} {'asynccoll us':>12} {'floor us':>9} {'torch us':>9} "
                    f"{'ac/floor':>9} {'floor/torch':>11} {'ac/torch':>9}{spread}")
-        for row in res["latency"]:
+        for row in res.get("latency", []):
             a, f, t = (row[f"{m}{suffix}_us"] for m in MODES)
             passes = row.get("ac/floor_per_pass") or []
             extra = f"   {min(passes):.3f}-{max(passes):.3f}" if passes and not suffix else ""
             out.append(f"{row['bytes']:>9} {_f(a):>12} {_f(f):>9} {_f(t):>9} {_f(row['ac/floor' + suffix], '.3f'):>9} "
                        f"{_f(row['floor/torch' + suffix], '.3f'):>11} {_f(row['ac/torch' + suffix], '.3f'):>9}{extra}")
+    if "throughput" not in res or "loop_lag" not in res:
+        return "\n".join(out)
     tp = res["throughput"]
     out.append(f"\npipelined: {tp['ops']} x all_reduce(8 B) issued back to back, then awaited "
                f"(median of {tp['rounds']} rounds)")

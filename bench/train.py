@@ -8,16 +8,30 @@ variant (same initial weights, same batches):
 
 * ``ddp``: ``DistributedDataParallel`` (defaults: 25 MiB buckets, 1 MiB first);
 * ``gradsync``: ``loss.backward(); await sync.wait()`` with ``ac.GradSync``;
-* ``gradsync_thread``: the same with ``await asyncio.to_thread(loss.backward)``;
+* ``*_thread``: the same with ``await asyncio.to_thread(loss.backward)``
+  (``ddp_thread``, ``gradsync_thread``);
+* ``*@MB``: another bucket size (DDP's ``bucket_cap_mb``, GradSync's
+  ``bucket_mb``), e.g. ``ddp@4`` and ``gradsync@4`` compare them at equal sizes;
 * ``naive``: ``loss.backward()`` then every ``p.grad`` all-reduced (AVG) in one
-  ``comm.coalescing()`` block, as a new user would write it.
+  ``comm.coalescing()`` block, as a new user would write it;
+* ``local``: no communication at all (the floor of any synchronised step).
 
 A step is forward, backward, gradient sync, ``SGD(momentum=0.9).step()`` and
 ``zero_grad()``. Variants run in blocks of ``--steps`` steps, alternating
 (``ddp, gradsync, ..., ddp, gradsync, ...``, the order rotated every round) so
 that the machine's noise hits all alike; reported: the median step time of each
-variant over all its blocks' steps, and its ratio to DDP's. At the end every
-variant must hold the same parameters (they trained on the same data): checked.
+variant over all its blocks' steps (and the median CPU time of the rank-0 process,
+every thread, per step: less sensitive to a loaded machine), and its ratio to the DDP variant of the same
+backward style and bucket size (``ddp`` when there is none). At the end every
+synchronising variant must hold the same parameters (they trained on the same
+data): checked.
+
+Backward in a thread: the loop's default executor is given threads that call
+``torch.set_num_threads(--threads)`` first. Without that, a fresh thread's first
+matmul runs MKL with its default team (the CPU count) while the main thread was
+limited to one: measured here, backward in ``asyncio.to_thread`` then spun in
+libgomp for hundreds of ms per step on the loaded 2-core machine, for DDP and
+GradSync alike.
 
 Models: ``mlp``: 6 x Linear(1024, 1024) + ReLU, batch 32; ``small``: 100 x
 Linear(128, 128) + ReLU, batch 32.
@@ -27,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import multiprocessing as mp
 import os
@@ -37,6 +52,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import machine
 
 MODELS = {"mlp": (6, 1024), "small": (100, 128)}
 BATCH = 32
@@ -64,6 +84,20 @@ def _batch(rank: int, step: int, width: int) -> Any:
     return torch.randn(BATCH, width, generator=g), torch.randn(BATCH, width, generator=g)
 
 
+def _kind(name: str) -> tuple[str, bool, float | None]:
+    """``"gradsync_thread@4"`` -> ("gradsync", True, 4.0): the sync, backward in a thread, bucket MiB."""
+    base, _, mb = name.partition("@")
+    thread = base.endswith("_thread")
+    return base.removesuffix("_thread"), thread, float(mb) if mb else None
+
+
+def _reference(name: str, names: list[str]) -> str:
+    """The DDP variant ``name`` is compared with: same backward style and bucket size, else ``ddp``."""
+    _, thread, mb = _kind(name)
+    ref = "ddp" + ("_thread" if thread else "") + (f"@{mb:g}" if mb is not None else "")
+    return ref if ref in names else "ddp"
+
+
 class _Variant:
     """One model copy, its optimizer and its way of synchronising gradients."""
 
@@ -76,19 +110,36 @@ class _Variant:
         import asynccoll as ac
 
         self.name = name
+        self.kind, self.thread, mb = _kind(name)
         self.model = copy.deepcopy(base)
         self.comm = comm
         self.forward = self.model
         self.sync: Any = None
-        if name == "ddp":
-            self.forward = DDP(self.model)
-        elif name.startswith("gradsync"):
-            if ":" in name:  # tuning: "gradsync:4" is GradSync with bucket_mb=4
-                bucket_mb = float(name.split(":", 1)[1])
-            self.sync = ac.GradSync(comm, self.model, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        self.ddp: Any = None
+        if self.kind == "ddp":
+            self.forward = self.ddp = DDP(self.model, bucket_cap_mb=mb) if mb is not None else DDP(self.model)
+        elif self.kind.startswith("gradsync"):
+            self.sync = ac.GradSync(
+                comm, self.model, bucket_mb=mb if mb is not None else bucket_mb, first_bucket_mb=first_bucket_mb
+            )
         self.params = list(self.model.parameters())
         self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9)
         self.times: list[float] = []
+        self.cpu: list[float] = []  # this process's CPU time per step, every thread
+
+    def bucket_mb(self) -> list[float] | None:
+        """The bucket sizes in use (MiB), in reduction order where known."""
+        if self.sync is not None:
+            return [b / 2**20 for b in self.sync.bucket_sizes]
+        if self.ddp is not None:
+            data = self.ddp._get_ddp_logging_data()
+            # After its first step DDP rebuilds its buckets in gradient-ready order;
+            # "bucket_sizes" keeps the construction-time ones (measured: one 24 MiB
+            # bucket for 6 x Linear(1024) at bucket_cap_mb=4, then six of 4 MiB).
+            sizes = data.get("rebuilt_bucket_sizes", data.get("bucket_sizes"))
+            if isinstance(sizes, str):  # torch logs them as "a, b, ..." (bytes)
+                return [int(x) / 2**20 for x in sizes.split(",") if x.strip()]
+        return None
 
     async def step(self, x: Any, y: Any) -> None:
         import torch
@@ -96,11 +147,11 @@ class _Variant:
         import asynccoll as ac
 
         loss = torch.nn.functional.mse_loss(self.forward(x), y)
-        if self.name.startswith("gradsync_thread"):
+        if self.thread:
             await asyncio.to_thread(loss.backward)
         else:
             loss.backward()
-        if self.name.startswith("gradsync_opt"):
+        if self.kind == "gradsync_opt":
             await self.sync.wait(self.opt)  # optimizer stepped bucket by bucket
             self.opt.zero_grad()
             return
@@ -132,28 +183,37 @@ async def _bench_model(comm: Any, dist: Any, model: str, args: argparse.Namespac
             await comm.barrier()
             for _ in range(args.steps):
                 x, y = _batch(comm.rank, step_no[v.name], width)
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 await v.step(x, y)
                 v.times.append(time.perf_counter() - t0)
+                v.cpu.append(time.process_time() - c0)
                 step_no[v.name] += 1
-    # Same data, same number of steps: every variant must end with the same parameters.
-    ref = variants[0]
+    # Same data, same number of steps: every synchronising variant ends with the same parameters.
+    synced = [v for v in variants if v.kind != "local"]
+    ref = synced[0]
     worst = 0.0
-    for v in variants[1:]:
+    for v in synced[1:]:
         for a, b in zip(v.params, ref.params):
             worst = max(worst, float((a.detach() - b.detach()).abs().max()))
     if worst > 1e-4:
         raise AssertionError(f"{model}: variants disagree after training (max |diff| {worst})")
-    ddp_med = statistics.median(next(v.times for v in variants if v.name == "ddp"))
+    names = [v.name for v in variants]
+    med = {v.name: statistics.median(v.times) for v in variants}
+    p10 = {v.name: sorted(v.times)[len(v.times) // 10] for v in variants}
     rows = {}
     for v in variants:
-        med = statistics.median(v.times)
+        ref_name = _reference(v.name, names)
         rows[v.name] = {
-            "median_ms": med * 1e3,
-            "p10_ms": sorted(v.times)[len(v.times) // 10] * 1e3,
+            "median_ms": med[v.name] * 1e3,
+            "p10_ms": p10[v.name] * 1e3,
             "mean_ms": statistics.fmean(v.times) * 1e3,
-            "ratio_vs_ddp": med / ddp_med,
+            "vs": ref_name,
+            "ratio_vs_ddp": med[v.name] / med[ref_name],
+            "ratio_vs_ddp_p10": p10[v.name] / p10[ref_name],
+            "cpu_ms": statistics.median(v.cpu) * 1e3,
+            "cpu_ratio_vs_ddp": statistics.median(v.cpu) / statistics.median(variants[names.index(ref_name)].cpu),
             "steps": len(v.times),
+            "buckets_mb": v.bucket_mb(),
             "times_ms": [t * 1e3 for t in v.times],
         }
     sync = next((v.sync for v in variants if v.sync is not None), None)
@@ -175,6 +235,10 @@ async def _rank_main(rank: int, world_size: int, port: int, args: argparse.Names
     import asynccoll as ac
 
     torch.set_num_threads(args.threads)
+    # Threads for asyncio.to_thread(loss.backward) with the same torch thread count (module docstring).
+    asyncio.get_running_loop().set_default_executor(
+        concurrent.futures.ThreadPoolExecutor(2, initializer=torch.set_num_threads, initargs=(args.threads,))
+    )
     store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
     comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
@@ -203,6 +267,7 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, conn:
 
 def run(args: argparse.Namespace, world_size: int = 2) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark, return rank 0's results."""
+    before = machine()
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes, procs = [], []
@@ -227,7 +292,8 @@ def run(args: argparse.Namespace, world_size: int = 2) -> dict[str, Any]:
             if p.is_alive():
                 p.kill()
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
-    return {"world_size": world_size, "cpus": os.cpu_count(), "config": config, "models": results[0]}
+    return {"world_size": world_size, "cpus": os.cpu_count(), "machine": before, "machine_after": machine(),
+            "config": config, "models": results[0]}
 
 
 def _table(res: dict[str, Any]) -> str:
@@ -238,12 +304,17 @@ def _table(res: dict[str, Any]) -> str:
             f"{m['model']}: {m['layers']} x Linear({m['width']}), {m['params_mb']:.1f} MiB of parameters, "
             f"batch {m['batch']}; GradSync buckets (MiB): {buckets}"
         )
-        lines.append(f"  {'variant':<16} {'median ms':>10} {'p10 ms':>8} {'vs DDP':>7} {'steps':>6}")
+        lines.append(f"  {'variant':<20} {'median ms':>10} {'p10 ms':>8} {'vs':>12} {'ratio':>7} {'p10':>7} "
+                     f"{'cpu ms':>7} {'cpu r':>6} {'steps':>6}")
         for name, row in m["variants"].items():
             lines.append(
-                f"  {name:<16} {row['median_ms']:>10.2f} {row['p10_ms']:>8.2f} "
-                f"{row['ratio_vs_ddp']:>7.3f} {row['steps']:>6}"
+                f"  {name:<20} {row['median_ms']:>10.2f} {row['p10_ms']:>8.2f} {row['vs']:>12} "
+                f"{row['ratio_vs_ddp']:>7.3f} {row['ratio_vs_ddp_p10']:>7.3f} {row['cpu_ms']:>7.2f} "
+                f"{row['cpu_ratio_vs_ddp']:>6.3f} {row['steps']:>6}"
             )
+        for name, row in m["variants"].items():
+            if row["buckets_mb"]:
+                lines.append(f"  buckets of {name} (MiB): " + ", ".join(f"{b:.1f}" for b in row["buckets_mb"]))
         lines.append(f"  final parameters agree across variants (max |diff| {m['max_param_diff']:.1e})")
     return "\n".join(lines)
 
@@ -282,9 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per block")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["mlp", "small"])
-    ap.add_argument("--variants", nargs="+", default=["ddp", "gradsync", "gradsync_thread", "naive"],
-                    help="ddp, gradsync, gradsync_thread, gradsync_opt (wait(opt)), naive; "
-                    "gradsync:MB tries another bucket_mb")
+    ap.add_argument("--variants", nargs="+", default=["ddp", "gradsync", "ddp_thread", "gradsync_thread", "local"],
+                    help="ddp, gradsync, gradsync_opt (wait(opt)), naive, local; _thread: backward in a thread; "
+                    "@MB: bucket size (ddp@4 gradsync@4)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--first-bucket-mb", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
@@ -294,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if "ddp" not in args.variants:
         ap.error("--variants must include ddp (the reference)")
+    bad = [v for v in args.variants if _kind(v)[0] not in ("ddp", "gradsync", "gradsync_opt", "naive", "local")]
+    if bad:
+        ap.error(f"unknown variants: {bad}")
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 3, 1
     res = run(args)

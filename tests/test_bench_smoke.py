@@ -22,8 +22,10 @@ HAS_TRIO = importlib.util.find_spec("trio") is not None
 @pytest.mark.timeout(240)
 def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
     core, coal, hot, trio_json = (tmp_path / n for n in ("core.json", "coal.json", "hot.json", "trio.json"))
+    perf = tmp_path / "perf"
     cmds = {
         "core": [sys.executable, "-m", "bench", "--smoke", "--no-plot", "--json", str(core)],
+        "perf": [sys.executable, "-m", "bench.perf", "--smoke", "--out", str(perf)],  # every section
         "coalescing": [sys.executable, "bench/coalescing.py", "--smoke", "--no-plot", "--json", str(coal)],
         "hotpath": [sys.executable, "-m", "bench.hotpath", "--smoke", "--loop", "asyncio", "--json", str(hot)],
     }
@@ -58,6 +60,15 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
     coal_res = json.loads(coal.read_text())
     assert set(coal_res["results"]) == {"separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep"}
     assert coal_res["ratios"]["coalesced/flattened"] > 0 and coal_res["ratios"]["cpu coalesced/torch_cm"] > 0
+
+    perf_res = json.loads((perf / "perf.json").read_text())
+    rows = perf_res["rows"]
+    expected = ["train"] * 8 + ["coalescing"] * 2 + ["latency", "pipelined", "abort", "abort", "host"]
+    assert [r["section"] for r in rows] == expected
+    for r in rows:
+        assert r["measured"] > 0 and r["floor"] > 0 and r["machine"]["cpus"] and len(r["machine"]["loadavg"]) == 3
+        assert r["verdict"] in ("met", "NOT met") or r["verdict"].startswith("no verdict")
+    assert (perf / "perf.md").read_text().count("\n| ") == len(rows) + 1  # header + one line per goal
 
     hot_res = json.loads(hot.read_text())
     assert hot_res["issue"]["comm.all_reduce() call, whole issue"] > 0

@@ -407,12 +407,15 @@ async def _non_flattenable(comm: Any) -> dict[str, Any]:
 
 async def _aborted_in_body(comm: Any) -> str:
     t = torch.ones(2)
+    group = comm.coalescing()
     try:
-        async with comm.coalescing() as group:
+        async with group:
             comm.all_reduce(t)
             comm.abort("test abort")
-    except ac.CommAborted:
-        pass
+    except ac.CommAborted as exc:
+        if not group.works:  # the peer aborted first and its news came before this rank's body
+            assert "aborted by rank" in str(exc), repr(exc)
+            return str(comm.state)
     else:
         raise AssertionError("exiting a batch of an aborted communicator did not raise")
     (w,) = group.works
@@ -430,7 +433,75 @@ async def _single_op(comm: Any) -> list[tuple[str, int]]:
     return spy.calls
 
 
+async def _member_views(comm: Any) -> dict[str, Any]:
+    """A batch's members are light Works over one pending entry: each keeps its own
+    seq, result, callback and blocking wait."""
+    import threading
+
+    ts = [torch.full((3,), float(comm.rank + i)) for i in range(3)]
+    if comm.rank == 1:
+        await anyio.sleep(0.3)  # rank 0's batch stays in flight meanwhile
+    async with comm.coalescing(wait=False) as group:
+        for t in ts:
+            comm.all_reduce(t)
+    a, b, c = group.works
+    in_flight = comm.pending
+    seen: list[Any] = []
+    b.add_done_callback(seen.append)
+    blocked: list[Any] = []
+    thread = threading.Thread(target=lambda: blocked.append(c.wait(20)))
+    thread.start()
+    results = await group
+    await anyio.to_thread.run_sync(thread.join, 20)
+    ws = comm.world_size
+    for i, t in enumerate(ts):
+        _check(f"member {i}", t, torch.full((3,), float(sum(r + i for r in range(ws)))))
+    assert results[0] is ts[0] and await a is ts[0] and blocked == [ts[2]] and a.done() and b.result() is ts[1]
+    for _ in range(100):  # the callback runs on the loop that added it
+        if seen:
+            break
+        await anyio.sleep(0.01)
+    assert seen == [b], seen
+    assert [w.seq for w in group.works] == [a.seq, a.seq + 1, a.seq + 2]
+    return {"in_flight": in_flight, "pending_after": comm.pending}
+
+
+async def _batch_deadline(comm: Any) -> list[str]:
+    """A batch has ONE deadline: its first pending member times out, the others abort."""
+    if comm.rank == 1:  # never joins; the abort is rank 0's alone
+        await anyio.sleep(1.5)
+        return []
+    async with comm.coalescing(wait=False) as group:
+        comm.all_reduce(torch.ones(2))
+        comm.broadcast(torch.ones(3), 0, timeout=0.4)  # the batch's deadline: its shortest timeout
+        comm.all_reduce(torch.ones(4))
+    out = []
+    for w in group.works:
+        with pytest.raises(ac.CommAborted if out else ac.CollectiveTimeout) as info:
+            await w
+        exc = info.value
+        if out:
+            assert isinstance(exc.__cause__, ac.CollectiveTimeout), repr(exc.__cause__)
+        else:
+            assert exc.seq == group.works[0].seq and exc.op == "all_reduce", (exc.seq, exc.op)
+        out.append(type(exc).__name__)
+    assert comm.state == "aborted" and comm.pending == 0
+    return out
+
+
 # ------------------------------------------------------------------- tests
+@pytest.mark.parametrize("loop", LOOPS)
+def test_members_are_views_over_one_pending_entry(loop: str) -> None:
+    results = run_ranks(_member_views, world_size=2, timeout=RUN_TIMEOUT, loop=loop)
+    assert results[0] == {"in_flight": 1, "pending_after": 0}  # rank 1 was late: in flight as ONE op
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_batch_deadline_times_out_first_member_and_aborts_the_rest(loop: str) -> None:
+    results = run_ranks(_batch_deadline, world_size=2, timeout=RUN_TIMEOUT, loop=loop)
+    assert results[0] == ["CollectiveTimeout", "CommAborted", "CommAborted"]
+
+
 @pytest.mark.parametrize("world_size,loop", RUNS)
 def test_mixed_batch_is_flattened_and_correct(world_size: int, loop: str) -> None:
     results = run_ranks(_mixed_batch, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop)

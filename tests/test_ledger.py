@@ -92,6 +92,31 @@ def test_deadline_service_fires_each_live_entry_once_under_concurrent_adds() -> 
     client.close()
 
 
+def test_in_order_deadlines_share_one_heap_entry_and_a_shorter_one_is_not_delayed() -> None:
+    """Deadlines added in order queue in the client's FIFO (one heap entry for all);
+    a shorter timeout added after them fires first, from the heap; settled entries
+    do not pile up."""
+    service = DeadlineService(name="test-deadlines-fifo")
+    target = _Target()
+    client = service.client(target)
+    target.live.update(range(1, 6))
+    start = time.monotonic()
+    for seq in range(1, 5):
+        client.add(seq, 0.4)
+    assert len(service) == 1  # four deadlines, one entry in the shared heap
+    client.add(5, 0.05)  # shorter: out of the FIFO's order
+    assert len(service) == 2
+    assert target.done.wait(5.0), f"deadlines lost: fired {target.fired}"
+    assert target.fired[0] == 5 and sorted(target.fired[1:]) == [1, 2, 3, 4], target.fired
+    assert time.monotonic() - start >= 0.4
+    # Many ops that settle at once: the FIFO keeps only the live ones.
+    target.done.clear()
+    for seq in range(100, 10_100):
+        client.add(seq, 60.0)  # none is live: each settled at once
+    assert len(client._fifo) <= 2048, len(client._fifo)  # type: ignore[attr-defined]
+    client.close()
+
+
 def test_deadline_service_thread_ends_when_no_client_is_left() -> None:
     service = DeadlineService(name="test-deadlines-end")
     target = _Target()

@@ -1,18 +1,20 @@
 """What every backend shares: error translation, the integer-AVG fix-up, and the
 ordered completion thread.
 
-Completion discipline (every backend): an op is an *ordered thing to wait on* —
-a torch Work (``wait()``), a CUDA event (``synchronize()``) — queued at submit in
-issue order. One :class:`Completer` thread per queue waits on them in that order
-and reports each outcome to the backend's sink (the communicator's ledger).
-Successes are reported in batches, and always before the thread blocks again, so
-a burst of completions costs each event loop one wake-up while the waiting thread
-never holds finished Works back.
+Completion discipline (the torch-group backends): an op is an *ordered thing to
+wait on* — a torch Work — queued at submit in issue order in a :class:`Completer`,
+which reports each outcome to the backend's sink (the communicator's ledger). The
+op's outcome is collected by whoever needs it first: the thread that awaits it or
+asks about it, when the op has already finished (no thread hop), else the
+Completer's thread, which waits on the ops in order. Successes are reported in
+batches, and always before a thread blocks again, so a burst of completions costs
+each event loop one wake-up.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import queue
 import sys
@@ -93,17 +95,39 @@ def avg_fixup(op: ReduceOp, out: torch.Tensor, world_size: int) -> tuple[ReduceO
 
 
 class Completer:
-    """One thread that waits on ordered things and reports their outcomes.
+    """The ops of one ordered queue, and the thread that waits on them when someone must.
 
-    ``watch(waitable, target, fixup)``: after everything queued before it,
-    ``wait(waitable)`` is called on this thread; on success ``fixup()`` (if any)
-    runs and ``target`` succeeds; on an exception, ``on_error(exc, target)``
-    returns the error to fail it with. Started lazily, stopped by :meth:`stop`.
+    ``watch(waitable, target, fixup)`` (at submit, in issue order) appends the op to
+    a FIFO and wakes nobody. An op's outcome is collected — ``wait(waitable)``, then
+    ``fixup()`` (if any) on success, then ``target`` reported to the sink — by
+    whoever needs it first (``Work.set_poke``):
+
+    * a Work someone starts waiting on, or asks about, is poked: the asking thread
+      settles every op at the head of the FIFO that ``is_done`` says has finished
+      (no thread hop: when ops finish before they are awaited — small ops, world
+      size 1, GradSync's buckets during backward — the thread is never woken);
+    * if the awaited op has not finished, the thread is rung: it waits on the head
+      ops in order (``wait`` releases the GIL) until the FIFO is empty, reporting
+      successes in batches (at most ``batch``, and always before it blocks), so a
+      burst costs each event loop one wake-up;
+    * a FIFO that grows past ``backlog`` (ops nobody waits on) rings the thread to
+      settle what has finished, so memory and kept tensors stay bounded;
+    * the deadline service pokes an op before it expires it.
+
+    A failure found on an asking thread is handed to the thread (the abort it
+    causes tells the peers and may write files: never on an event loop). With
+    ``eager`` every op rings the thread at once and only the thread ever calls
+    ``wait``: ops that finish only inside ``wait()`` (Gloo's send and recv) must be
+    waited on by someone, and exactly once (``is_completed()`` turns true when the
+    thread's wait returns; a second wait() on the same send or recv never returns).
+    Started lazily, stopped by :meth:`stop`.
     """
 
     _STOP = object()
     #: Successes reported together at most (bounds each loop's batch of settles).
     batch = 64
+    #: Ops in the FIFO beyond which the thread is rung to settle what has finished.
+    backlog = 64
 
     def __init__(
         self,
@@ -112,73 +136,201 @@ class Completer:
         wait: Callable[[Any], object],
         is_done: Callable[[Any], bool],
         on_error: Callable[[BaseException, Target], BaseException],
+        *,
+        eager: bool = False,
     ) -> None:
         self._name = name
+        self._eager = eager
         self._sink = sink
         self._wait = wait
         self._is_done = is_done
         self._on_error = on_error
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # [waitable, target, fixup], in issue order; popped under ``_claim`` only.
+        self._fifo: collections.deque[list[Any]] = collections.deque()
+        self._claim = threading.Lock()
+        # Ops popped by an asking thread whose wait() or fix-up raised: (target, exc).
+        self._failed: collections.deque[tuple[Target, BaseException]] = collections.deque()
+        # Rings: True = someone waits (wait on the head), False = settle what finished.
+        self._bell: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._limit = self.backlog
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._stopped = False
+        self.poke = self._poke  # one bound method, handed to every Work
 
     @property
     def thread(self) -> threading.Thread | None:
         return self._thread
 
     def watch(self, waitable: Any, target: Target, fixup: Callable[[], object] | None = None) -> None:
+        fifo = self._fifo
+        fifo.append([waitable, target, fixup])
+        target.set_poke(self.poke)
+        if self._eager:
+            self._ring(True)
+        elif len(fifo) >= self._limit:
+            self._limit = 2 * len(fifo)
+            self._ring(False)
+
+    def _poke(self, ring: bool) -> None:
+        """A Work's poke (``Work.set_poke``): settle what finished, here; or ring."""
+        if ring:
+            self._ring(True)
+            return
+        if self._eager:  # only its thread waits: a second wait() on a Gloo send/recv blocks for good
+            return
+        fifo = self._fifo
+        if fifo and self._is_done(fifo[0][0]):  # the common "nothing finished yet" costs one call
+            self._reap()
+
+    def _ring(self, urgent: bool) -> None:
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None and not self._stopped:
                     self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                     self._thread.start()
-        self._queue.put((waitable, target, fixup))
+        self._bell.put(urgent)
 
     def stop(self, join_timeout: float = 0.0) -> None:
-        """Stop after the wait in progress; queued items are dropped (their Works
-        were failed by the ledger's abort, or all are done at close)."""
+        """Stop after the wait in progress; queued ops are dropped (their Works were
+        failed by the ledger's abort, or all are done at close)."""
         with self._start_lock:
             self._stopped = True
             thread = self._thread
-        self._queue.put((self._STOP, None, None))
+        self._bell.put(self._STOP)
         if join_timeout and thread is not None and thread is not threading.current_thread():
             thread.join(join_timeout)
 
-    def _run(self) -> None:
-        get, empty = self._queue.get, self._queue.empty
-        wait, is_done, on_error, sink = self._wait, self._is_done, self._on_error, self._sink
+    def _take(self) -> list[Any] | None:
+        """Pop the head op if it has finished (None: empty, or the head still runs)."""
+        fifo = self._fifo
+        with self._claim:
+            if not fifo or self._failed:
+                return None
+            item = fifo[0]
+            if not self._is_done(item[0]):
+                return None
+            fifo.popleft()
+        return item
+
+    def _finish(self, item: list[Any]) -> BaseException | None:
+        """Collect a popped op's outcome (its wait returns at once): None on success."""
+        try:
+            self._wait(item[0])
+            if item[2] is not None:
+                item[2]()
+        except Exception as exc:  # noqa: BLE001 - any failure of the wait or fix-up fails this op
+            return exc
+        return None
+
+    def _reap(self) -> None:
+        """Settle, on the calling thread, the finished ops at the head of the FIFO."""
         ready: list[Target] = []
-        while True:
-            waitable, target, fixup = get()
-            if waitable is self._STOP:
-                return
-            if ready and not is_done(waitable):
-                sink().succeed_all(ready)  # about to block: report what is done first
+        while not self._stopped:
+            item = self._take()
+            if item is None:
+                break
+            error = self._finish(item)
+            if error is not None:
+                self._failed.append((item[1], error))  # the thread reports it, after ``ready``
+                if ready:
+                    self._sink().succeed_all(ready)
+                    ready = []
+                self._ring(True)
+                break
+            ready.append(item[1])
+            if len(ready) >= self.batch:
+                self._sink().succeed_all(ready)
                 ready = []
-            error: BaseException | None = None
-            try:
-                wait(waitable)
-                if fixup is not None:
-                    fixup()
-            except Exception as exc:  # noqa: BLE001 - any failure of the wait or fix-up fails this op
-                error = exc
+        if ready:
+            self._sink().succeed_all(ready)
+
+    def _run(self) -> None:
+        get, bell = self._bell.get, self._bell
+        while True:
+            urgent = get()
+            if urgent is self._STOP or self._stopped:
+                return
+            self._drain(bool(urgent))
+            # Hold no torch Work here between rings: its destructor retakes the GIL,
+            # which aborts the process if it runs on a daemon thread during
+            # interpreter shutdown.
+            while not bell.empty() and not self._stopped:  # rings that came during the drain
+                urgent = bell.get()
+                if urgent is self._STOP:
+                    return
+                self._drain(bool(urgent))
+
+    def _drain(self, urgent: bool) -> None:
+        """Settle ops in order; while ``urgent``, wait for unfinished ones, until the FIFO is empty."""
+        fifo, claim, wait, is_done, sink = self._fifo, self._claim, self._wait, self._is_done, self._sink
+        ready: list[Target] = []
+        while not self._stopped:
+            if self._failed:
+                if ready:
+                    sink().succeed_all(ready)
+                    ready = []
+                target, exc = self._failed.popleft()
+                sink().fail(target, self._on_error(exc, target))
+                continue
+            with claim:
+                if not fifo:
+                    break
+                item = fifo[0]
+                done = is_done(item[0])
+                if done:
+                    fifo.popleft()
+            if done:
+                error = self._finish(item)
+            else:
+                if not urgent:
+                    urgent = self._rung_meanwhile()
+                    if not urgent:
+                        break  # nobody waits: a poke, a ring or the backlog comes back here
+                if ready:
+                    sink().succeed_all(ready)  # about to block: report what is done first
+                    ready = []
+                error = None
+                try:
+                    wait(item[0])  # Gloo's send/recv finish only inside wait()
+                except Exception as exc:  # noqa: BLE001 - any failure of the wait fails this op
+                    error = exc
+                with claim:
+                    if not fifo or fifo[0] is not item:
+                        continue  # an asking thread settled it meanwhile
+                    fifo.popleft()
+                if error is None and item[2] is not None:
+                    try:
+                        item[2]()
+                    except Exception as exc:  # noqa: BLE001 - a failed fix-up fails this op
+                        error = exc
             if error is not None:
                 if ready:
                     sink().succeed_all(ready)
                     ready = []
-                sink().fail(target, on_error(error, target))
+                sink().fail(item[1], self._on_error(error, item[1]))
             else:
-                ready.append(target)
-                # Reported as soon as nothing else is queued (measured: the cheapest
-                # test on the critical path), or when the batch is full.
-                if len(ready) >= self.batch or empty():
+                ready.append(item[1])
+                if len(ready) >= self.batch:
                     sink().succeed_all(ready)
                     ready = []
-            # Drop the torch Work here, after reporting and before the next get(): its
-            # destructor retakes the GIL, which aborts the process if it runs on a
-            # daemon thread during interpreter shutdown.
-            del waitable, target, fixup, error
+            del item
+        if ready:
+            sink().succeed_all(ready)
+        if not fifo:
+            self._limit = self.backlog
+
+    def _rung_meanwhile(self) -> bool:
+        """Consume rings that came while draining; True if one asked to wait."""
+        bell = self._bell
+        urgent = False
+        while not bell.empty():
+            token = bell.get()
+            if token is self._STOP:
+                self._stopped = True
+                return False
+            urgent = urgent or bool(token)
+        return urgent
 
 
 # ----------------------------------------------------------------- exit guard

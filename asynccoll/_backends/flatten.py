@@ -67,6 +67,8 @@ def flat_key(spec: OpSpec) -> tuple[Any, ...] | None:
 
 def plan(specs: Sequence[OpSpec]) -> list[list[int]]:
     """Indices of ``specs`` per collective to issue, in issue order (module docstring)."""
+    if _alike(specs):
+        return [list(range(len(specs)))]  # the common batch: one flat all_reduce
     steps: list[list[int]] = []
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, spec in enumerate(specs):
@@ -81,6 +83,20 @@ def plan(specs: Sequence[OpSpec]) -> list[list[int]]:
         else:
             members.append(i)
     return steps
+
+
+def _alike(specs: Sequence[OpSpec]) -> bool:
+    """Every spec an all_reduce with the first one's reduce op, dtype and device."""
+    first = specs[0]
+    if first.kind is not _AR:
+        return False
+    rop, t0 = first.reduce_op, first.tensor
+    dtype, device = t0.dtype, t0.get_device()
+    for spec in specs:
+        t = spec.tensor
+        if spec.kind is not _AR or spec.reduce_op is not rop or t.dtype is not dtype or t.get_device() != device:
+            return False
+    return True
 
 
 def submit_batch(backend: Backend, specs: Sequence[OpSpec], works: Sequence[Work], rank: int, world_size: int) -> None:
@@ -126,9 +142,9 @@ def _flatten(specs: list[OpSpec], works: list[Work], rank: int, ws: int) -> tupl
     """One flat spec standing for ``specs``, and the Bundle of ``works`` it settles."""
     first = specs[0]
     kind = first.kind
-    timeout = max(s.timeout for s in specs)
-    t0 = first.tensor
     tensors = [s.tensor for s in specs]
+    timeout = max([s.timeout for s in specs])
+    t0 = first.tensor
     copy_back: Callable[[], None] | None
     keep: Any
     if kind is OpKind.ALL_REDUCE or kind is OpKind.BROADCAST:

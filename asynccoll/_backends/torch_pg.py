@@ -1,15 +1,18 @@
 """Backend over a torch ``ProcessGroup`` object: Gloo, or any group given to ``wrap()``.
 
-Completion follows the common discipline (``common.Completer``): one thread waits
-on collectives in issue order (Gloo runs them in that order). Point-to-point ops
-get a second one, started only when the first send or recv is issued: Gloo's send
-and recv works complete only inside ``wait()`` (``is_completed()`` never turns
-true by itself, and they have no future), so a pending recv must not stand in
-front of collectives whose completion a peer may be waiting for.
+Completion follows the common discipline (``common.Completer``): collectives are
+queued in issue order (Gloo runs them in that order) and settled by whoever asks
+first, or by a thread that waits on them in order. Point-to-point ops get a queue
+of their own whose thread waits on each at once (started with the first send or
+recv): Gloo's send and recv works complete only inside ``wait()``
+(``is_completed()`` never turns true by itself, and they have no future), so a
+pending recv must not stand in front of collectives whose completion a peer may
+be waiting for.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -33,12 +36,9 @@ _TORCH_OPS = {
 }
 
 
-def _wait(torch_work: Any) -> None:
-    torch_work.wait()
-
-
-def _is_done(torch_work: Any) -> bool:
-    return bool(torch_work.is_completed())
+# C-level callers (no Python frame per op): ``work.wait()``, ``work.is_completed()``.
+_wait = operator.methodcaller("wait")
+_is_done = operator.methodcaller("is_completed")
 
 
 class TorchGroupBackend(Backend):
@@ -61,7 +61,8 @@ class TorchGroupBackend(Backend):
         self._world_size = world_size
         self._timeout = timeout
         self._waiter = self._completer(f"asynccoll-{name}-waiter")
-        self._p2p_waiter = self._completer(f"asynccoll-{name}-p2p-waiter")
+        # Gloo's send and recv finish only inside wait(): that thread waits on each at once.
+        self._p2p_waiter = self._completer(f"asynccoll-{name}-p2p-waiter", eager=True)
         self._aborted = False
         #: Set by the communicator: names the ranks that failed (heartbeat census).
         self.census: Callable[[], tuple[int, ...]] | None = None
@@ -84,8 +85,8 @@ class TorchGroupBackend(Backend):
                 self._opts_cache[key] = opts
         return opts
 
-    def _completer(self, name: str) -> Completer:
-        return Completer(name, lambda: self.sink, _wait, _is_done, self._error)
+    def _completer(self, name: str, eager: bool = False) -> Completer:
+        return Completer(name, lambda: self.sink, _wait, _is_done, self._error, eager=eager)
 
     def _reduce(
         self, spec: OpSpec, tensor: torch.Tensor, result: torch.Tensor | None = None

@@ -19,10 +19,21 @@ examines the heap is never popped in place of another one.
 
 Clients hold their ledger weakly, and the thread ends when no client is left, so
 nothing here keeps a communicator (or a thread) alive after it is gone.
+
+The common case costs no lock and no heap push: a client's deadlines usually come
+in order (every op with the same timeout, issued one after another), so each
+client keeps them in a FIFO of its own and only its head sits in the shared heap
+(under a negative seq: the arming's generation, so an entry armed before the
+latest one is dead). When that entry comes due the client expires what is due in
+its FIFO and arms its next head. A deadline earlier than the
+FIFO's last one (a shorter per-op timeout) goes into the heap as itself. The FIFO
+drops settled entries from its head as it grows, and is rebuilt from the live
+ones when it holds more than twice as many as are live.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -139,21 +150,57 @@ class DeadlineService:
 
 
 class DeadlineClient:
-    """One ledger's handle on the shared :class:`DeadlineService`."""
+    """One ledger's handle on the shared :class:`DeadlineService` (see the module docstring)."""
 
-    __slots__ = ("_service", "_target", "__weakref__")
+    __slots__ = ("_service", "_target", "_fifo", "_lock", "_limit", "_gen", "__weakref__")
 
     def __init__(self, service: DeadlineService, target: Expirable) -> None:
         self._service = service
         self._target = weakref.ref(target)
+        self._fifo: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()  # guards the FIFO (uncontended: its ledger's lock is held)
+        self._limit = 1024
+        self._gen = 0  # the FIFO head's arming: its heap entry is seq -_gen
 
     def add(self, seq: int, timeout: float, deadline: float | None = None) -> None:
         """Expire ``seq`` ``timeout`` seconds from now (or at ``deadline``, monotonic)."""
         if deadline is None:
             deadline = time.monotonic() + timeout
-        self._service._add(self, seq, timeout, deadline)
+        fifo = self._fifo
+        with self._lock:
+            if not fifo or deadline >= fifo[-1][0]:
+                fifo.append((deadline, seq))
+                if len(fifo) == 1:
+                    self._arm(timeout, deadline)
+                elif len(fifo) > self._limit:
+                    self._trim()
+                return
+        self._service._add(self, seq, timeout, deadline)  # out of order: the heap
+
+    def _arm(self, timeout: float, deadline: float) -> None:
+        """Put the FIFO's head in the shared heap (an earlier arming is dead from now on).
+        Caller holds ``_lock``."""
+        self._gen += 1
+        self._service._add(self, -self._gen, timeout, deadline)
+
+    def _trim(self) -> None:
+        """Drop settled entries: from the head, and all of them if that is not enough.
+        Caller holds ``_lock``."""
+        target = self._target()
+        if target is None:
+            return
+        fifo = self._fifo
+        while fifo and not target.is_live(fifo[0][1]):
+            fifo.popleft()
+        if len(fifo) > self._limit // 2:
+            live = [e for e in fifo if target.is_live(e[1])]
+            fifo.clear()
+            fifo.extend(live)
+        self._limit = max(1024, 2 * len(fifo))
 
     def is_live(self, seq: int) -> bool:
+        if seq < 0:  # the FIFO's head entry: live if it is the latest arming
+            return -seq == self._gen and bool(self._fifo)
         target = self._target()
         return target is not None and target.is_live(seq)
 
@@ -161,13 +208,37 @@ class DeadlineClient:
         target = self._target()
         if target is None:
             return
+        if seq < 0:
+            self._fire_fifo(target)
+            return
+        self._expire(target, seq)
+
+    @staticmethod
+    def _expire(target: Expirable, seq: int) -> None:
         try:
             target.expired(seq)
         except Exception as exc:  # noqa: BLE001 - the shared timer must survive a failing handler
             threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
 
+    def _fire_fifo(self, target: Expirable) -> None:
+        """The FIFO's head came due (timer thread): expire what is due, arm the rest."""
+        due = []
+        with self._lock:
+            fifo = self._fifo
+            now = time.monotonic()
+            while fifo and (fifo[0][0] <= now or not target.is_live(fifo[0][1])):
+                deadline, seq = fifo.popleft()
+                if deadline <= now:
+                    due.append(seq)
+            if fifo:
+                self._arm(math.inf, fifo[0][0])  # an infinite "timeout": the service's horizon stays
+        for seq in due:
+            if target.is_live(seq):
+                self._expire(target, seq)
+
     def close(self) -> None:
         """Drop this client's entries; the thread ends once no client is left."""
+        self._fifo.clear()
         self._service._forget(self)
 
 

@@ -40,13 +40,15 @@ runs the same program.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any, Generator
 
 from .._base.aio import current_task as _current_task
 from .._base.errors import InvalidArgument
 from .._base.ops import OpSpec
 from .ledger import Ledger, State
-from .work import Bundle, Work
+from .work import BatchWork, Bundle, MemberWork, Work
 
 if TYPE_CHECKING:
     from .backend import Backend
@@ -55,33 +57,46 @@ if TYPE_CHECKING:
 _NEW, _OPEN, _EXITED = 0, 1, 2
 
 
+_get_running_loop = asyncio._get_running_loop
+_asyncio_task = asyncio.current_task
+
+
 class Batch:
-    """The ops one task recorded inside one ``coalescing()`` body, in call order."""
+    """The ops one task recorded inside one ``coalescing()`` body, in call order.
 
-    __slots__ = ("task", "open", "backends", "specs", "works")
+    Its members are light Works (``work.MemberWork``) over ONE pending entry,
+    ``head`` (``work.BatchWork``): one deadline, one ledger entry, one settle.
+    """
 
-    def __init__(self, task: object) -> None:
+    __slots__ = ("task", "loop", "open", "backends", "specs", "works", "head")
+
+    def __init__(self, task: object, loop: asyncio.AbstractEventLoop | None) -> None:
         self.task = task
+        self.loop = loop  # the task's asyncio loop; None under trio
         self.open = True
         self.backends: list[Backend] = []
         self.specs: list[OpSpec] = []
-        self.works: list[Work] = []
+        self.works: list[MemberWork] = []
+        self.head: BatchWork | None = None  # opened by the first member
 
-    def add(self, backend: Backend, spec: OpSpec, work: Work) -> bool:
-        """Record an op; False if it is not this batch's to take (issue it normally).
+    def takes(self) -> bool:
+        """Whether an op issued now is this batch's to record (else it is issued normally).
 
         Called by the communicator with its lock held, for every op issued while the
-        ContextVar holds this batch.
+        ContextVar holds this batch: the body still runs, and the caller is its task.
         """
-        try:
-            if not self.open or _current_task() is not self.task:
-                return False
-        except RuntimeError:  # no running loop: a thread that inherited the context
+        if not self.open:
             return False
+        loop = self.loop
+        if loop is not None:  # asyncio: this thread runs the loop, and the loop runs the task
+            return _get_running_loop() is loop and _asyncio_task(loop) is self.task
+        return _current_task() is self.task  # trio (None on a thread outside it)
+
+    def record(self, backend: Backend, spec: OpSpec, work: MemberWork) -> None:
+        self.head = work._batch
         self.backends.append(backend)
         self.specs.append(spec)
         self.works.append(work)
-        return True
 
 
 class CoalescingGroup:
@@ -133,7 +148,7 @@ class CoalescingGroup:
             raise InvalidArgument("comm.coalescing() does not nest within one task")
         if ledger.state is not State.OK or ledger.closing:
             raise ledger.unusable()
-        self._batch = batch = Batch(task)
+        self._batch = batch = Batch(task, _get_running_loop())
         self._token = ledger.batch.set(batch)
         self._state = _OPEN
         return self
@@ -158,8 +173,14 @@ class CoalescingGroup:
             return None
         self._submit()
         if self._wait:
-            for work in batch.works:
-                await work
+            head = batch.head
+            if head is not None and not head.done():
+                with contextlib.suppress(Exception):  # the members' own outcomes are raised below
+                    await head  # the one wait of the whole batch
+            if head is None or head.exception() is not None:  # a success wrote success into every member
+                for work in batch.works:  # in call order: the first failure is raised
+                    if (exc := work.exception()) is not None:
+                        raise exc
         return None
 
     def _discard(self, exc: BaseException) -> None:
@@ -185,8 +206,8 @@ class CoalescingGroup:
                 ledger.discard(works)
                 ledger.fail_unissued(works, unusable)
                 raise unusable
-            # One deadline for the batch: the shortest member timeout, the same
-            # instant for every member; the first to expire aborts the rest.
+            # One deadline for the batch (its one pending entry): the shortest member
+            # timeout; on expiry its first pending member times out, the rest abort.
             ledger.commit_all(works, min(s.timeout for s in specs))
             try:
                 order = dict.fromkeys(backends)
@@ -202,7 +223,7 @@ class CoalescingGroup:
             # Part of the batch may have started on this rank, and the peers will not
             # agree on what follows: the batch fails, which aborts the communicator
             # (as any failed op does).
-            unsettled = [w for w in works if not w.done()]
+            unsettled: list[Work] = [w for w in works if not w.done()]
             if unsettled:
                 ledger.fail(Bundle(unsettled, "coalesced batch"), error)
             raise error

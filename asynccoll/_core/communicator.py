@@ -24,6 +24,7 @@ from .state import broadcast_state as _broadcast_state
 from .work import Work
 
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
+_ALL_REDUCE = OpKind.ALL_REDUCE
 
 
 class Communicator:
@@ -140,19 +141,22 @@ class Communicator:
     ) -> Work:
         spec.timeout = self.timeout if timeout is None else validate.timeout(timeout, self.timeout)
         ledger = self._ledger
+        batch = ledger.batch.get()
         with ledger.lock:
-            work = ledger.reserve(_OP_NAMES[spec.kind], value, keep)
-            batch = ledger.batch.get()
-            if batch is not None and batch.add(backend, spec, work):
-                ledger.issued(work, spec, batch.works[0].seq)
-                return work  # issued, with its deadline, when the batch exits
-            ledger.issued(work, spec)
+            if batch is not None and batch.takes():  # recorded; issued, with its deadline, when the batch exits
+                member = ledger.reserve_member(_OP_NAMES[spec.kind], value, keep, batch.head, spec)
+                batch.record(backend, spec, member)
+                return member
+            work = ledger.reserve(_OP_NAMES[spec.kind], value, keep, spec)
             try:
                 backend.submit(spec, work)
             except BaseException:
                 ledger.discard((work,))
                 raise
             ledger.commit(work, spec.timeout)
+        # Settle here what already finished before this op (outside the lock): the
+        # completion queue stays short without waking its thread (backends/common.py).
+        work.done()
         return work
 
     # ------------------------------------------------------------ collectives
@@ -161,8 +165,8 @@ class Communicator:
     ) -> Work:
         """Reduce ``tensor`` across ranks, in place. Work result: ``tensor``."""
         t = validate.tensor(tensor, "tensor")
-        backend = self._backend_for(t)
-        spec = OpSpec(OpKind.ALL_REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.caps))
+        backend = (self._cpu_backend if t.is_cpu else None) or self._backend_for(t)  # the hot path: one call less
+        spec = OpSpec(_ALL_REDUCE, t, None, validate.reduce_op(op, t.dtype, backend.caps))
         return self._issue(backend, spec, t, t, timeout)
 
     def broadcast(self, tensor: Any, src: int, *, timeout: float | None = None) -> Work:

@@ -27,13 +27,12 @@ from __future__ import annotations
 import contextvars
 import enum
 import threading
-import time
 from typing import Any, Callable, Iterable, Sequence
 
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
-from .._base.recorder import FlightRecorder, now
-from .work import _DONE, _FAILED, Bundle, Wakeups, Work
+from .._base.recorder import FlightRecorder, now, outcome
+from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
 
 Target = Work | Bundle
 
@@ -68,17 +67,33 @@ def clone_error(error: BaseException) -> BaseException:
 
 def abort_error(error: BaseException) -> CommAborted:
     """The error a pending Work gets when the communicator aborts because of ``error``."""
-    exc: CommAborted
+    return abort_errors(error)()
+
+
+def abort_errors(error: BaseException) -> Callable[[], CommAborted]:
+    """A maker of :func:`abort_error` s of ``error``: the message is formatted once,
+    and each call returns a fresh exception (one per Work, see :func:`clone_error`)."""
+    cause: BaseException | None
     if isinstance(error, PeerFailure):
-        exc = PeerFailure(str(error), error.ranks)
-        exc.__cause__ = error.__cause__
-    elif isinstance(error, CommAborted):
-        exc = CommAborted(str(error))
-        exc.__cause__ = error.__cause__
+        text, ranks, cause = str(error), error.ranks, error.__cause__
+
+        def make() -> CommAborted:
+            exc = PeerFailure(text, ranks)
+            exc.__cause__ = cause
+            return exc
+
+        return make
+    if isinstance(error, CommAborted):
+        text, cause = str(error), error.__cause__
     else:
-        exc = CommAborted(f"communicator aborted: {error}")
-        exc.__cause__ = error
-    return exc
+        text, cause = f"communicator aborted: {error}", error
+
+    def make_aborted() -> CommAborted:
+        exc = CommAborted(text)
+        exc.__cause__ = cause
+        return exc
+
+    return make_aborted
 
 
 class Ledger:
@@ -128,13 +143,16 @@ class Ledger:
             return exc
         return CommClosed("communicator is closed" if self.state is _CLOSED else "communicator is closing")
 
-    def reserve(self, op: str, value: Any = None, keep: Any = None) -> Work:
-        """The next seq's pending Work. Caller holds ``lock``; raises if unusable."""
+    def reserve(self, op: str, value: Any = None, keep: Any = None, spec: Any = None) -> Work:
+        """The next seq's pending Work, recorded as issued if ``spec`` is given (else see
+        :meth:`issued`). Caller holds ``lock``; raises if unusable."""
         if self.state is not _OK or self.closing:
             raise self.unusable()
         seq = self._seq = self._seq + 1
         work = Work(op, seq, value, keep)
         self.pending[seq] = work
+        if spec is not None:
+            self._recorder.issued(seq, op, spec, now())
         return work
 
     def issued(self, work: Work, spec: Any, batch: int | None = None, root: int = -1) -> None:
@@ -145,12 +163,26 @@ class Ledger:
         """The backend took ``work``: its deadline starts (caller holds ``lock``)."""
         self._deadlines.add(work.seq, timeout, deadline)
 
+    def reserve_member(self, op: str, value: Any, keep: Any, batch: BatchWork | None, spec: Any) -> MemberWork:
+        """The next seq's Work as a member of a coalesced batch (``batch``; None: the
+        first member, which opens the batch's one pending entry), recorded as issued
+        in that batch. Caller holds ``lock``."""
+        if self.state is not _OK or self.closing:
+            raise self.unusable()
+        seq = self._seq = self._seq + 1
+        if batch is None:
+            batch = BatchWork(seq, abort_error)
+            self.pending[seq] = batch
+        work = MemberWork(op, seq, value, keep, batch)
+        batch.members.append(work)
+        self._recorder.issued(seq, op, spec, now(), batch.seq)
+        return work
+
     def commit_all(self, works: Sequence[Work], timeout: float) -> None:
-        """One deadline, the same instant, for every member of a batch."""
-        deadline = time.monotonic() + timeout
-        add = self._deadlines.add
-        for work in works:
-            add(work.seq, timeout, deadline)
+        """A coalesced batch is issued (caller holds ``lock``): its ONE deadline starts."""
+        batch = works[0]._batch  # type: ignore[attr-defined]
+        batch.remaining = len(batch.members)
+        self._deadlines.add(batch.seq, timeout)
 
     def discard(self, works: Sequence[Work]) -> None:
         """Forget Works that were never issued (refused, or a failed coalescing body).
@@ -169,10 +201,13 @@ class Ledger:
             self._recorder.discard(first)  # the seqs will be reused
 
     def fail_unissued(self, works: Sequence[Work], exc: BaseException) -> None:
-        """Settle discarded Works with ``exc`` without aborting anything."""
+        """Settle discarded Works with ``exc`` without aborting anything (and the
+        batches of discarded members: whoever waits on a member waits there)."""
         wake = Wakeups()
         for work in works:
             work._settle(_FAILED, exc, wake)
+        for batch in {id(w._batch): w._batch for w in works if type(w) is MemberWork}.values():
+            batch._settle(_FAILED, exc, wake)
         wake.deliver()
 
     # ----------------------------------------------------------------- settle
@@ -197,10 +232,14 @@ class Ledger:
         wake.deliver()
 
     def _succeed(self, target: Target, value: Any, wake: Wakeups) -> None:
-        if type(target) is Work:
+        kind = type(target)
+        if kind is Work:
             self.pending.pop(target.seq, None)
-            if target._settle(_DONE, value, wake):
+            if target._settle(_DONE, value, wake):  # type: ignore[union-attr]
                 self._recorder.ended(target.seq, "done", now())
+            return
+        if kind is MemberWork:
+            self._members_done(target._batch, 1, wake)  # type: ignore[union-attr]
             return
         assert isinstance(target, Bundle)
         if target.finish is not None:
@@ -212,21 +251,37 @@ class Ledger:
                 self.fail(target, failure)
                 return
         target.keep = None
-        # Last to first: callers await first to last, so the first wake-up finds
-        # every member done.
-        for work in reversed(target.works):
+        works = target.works
+        batch = getattr(works[0], "_batch", None)
+        if batch is not None and all(type(w) is MemberWork and w._batch is batch for w in works):
+            self._members_done(batch, len(works), wake)  # the common case: one count for all
+            return
+        for work in reversed(works):
             self._succeed(work, None, wake)
+
+    def _members_done(self, batch: BatchWork, n: int, wake: Wakeups) -> None:
+        """``n`` members of ``batch`` succeeded; the last report settles the batch."""
+        with batch._lock:
+            batch.remaining -= n
+            last = batch.remaining <= 0
+        if last:
+            self.pending.pop(batch.seq, None)
+            if batch._settle(_DONE, None, wake):
+                ended, t = self._recorder.ended, now()
+                for member in batch.members:
+                    ended(member.seq, "done", t)
 
     def fail(self, target: Target, exc: BaseException) -> None:
         """``target`` failed (any thread): it raises ``exc``; the communicator aborts."""
-        works = [target] if type(target) is Work else list(target.works)  # type: ignore[union-attr]
+        works = [target] if isinstance(target, Work) else list(target.works)
         with self.lock:
             first = self.state is _OK
             if first:
                 self.state = _ABORTED  # before any waiter can see the error
                 self.error = exc if isinstance(exc, CommAborted) else abort_error(exc)
             for work in works:
-                self.pending.pop(work.seq, None)
+                if type(work) is not MemberWork:  # a member's seq may name its batch's entry: that stays
+                    self.pending.pop(work.seq, None)
             others = list(self.pending.values()) if first else []
             if first:
                 self.pending.clear()
@@ -235,7 +290,10 @@ class Ledger:
         for i, work in enumerate(works):
             err = exc if i == 0 else clone_error(exc)
             if work._settle(_FAILED, err, wake):
-                failed(work.seq, err, now())
+                if type(work) is BatchWork:
+                    self._members_failed(work)
+                else:
+                    failed(work.seq, err, now())
         error = self.error if first else None
         if error is not None:
             self._fail_pending(others, error, wake)
@@ -246,14 +304,18 @@ class Ledger:
     def expired(self, seq: int) -> None:
         """The deadline service's report: ``seq`` is past its deadline."""
         work = self.pending.get(seq)
-        if work is not None:
-            self.fail(
-                work,
-                CollectiveTimeout(
-                    f"{work.op} (seq {seq}) on rank {self.rank} did not complete within its deadline",
-                    seq=seq, op=work.op,
-                ),
-            )
+        if work is None or work.done():  # done() settles an op that finished unseen
+            return
+        named: Work = work
+        if type(work) is BatchWork:  # the batch's first pending member is the one that timed out
+            named = next((m for m in work.members if not m.done()), work)
+        self.fail(
+            work,
+            CollectiveTimeout(
+                f"{named.op} (seq {named.seq}) on rank {self.rank} did not complete within its deadline",
+                seq=named.seq, op=named.op,
+            ),
+        )
 
     def abort(self, cause: BaseException) -> bool:
         """Fail every pending Work with ``CommAborted`` (caused by ``cause``).
@@ -276,11 +338,26 @@ class Ledger:
         return True
 
     def _fail_pending(self, works: list[Work], error: BaseException, wake: Wakeups) -> None:
-        failed = self._recorder.failed
+        """Fail every one of ``works`` with its own ``abort_error(error)``: the hot loop
+        of an abort (a thousand waiters), so the message and the recorded outcome are
+        made once for all."""
+        if not works:
+            return
+        make = abort_errors(error)
+        state, text = outcome(make())
+        ended, t = self._recorder.ended, now()
         for work in works:
-            err = abort_error(error)
-            if work._settle(_FAILED, err, wake):
-                failed(work.seq, err, now())
+            if work._settle(_FAILED, make(), wake):
+                if type(work) is BatchWork:
+                    self._members_failed(work)
+                else:
+                    ended(work.seq, state, t, text)
+
+    def _members_failed(self, batch: BatchWork) -> None:
+        """Record how each member of a failed batch ended (its own error, from the fan-out)."""
+        failed, t = self._recorder.failed, now()
+        for member in batch.members:
+            failed(member.seq, member._value, t)
 
     # ------------------------------------------------------------------ close
     def begin_close(self) -> bool:

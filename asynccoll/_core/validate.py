@@ -25,6 +25,7 @@ MAX_TIMEOUT = 1e9
 # Quantized tensors look dense and contiguous, but no backend here moves or reduces
 # them meaningfully (their scale and zero point are not data).
 _QUANTIZED = dtypes("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
+_SUM = ReduceOp.SUM  # a module global: the hot path's check reads no class attribute
 
 
 def tensor(obj: Any, name: str) -> torch.Tensor:
@@ -56,7 +57,7 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
 
 def reduce_op(op: Any, dtype: torch.dtype, table: Capabilities = ANY) -> ReduceOp:
     """``op`` as a ReduceOp that a backend with capabilities ``table`` can apply to ``dtype``."""
-    if op is ReduceOp.SUM and (dtype in table.sum if table.sum is not None else dtype not in _QUANTIZED):
+    if op is _SUM and (dtype in table.sum if table.sum is not None else dtype not in _QUANTIZED):
         return op  # the common case, first
     if dtype in _QUANTIZED:
         raise InvalidArgument(f"quantized tensors ({dtype}) cannot be reduced; reduce a float tensor instead")

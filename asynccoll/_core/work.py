@@ -6,20 +6,31 @@ service, ``abort()`` on any thread). Settling sets the state at once, so every
 waiter — on any event loop, or blocked in ``wait()`` on any thread — sees the
 outcome without depending on the loop that issued the op. Waking is batched by
 the ledger (:class:`Wakeups`): one wake-up per event loop for a whole burst.
+
+A backend that can tell cheaply whether an op has finished installs a *poke*
+(:meth:`Work.set_poke`): whoever starts waiting on a pending Work, or asks whether
+it is done, pokes it first, so that an op which already finished is settled on
+the spot, on the asking thread, without waking the backend's completion thread
+(``_backends/common.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 from typing import Any, Callable, Generator
+
+from .wakeups import Wakeups
 
 _PENDING = 0
 _DONE = 1
 _FAILED = 2
 
 _get_running_loop = asyncio._get_running_loop
+
+__all__ = ["BatchWork", "Bundle", "MemberWork", "Wakeups", "Work"]
 
 
 class Work:
@@ -40,8 +51,12 @@ class Work:
         "_event",
         "_keep",
         "_stream_hook",
+        "_poke",
         "__weakref__",
     )
+
+    #: True for a :class:`BatchWork` (settling it settles its members).
+    _fans_out = False
 
     def __init__(self, op: str, seq: int, value: Any = None, keep: Any = None) -> None:
         self.op = op
@@ -59,6 +74,8 @@ class Work:
         self._event: threading.Event | None = None
         # Set by device backends: makes a stream wait for the op (``wait_stream``).
         self._stream_hook: Callable[[Any], None] | None = None
+        # Set by the backend's completion queue (``set_poke``); None once settled.
+        self._poke: Callable[[bool], None] | None = None
 
     # ------------------------------------------------------------------ settle
     def _settle(self, state: int, value: Any, wake: Wakeups) -> bool:
@@ -69,6 +86,8 @@ class Work:
         with self._lock:
             if self._state != _PENDING:
                 return False
+            if self._fans_out:  # a batch: its members first, before anyone is woken
+                self._fan_out(state, value)
             self._state = state
             if state == _FAILED or value is not None:
                 self._value = value
@@ -76,14 +95,16 @@ class Work:
             callbacks, self._callbacks = self._callbacks, None
             event = self._event
         self._keep = None
+        self._poke = None
         if event is not None:
             event.set()
         if waiters is not None:
+            resolve = (_fail, self._value) if state == _FAILED else (_succeed, self._value)
             for fut in waiters:
                 if type(fut) is _TrioWaiter:
                     wake.add(fut.token, _TrioWaiter.wake, fut)
                 else:
-                    wake.add(fut.get_loop(), _wake, fut)
+                    wake.add(fut.get_loop(), _resolve, (fut, resolve))
         if callbacks is not None:
             for loop, fn in callbacks:
                 if loop is None:
@@ -91,6 +112,9 @@ class Work:
                 else:
                     wake.add(loop, self._run_callback, fn)
         return True
+
+    def _fan_out(self, state: int, value: Any) -> None:
+        """A batch writes its outcome into its members here (:class:`BatchWork`)."""
 
     def _run_callback(self, fn: Callable[[Work], Any]) -> None:
         try:
@@ -106,19 +130,62 @@ class Work:
                     threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None))
                 )
 
+    # ------------------------------------------------------------ backend side
+    def set_poke(self, poke: Callable[[bool], None]) -> None:
+        """Install the backend's poke (called by a backend at submit, any thread).
+
+        ``poke(False)`` settles, on the calling thread, whatever of the backend's
+        queue has already finished; ``poke(True)`` asks the backend's completion
+        thread to wait for what has not. The Work pokes before anyone waits on it
+        while it is pending (``await``, ``wait()``, ``add_done_callback``: both
+        calls) or asks whether it is done (``done()``, ``result()``,
+        ``exception()``: the first only). A Work that someone already waits on
+        when the poke is installed (an op held back and submitted later) is
+        poked at once.
+        """
+        # No lock: the poke is written before the waiters are read, and every waiter
+        # reads the poke after registering, so one of the two sides always pokes.
+        if self._state != _PENDING:
+            return
+        self._poke = poke
+        if self._waiters is not None or self._callbacks is not None or self._event is not None:
+            self._nudge(True)
+
+    def _nudge(self, wait: bool) -> None:
+        """Poke a pending Work: settle it here if it finished; if ``wait`` and it has
+        not, have the backend's completion thread wait for it."""
+        poke = self._poke
+        if poke is None:
+            return
+        poke(False)
+        if wait and self._state == _PENDING:
+            poke(True)
+
     # ------------------------------------------------------------------ public
     def done(self) -> bool:
         """True once the operation finished, successfully or not."""
+        if self._state == _PENDING:
+            poke = self._poke
+            if poke is not None:
+                poke(False)  # settles it here if it finished unseen
         return self._state != _PENDING
 
     def exception(self) -> BaseException | None:
         """The failure, or None on success. Raises ``InvalidStateError`` while pending."""
         if self._state == _PENDING:
-            raise asyncio.InvalidStateError(f"{self!r} is still pending")
+            self._nudge(False)
+            if self._state == _PENDING:
+                raise asyncio.InvalidStateError(f"{self!r} is still pending")
         return self._value if self._state == _FAILED else None
 
     def result(self) -> Any:
         """The output (tensor, list or object); raises the failure. Never blocks."""
+        state = self._state
+        if state == _DONE:
+            return self._value
+        if state == _FAILED:
+            raise self._value
+        self._nudge(False)
         state = self._state
         if state == _DONE:
             return self._value
@@ -135,11 +202,14 @@ class Work:
         """
         loop: Any = _get_running_loop() or _trio_token()
         with self._lock:
-            if self._state == _PENDING:
+            pending = self._state == _PENDING
+            if pending:
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append((loop, fn))
-                return
+        if pending:
+            self._nudge(True)
+            return
         if loop is None:
             self._run_callback(fn)
         elif isinstance(loop, asyncio.AbstractEventLoop):
@@ -158,6 +228,7 @@ class Work:
                 if self._state == _PENDING and self._event is None:
                     self._event = threading.Event()
                 event = self._event
+            self._nudge(True)
             if event is not None and not event.wait(timeout):
                 raise TimeoutError(f"{self!r} not done after {timeout} s")
         return self.result()
@@ -177,10 +248,16 @@ class Work:
             hook(stream)
 
     def __await__(self) -> Generator[Any, None, Any]:
+        # Not a generator itself: a waiting task drives its asyncio future directly,
+        # and settling the Work gives that future the Work's outcome (``_resolve``),
+        # so waking a task costs no frame of ours (an abort wakes thousands).
+        poked = self._poke
+        if poked is not None and self._state == _PENDING:
+            self._nudge(True)  # settled here if it already finished; else the backend waits for it
         if self._state == _PENDING:
             loop = _get_running_loop()
             if loop is None:  # not asyncio: trio (anything else raises there)
-                return (yield from self._trio_wait().__await__())
+                return self._trio_wait(poked).__await__()
             fut = loop.create_future()
             with self._lock:
                 pending = self._state == _PENDING
@@ -188,11 +265,14 @@ class Work:
                     if self._waiters is None:
                         self._waiters = []
                     self._waiters.append(fut)
+                    late = poked is None and self._poke is not None
             if pending:
-                yield from fut.__await__()
-        return self.result()
+                if late:  # the poke came between the check above and the registration
+                    self._nudge(True)
+                return fut.__await__()
+        return _ready(self)
 
-    async def _trio_wait(self) -> Any:
+    async def _trio_wait(self, poked: Any) -> Any:
         import trio
 
         waiter = _TrioWaiter(trio.lowlevel.current_task(), trio.lowlevel.current_trio_token())
@@ -202,7 +282,10 @@ class Work:
                 if self._waiters is None:
                     self._waiters = []
                 self._waiters.append(waiter)
+                late = poked is None and self._poke is not None
         if pending:
+            if late:
+                self._nudge(True)
 
             def abort(_: Any) -> Any:
                 # Cancelling the wait cancels only the wait (a later wake finds it gone).
@@ -215,6 +298,111 @@ class Work:
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
         return f"<Work {self.op} seq={self.seq} {state}>"
+
+
+class BatchWork(Work):
+    """The one pending entry of a coalesced batch; its members are :class:`MemberWork` s.
+
+    It holds the batch's place in the ledger's ``pending`` (under its first member's
+    seq) and its one deadline, and whoever waits on a pending member waits on it.
+    Settling it writes the outcome into every member still pending, under the lock
+    the members share, before anyone is woken: success into all of them; a failure
+    into the first pending member as it is and into the others as ``clone(error)``
+    (each Work raises its own exception object). A member whose backend op failed
+    is settled on its own first (the ledger then aborts, which settles the batch).
+    Backends that run part of the batch install their pokes through its members.
+    """
+
+    __slots__ = ("members", "remaining", "_pokes", "_relay", "_clone")
+
+    _fans_out = True
+
+    def __init__(self, seq: int, clone: Callable[[BaseException], BaseException]) -> None:
+        super().__init__("coalesced", seq)
+        self.members: list[MemberWork] = []
+        #: Members whose success has not been reported yet (set when the batch is issued).
+        self.remaining = 0
+        self._pokes: list[Callable[[bool], None]] = []
+        self._relay = self._poke_all  # one bound method, handed to every member
+        self._clone = clone
+
+    def set_poke(self, poke: Callable[[bool], None]) -> None:
+        """Several backends (or queues) may run parts of one batch: every poke is kept."""
+        if self._state != _PENDING:
+            return
+        if poke not in self._pokes:
+            self._pokes.append(poke)
+        self._poke = self._relay
+        if self._waiters is not None or self._callbacks is not None or self._event is not None:
+            self._nudge(True)
+
+    def _poke_all(self, ring: bool) -> None:
+        for poke in tuple(self._pokes):
+            poke(ring)
+
+    def _fan_out(self, state: int, value: Any) -> None:
+        """Write the batch's outcome into its pending members (caller holds the lock)."""
+        first = True
+        for member in self.members:
+            if member._state != _PENDING:
+                continue
+            if state == _FAILED:
+                member._value = value if first else self._clone(value)
+                first = False
+            member._state = state
+            member._keep = None
+            member._poke = None
+        self._pokes = []
+
+
+class MemberWork(Work):
+    """A member of a coalesced batch: its own seq, op and result, the rest its batch's.
+
+    Light: no lock, pending entry, deadline or waiters of its own. Waiting on a
+    pending member (``await``, ``wait()``, ``add_done_callback``) waits on its
+    :class:`BatchWork`, which writes the member's outcome before waking anyone.
+    """
+
+    __slots__ = ("_batch",)
+
+    def __init__(self, op: str, seq: int, value: Any, keep: Any, batch: BatchWork) -> None:
+        # Work.__init__ without a lock of its own (the batch's is shared).
+        self.op = op
+        self.seq = seq
+        self._state = _PENDING
+        self._value = value
+        self._keep = keep
+        self._lock = batch._lock
+        self._waiters = None
+        self._callbacks = None
+        self._event = None
+        self._stream_hook = None
+        self._poke = batch._relay
+        self._batch = batch
+
+    def set_poke(self, poke: Callable[[bool], None]) -> None:
+        self._batch.set_poke(poke)
+
+    def add_done_callback(self, fn: Callable[[Work], Any]) -> None:
+        if self._state == _PENDING:
+            self._batch.add_done_callback(lambda _batch: fn(self))
+        else:
+            super().add_done_callback(fn)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._state == _PENDING:
+            try:
+                self._batch.wait(timeout)
+            except Exception:  # noqa: BLE001 - the batch failed: this member's own outcome is below
+                if self._state == _PENDING:
+                    raise  # the wait timed out
+        return self.result()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._state == _PENDING:
+            with contextlib.suppress(Exception):  # the batch failed: this member's own outcome is below
+                yield from self._batch.__await__()
+        return self.result()
 
 
 class _TrioWaiter:
@@ -245,9 +433,25 @@ def _trio_token() -> Any:
         return None
 
 
-def _wake(fut: asyncio.Future[Any]) -> None:
+def _ready(work: Work) -> Generator[Any, None, Any]:
+    """``await`` of a settled Work: its result at once."""
+    return work.result()
+    yield  # pragma: no cover - unreachable: it makes this a generator
+
+
+def _succeed(fut: asyncio.Future[Any], value: Any) -> None:
+    fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future[Any], exc: Any) -> None:
+    fut.set_exception(exc)
+
+
+def _resolve(item: tuple[asyncio.Future[Any], tuple[Callable[[asyncio.Future[Any], Any], None], Any]]) -> None:
+    """On the waiter's loop: give its future the Work's outcome (unless it was cancelled)."""
+    fut, (how, value) = item
     if not fut.done():
-        fut.set_result(None)
+        how(fut, value)
 
 
 class Bundle:
@@ -270,50 +474,16 @@ class Bundle:
         self.finish = finish
         self.keep = keep
 
+    def set_poke(self, poke: Callable[[bool], None]) -> None:
+        """Install ``poke`` on every member (``Work.set_poke``); members of one batch share it."""
+        batch = None
+        for work in self.works:
+            if type(work) is MemberWork:
+                if work._batch is not batch:
+                    batch = work._batch
+                    batch.set_poke(poke)
+            else:
+                work.set_poke(poke)
+
     def __repr__(self) -> str:
         return f"<Bundle {self.op} seqs={[w.seq for w in self.works]}>"
-
-
-class Wakeups:
-    """Wake-ups gathered while settling a burst of Works, delivered once per loop.
-
-    ``deliver()`` runs the items of the calling thread's own running loop at once
-    and posts each other loop's items in ONE ``call_soon_threadsafe`` (trio:
-    ``run_sync_soon``), so settling a thousand Works costs each loop one wake-up.
-    (Measured against ``streams.LoopWaker``'s extra queue: the plain call is
-    15-28 µs faster per small op, and the completion thread already batches.)
-    """
-
-    __slots__ = ("_by_loop",)
-
-    def __init__(self) -> None:
-        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], Any], Any]]] = {}
-
-    def add(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:
-        items = self._by_loop.get(loop)
-        if items is None:
-            self._by_loop[loop] = [(fn, arg)]
-        else:
-            items.append((fn, arg))
-
-    def deliver(self) -> None:
-        if not self._by_loop:
-            return
-        running = _get_running_loop()
-        for loop, items in self._by_loop.items():
-            if loop is running:
-                _run_all(items)
-                continue
-            try:
-                if isinstance(loop, asyncio.AbstractEventLoop):
-                    loop.call_soon_threadsafe(_run_all, items)
-                else:  # a trio run's token
-                    loop.run_sync_soon(_run_all, items)
-            except RuntimeError:  # closed loop, or trio.RunFinishedError: nobody is left to wake
-                continue
-        self._by_loop = {}
-
-
-def _run_all(items: list[tuple[Callable[[Any], Any], Any]]) -> None:
-    for fn, arg in items:
-        fn(arg)

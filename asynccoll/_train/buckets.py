@@ -115,6 +115,53 @@ class Bucket:
         else:
             torch.mul(grad, scale, out=view)
 
+    def unpack(self, used: Sequence[bool], views_ok: bool) -> None:
+        """Hand the reduced buffer to the parameters' ``.grad`` (loop thread).
+
+        ``used[i]``: parameter ``i`` (an index into GradSync's parameters) produced a
+        gradient on this rank. With ``views_ok`` a parameter's ``.grad`` becomes its
+        view of the buffer (no copy); it stays so until something replaces it
+        (``zero_grad()`` setting it to None, or a new assignment). Otherwise the
+        values are copied into ``.grad``.
+        """
+        global_used: list[float] | None = None
+        views, grads, members = self.views, self.grads, self.members
+        with torch.no_grad():
+            for slot, p in enumerate(self.params):
+                grad = p.grad
+                if not used[members[slot]]:
+                    if global_used is None:  # only here: reading the flags may sync a device
+                        global_used = self.flags.tolist()
+                    if global_used[slot] == 0:  # no rank used it: its .grad stays as it was
+                        saved = self.saved.get(slot)
+                        if saved is not None:
+                            views[slot].copy_(saved)
+                        continue
+                if grad is not None and grad is grads[slot]:
+                    continue  # .grad is the view: reduced in place
+                view = views[slot]
+                if views_ok and p.is_contiguous():
+                    p.grad = view
+                    grads[slot] = view
+                elif grad is None:
+                    p.grad = view.clone()
+                else:
+                    grad.copy_(view)
+
+    def shadow_buffer(self) -> torch.Tensor:
+        """Join: what this rank contributes to a step it shadows (zeros, and flags).
+
+        The first shadowed step of a join keeps the flags of the last real
+        reduction; the later ones keep what the previous shadow reduction left.
+        """
+        shadow = self.shadow
+        if shadow is None:
+            shadow = self.shadow = torch.zeros_like(self.buffer)
+            shadow[self.numel:].copy_(self.flags)
+        else:
+            shadow[: self.numel].zero_()
+        return shadow
+
     def reset(self) -> None:
         self.pending = len(self.params)
         self.work = None

@@ -43,6 +43,9 @@ from .._base.errors import InvalidArgument
 from .._base.ops import ReduceOp
 from . import buckets as _buckets
 from .buckets import MIB, Bucket
+from .join import Join
+
+_STRIDED = torch.strided
 
 
 class GradSync:
@@ -131,6 +134,7 @@ class GradSync:
         self._ready = [False] * n       # copied into its bucket in this step
         self._buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * n
+        self._slots: list[tuple[Bucket, int]] = []  # parameter -> (its bucket, its slot)
         self._build(list(reversed(range(n))))
         # The order in which gradients arrive in the first synchronised step; the
         # buckets are then rebuilt in rank 0's order (None once done).
@@ -160,6 +164,7 @@ class GradSync:
         for b, bucket in enumerate(self._buckets):
             for slot, i in enumerate(bucket.members):
                 self._where[i] = (b, slot)
+        self._slots = [(self._buckets[b], slot) for b, slot in self._where]
         if old:  # the used flags of the last reduction live on (join shadows them)
             for bucket in old:
                 for slot, i in enumerate(bucket.members):
@@ -197,14 +202,21 @@ class GradSync:
 
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of parameter ``i`` (backward's thread)."""
+        """Post-accumulate-grad hook of parameter ``i`` (backward's thread).
+
+        The hot path of backward, once per parameter: one scaled copy into the
+        bucket and a little bookkeeping (no ``torch.no_grad()`` context: backward
+        runs without grad mode unless ``create_graph``; ``Bucket.put`` handles the
+        rest).
+        """
         with self._lock:
             if self._closed:
                 return
             self._used[i] = True
             if self._no_sync:
                 return
-            if self._ready[i]:
+            ready = self._ready
+            if ready[i]:
                 err = RuntimeError(
                     f"GradSync: parameter {i} received a gradient twice in one step; call "
                     "`await sync.wait()` after each backward, or use `with sync.no_sync():` "
@@ -216,14 +228,26 @@ class GradSync:
                 self._open_step()
             if self._seen is not None:
                 self._seen.append(i)
-            b, slot = self._where[i]
-            bucket = self._buckets[b]
-            with torch.no_grad():
-                bucket.put(slot, param.grad, self._scale)
-            self._ready[i] = True
+            bucket, slot = self._slots[i]
+            grad = param.grad
+            if (
+                grad is not None and grad is not bucket.grads[slot] and not grad.requires_grad
+                and grad.layout is _STRIDED
+            ):
+                scale = self._scale
+                if scale is None:
+                    bucket.views[slot].copy_(grad)
+                else:
+                    torch.mul(grad, scale, out=bucket.views[slot])
+            else:
+                with torch.no_grad():
+                    bucket.put(slot, grad, self._scale)
+            ready[i] = True
             bucket.pending -= 1
-            while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-                self._issue(self._buckets[self._next])
+            if not bucket.pending and bucket.index == self._next:
+                buckets = self._buckets
+                while self._next < len(buckets) and buckets[self._next].pending == 0:
+                    self._issue(buckets[self._next])
 
     def _open_step(self) -> None:
         """First event of a synchronised step (lock held): under join, say "still training"."""
@@ -292,7 +316,7 @@ class GradSync:
                 work = bucket.work
                 await work  # type: ignore[misc]
                 work.wait_stream()  # type: ignore[attr-defined]
-                self._unpack(bucket)
+                bucket.unpack(self._used, self.grad_views)
                 if optimizer is not None:
                     _step_some(optimizer, {id(p) for p in bucket.params}, inside=True)
             if optimizer is not None:
@@ -305,38 +329,6 @@ class GradSync:
         if error is not None:
             raise error
 
-    def _unpack(self, bucket: Bucket) -> None:
-        """Hand the reduced bucket to the parameters' ``.grad`` (loop thread).
-
-        With ``grad_views`` a parameter's ``.grad`` becomes its view of the bucket (no
-        copy); it stays so until something replaces it (``zero_grad()`` setting it to
-        None, or a new assignment). Otherwise the values are copied into ``.grad``.
-        """
-        used = self._used
-        views_ok = self.grad_views
-        global_used: list[float] | None = None
-        with torch.no_grad():
-            for slot, p in enumerate(bucket.params):
-                grad = p.grad
-                if not used[bucket.members[slot]]:
-                    if global_used is None:  # only here: reading the flags may sync a device
-                        global_used = bucket.flags.tolist()
-                    if global_used[slot] == 0:  # no rank used it: its .grad stays as it was
-                        saved = bucket.saved.get(slot)
-                        if saved is not None:
-                            bucket.views[slot].copy_(saved)
-                        continue
-                view = bucket.views[slot]
-                if grad is not None and grad is bucket.grads[slot]:
-                    continue  # .grad is the view: reduced in place
-                if views_ok and p.is_contiguous():
-                    p.grad = view
-                    bucket.grads[slot] = view
-                elif grad is None:
-                    p.grad = view.clone()
-                else:
-                    grad.copy_(view)
-
     def _end_step(self) -> None:
         n = len(self.params)
         self._used = [False] * n
@@ -347,8 +339,29 @@ class GradSync:
         self._step_open = False
         self.steps += 1
 
-    async def _shadow_step(self) -> None:
-        """Join: match one synchronised step of the ranks still training, with zeros.
+    # ------------------------------------------------------------ join steps
+    # The steps of ``async with sync.join()`` (``join.py``, API.md §9), public so that
+    # the join protocol needs nothing private. Not meant to be called otherwise.
+
+    def begin_join(self) -> None:
+        """Enter a join block: each synchronised step now starts with a presence op."""
+        with self._lock:
+            self._check_open()
+            if self._joining:
+                raise InvalidArgument("GradSync.join() does not nest")
+            if self._step_open:
+                raise InvalidArgument("GradSync.join(): a backward is pending; call `await sync.wait()` first")
+            self._joining = True
+
+    def leave_join(self) -> bool:
+        """Leave the join block (this rank is out of data); True if a backward is
+        still pending (a step without ``await sync.wait()``)."""
+        with self._lock:
+            self._joining = False
+            return self._step_open
+
+    async def shadow_step(self) -> None:
+        """Match one synchronised step of the ranks still training, with zeros.
 
         The gradients are zeros. The used flags keep what the bucket's previous
         reduction left there (the global counts of this rank's last step, then of
@@ -358,22 +371,15 @@ class GradSync:
         ``.grad`` instead of leaving it untouched. Same numbers as DDP.
         """
         with self._lock:
-            works = []
-            for bucket in self._buckets:
-                shadow = bucket.shadow
-                if shadow is None:  # first shadowed step of this join: flags of the last real step
-                    shadow = bucket.shadow = torch.zeros_like(bucket.buffer)
-                    shadow[bucket.numel:].copy_(bucket.flags)
-                else:
-                    shadow[: bucket.numel].zero_()
-                works.append(self.comm.all_reduce(shadow))
+            works = [self.comm.all_reduce(bucket.shadow_buffer()) for bucket in self._buckets]
         for work in works:
             await work
         if self._seen is not None:
             await self._agree_order()
         self.steps += 1
 
-    def _end_join(self) -> None:
+    def end_join(self) -> None:
+        """Every rank left the join block: drop the zero buffers of the shadow steps."""
         for bucket in self._buckets:
             bucket.shadow = None
 
@@ -400,7 +406,7 @@ class GradSync:
             with self._lock:
                 self._no_sync -= 1
 
-    def join(self) -> Any:
+    def join(self) -> Join:
         """``async with sync.join():`` around a training loop with uneven inputs.
 
         Same semantics as torch DDP's ``join()`` with its defaults: a rank that leaves
@@ -409,8 +415,6 @@ class GradSync:
         ranks take the parameters (and a module's buffers) of the last rank to leave
         (the highest such rank on ties).
         """
-        from .join import Join
-
         self._check_open()
         return Join(self)
 

@@ -28,21 +28,34 @@ communicator's timeout.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .._base.errors import InvalidArgument
 from .._base.ops import ReduceOp
 
-if TYPE_CHECKING:
-    from .gradsync import GradSync
+
+class Joinable(Protocol):
+    """What the join protocol needs of a GradSync (its public join steps)."""
+
+    comm: Any
+    params: list[torch.Tensor]
+    module: torch.nn.Module | None
+
+    def begin_join(self) -> None: ...
+
+    def leave_join(self) -> bool: ...
+
+    async def shadow_step(self) -> None: ...
+
+    def end_join(self) -> None: ...
 
 
 class Join:
     """The async context manager returned by :meth:`asynccoll.GradSync.join`."""
 
-    def __init__(self, sync: GradSync) -> None:
+    def __init__(self, sync: Joinable) -> None:
         self._sync = sync
         self._entered = False
         #: The rank whose model every rank holds after the block.
@@ -54,13 +67,7 @@ class Join:
         sync = self._sync
         if self._entered:
             raise InvalidArgument("this join() context was already entered; call sync.join() again")
-        with sync._lock:
-            sync._check_open()
-            if sync._joining:
-                raise InvalidArgument("GradSync.join() does not nest")
-            if sync._step_open:
-                raise InvalidArgument("GradSync.join(): a backward is pending; call `await sync.wait()` first")
-            sync._joining = True
+        sync.begin_join()
         self._entered = True
         return self
 
@@ -68,9 +75,7 @@ class Join:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         sync = self._sync
-        with sync._lock:
-            sync._joining = False
-            pending = sync._step_open
+        pending = sync.leave_join()
         if exc_type is not None:
             return  # as DDP: an exception propagates, nothing is shadowed
         if pending:
@@ -87,8 +92,8 @@ class Join:
                 break
             is_last = False
             self.shadowed_steps += 1
-            await sync._shadow_step()
-        sync._end_join()
+            await sync.shadow_step()
+        sync.end_join()
         self.authoritative_rank = await self._sync_final_model(is_last)
 
     async def _sync_final_model(self, is_last: bool) -> int:
