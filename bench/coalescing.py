@@ -7,6 +7,9 @@ interleaved round by round so drift hits every mode alike:
   pipelined     64 x ``comm.all_reduce(t)`` issued, then all awaited
   coalesced     ``async with comm.coalescing(): 64 x comm.all_reduce(t)``
   flattened     one ``await comm.all_reduce(flat)`` of the same bytes (64*N floats)
+  by_hand       coalescing by hand, the floor of ``coalesced``: ``torch.cat`` the 64
+                tensors, one ``await comm.all_reduce``, ``torch.split_with_sizes_copy``
+                back into them (the copies any coalescing of separate tensors needs)
   torch_cm      torch.distributed (``init_process_group("gloo")``):
                 ``with dist._coalescing_manager(): 64 x dist.all_reduce(t)``
   torch_sep     torch.distributed: 64 x ``dist.all_reduce(t)`` (blocking)
@@ -15,7 +18,7 @@ Each sample times ``--inner`` iterations of one mode on rank 0; the table shows
 per-iteration wall-time medians (and p10/p90) over ``--repeats`` samples, and the
 median CPU time of rank 0's process (all its threads) per iteration, which is
 less sensitive to other load on the machine. The modes run in a rotating order
-(round r starts at mode r mod 6). Ratios coalesced/flattened and coalesced/torch_cm
+(round r starts at mode r mod 7). Ratios coalesced/flattened and coalesced/torch_cm
 are given for wall and CPU time. Goals (issue 20): coalesced <= 1.3x flattened,
 and <= 0.8x torch's coalescing manager. Progress goes to stderr; JSON and a PNG plot to
 bench/results/ (``coalescing_<loop>.json``).
@@ -42,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 
 from bench._common import QUIET_LOAD, free_port, machine, progress, quiet, spawn
 
-MODES = ("separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep")
+MODES = ("separate", "pipelined", "coalesced", "flattened", "by_hand", "torch_cm", "torch_sep")
 
 
 async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -85,6 +88,13 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
     async def flattened() -> None:
         await comm.all_reduce(flat)
 
+    sizes = [t.numel() for t in tensors]
+
+    async def by_hand() -> None:
+        joined = torch.cat(tensors)
+        await comm.all_reduce(joined)
+        torch.split_with_sizes_copy(joined, sizes, out=tensors)
+
     async def torch_cm() -> None:
         with dist._coalescing_manager():
             for t in tensors:
@@ -94,7 +104,7 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
         for t in tensors:
             dist.all_reduce(t)
 
-    fns = {m: f for m, f in zip(MODES, (separate, pipelined, coalesced, flattened, torch_cm, torch_sep))}
+    fns = {m: f for m, f in zip(MODES, (separate, pipelined, coalesced, flattened, by_hand, torch_cm, torch_sep))}
     samples: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     for rnd in range(args.warmup + args.repeats):
@@ -184,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_med = {m: table[m]["cpu_median_ms"] for m in MODES}
     ratios = {
         "coalesced/flattened": med["coalesced"] / med["flattened"],
+        "by_hand/flattened": med["by_hand"] / med["flattened"],
+        "coalesced/by_hand": med["coalesced"] / med["by_hand"],
         "coalesced/torch_cm": med["coalesced"] / med["torch_cm"],
         "torch_cm/flattened": med["torch_cm"] / med["flattened"],
         "separate/coalesced": med["separate"] / med["coalesced"],

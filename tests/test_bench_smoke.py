@@ -58,7 +58,7 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
     assert "ac/floor" in outs["core"] and "pipelined" in outs["core"]
 
     coal_res = json.loads(coal.read_text())
-    assert set(coal_res["results"]) == {"separate", "pipelined", "coalesced", "flattened", "torch_cm", "torch_sep"}
+    assert set(coal_res["results"]) == {"separate", "pipelined", "coalesced", "flattened", "by_hand", "torch_cm", "torch_sep"}
     assert coal_res["ratios"]["coalesced/flattened"] > 0 and coal_res["ratios"]["cpu coalesced/torch_cm"] > 0
 
     perf_res = json.loads((perf / "perf.json").read_text())
