@@ -125,15 +125,14 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
     if comm.state == "ok":
         comm.abort("shrinking the communicator")
     liveness = comm.liveness
-    service = liveness._service if liveness is not None else None
-    if service is not None:
-        service.hold()  # keep answering the survivors' census while this rank rebuilds
+    if liveness is not None:
+        liveness.hold()  # keep answering the survivors' census while this rank rebuilds
     try:
         agreed = await anyio.to_thread.run_sync(_settle, comm, excluded, abandon_on_cancel=True)
         return await _build(comm, cast(Any, rebuild), agreed, failed)
     finally:
-        if service is not None:
-            service.release()
+        if liveness is not None:
+            liveness.release()
 
 
 #: While the new communicator is being built: when to start probing the other
@@ -204,7 +203,7 @@ async def _watch(store: Any, key: str, liveness: Any, others: list[int]) -> tupl
 
 
 def _probe(liveness: Any, ranks: list[int]) -> tuple[int, ...]:
-    return tuple(liveness.probe(ranks, eliminate=False))
+    return tuple(liveness.probe(ranks))
 
 
 def _settle(comm: Recovery, excluded: set[int]) -> set[int]:
