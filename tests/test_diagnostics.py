@@ -197,6 +197,22 @@ def test_every_mismatch_raises_on_every_rank(world_size: int, loop: str) -> None
         assert len({tuple(results[r][name]["fields"]) for r in direct}) == 1
 
 
+def test_mismatch_text_is_the_same_whichever_rank_detects_it() -> None:
+    """Ranks that issued different ops at one seq say the same thing: a rank that
+    learns the mismatch from a peer's abort news reads the text that peer wrote
+    (the suite once failed at random on ``seq 2 broadcast`` vs ``seq 2 all_reduce``)."""
+    from asynccoll._diag.mismatch import fingerprint, mismatch
+
+    reduce = OpSpec(OpKind.ALL_REDUCE, torch.ones(4), reduce_op=ReduceOp.SUM)
+    bcast = OpSpec(OpKind.BROADCAST, torch.ones(4), peer=0)
+    seqs = {0: 2, 1: 2, 2: 2}
+    single = {0: fingerprint(reduce), 1: fingerprint(reduce), 2: fingerprint(bcast)}
+    texts = {str(mismatch(seqs, single, me=r)) for r in range(3)}
+    assert texts == {"seq 2 all_reduce: op all_reduce on ranks 0, 1, broadcast on rank 2"}, texts
+    batch = {r: "\x1e".join(single[(r + i) % 3] for i in range(2)) for r in range(3)}  # batches of 2, orders differ
+    assert len({str(mismatch(seqs, batch, me=r)) for r in range(3)}) == 1
+
+
 def test_mismatch_message_names_ranks_and_values() -> None:
     results = run_ranks(_size_message, world_size=2, backend=None, timeout=60)
     assert results[0] == results[1] == "seq 2 all_reduce: shape (4,) on rank 0, (6,) on rank 1"
