@@ -25,12 +25,23 @@ from .args import check_args
 from .rendezvous import Rendezvous, comm_prefix, off_loop, rendezvous
 from .stores import STORES, exclusive
 
+#: Seconds Gloo's connect timeout outlasts ours.
+_GLOO_MARGIN = 30.0
+
 
 async def build_gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroupBackend:
     store = rdv.prefixed(prefix + "gloo/")
 
     def build() -> Any:
-        return dist.ProcessGroupGloo(store, rdv.rank, rdv.world_size, timedelta(seconds=timeout))
+        # Gloo's own connect timeout outlasts ours: when we give up (CollectiveTimeout,
+        # Ctrl-C) and the process exits, its wait is still quietly under way instead of
+        # printing C++ warnings on the way out. Its ops then get our timeout again
+        # (ProcessGroupGloo._set_default_timeout, torch >= 2.1).
+        pg = dist.ProcessGroupGloo(store, rdv.rank, rdv.world_size, timedelta(seconds=timeout + _GLOO_MARGIN))
+        set_default = getattr(pg, "_set_default_timeout", None)
+        if set_default is not None:
+            set_default(timedelta(seconds=timeout))
+        return pg
 
     pg = await off_loop(build, timeout, "gloo init")
     return TorchGroupBackend(pg, name="gloo", device_type="cpu", world_size=rdv.world_size, timeout=timeout)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
+import anyio
 import torch.distributed as dist
 
 from .._base.aio import run_in_thread
@@ -115,6 +117,36 @@ def _store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Ex
     )
 
 
+async def _server_listening(addr: str, port: int, timeout: float) -> None:
+    """Wait, on the loop, until something listens at ``addr:port``.
+
+    A TCPStore client constructor with no server retries inside C++ until its
+    timeout and prints a warning with a C++ stack trace per attempt, even when
+    the process has given up and is exiting; it is started only once the server
+    accepts connections (a bare connection, closed at once, leaves it silent).
+    """
+    try:
+        await anyio.getaddrinfo(addr, port)
+    except (OSError, UnicodeError) as exc:
+        raise InvalidArgument(f"master_addr {addr!r} does not resolve to an address: {exc}") from None
+    end = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        try:
+            with anyio.fail_after(max(0.001, min(1.0, end - time.monotonic()))):
+                stream = await anyio.connect_tcp(addr, port)
+            await stream.aclose()
+            return
+        except (OSError, TimeoutError):  # refused or unreachable: not up yet
+            if time.monotonic() >= end:
+                raise CollectiveTimeout(
+                    f"store at {addr}:{port}: no store server answered within {timeout} s "
+                    "(is rank 0 running, and are master_addr/master_port right?)"
+                ) from None
+            await anyio.sleep(min(delay, max(0.0, end - time.monotonic())))
+            delay = min(delay * 2, 0.2)
+
+
 async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, tuple[str, int]]:
     """The process's TCPStore for ``addr:port`` (shared), with one hold taken for the caller."""
     # Under torchrun's agent the store already runs; every rank is a client.
@@ -135,10 +167,13 @@ async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: f
         except (dist.DistError, RuntimeError) as exc:  # DistNetworkError, DistStoreError
             raise _store_error(exc, addr, port, timeout) from exc
 
+    end = time.monotonic() + timeout
+    if not is_server and key not in STORES:
+        await _server_listening(addr, port, timeout)
     try:
         # A hold the thread still takes after we stopped waiting is given back.
         store = await run_in_thread(
-            lambda: STORES.acquire(key, create), timeout, on_late=lambda _: STORES.release(key)
+            lambda: STORES.acquire(key, create), max(0.001, end - time.monotonic()), on_late=lambda _: STORES.release(key)
         )
     except AsyncCollError:
         raise

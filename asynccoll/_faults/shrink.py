@@ -31,8 +31,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
 
 import anyio
-import anyio.to_thread
 
+from .._base.aio import run_in_thread
 from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
 from .._core.objects import poll_keys
 from .liveness import decode_ranks, encode_ranks
@@ -128,7 +128,7 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
     if liveness is not None:
         liveness.hold()  # keep answering the survivors' census while this rank rebuilds
     try:
-        agreed = await anyio.to_thread.run_sync(_settle, comm, excluded, abandon_on_cancel=True)
+        agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
         return await _build(comm, cast(Any, rebuild), agreed, failed)
     finally:
         if liveness is not None:
@@ -190,13 +190,14 @@ async def _watch(store: Any, key: str, liveness: Any, others: list[int]) -> tupl
     next_probe = start + _WATCH_AFTER
     while True:
         await anyio.sleep(0.02)
-        if await anyio.to_thread.run_sync(store.check, [key], abandon_on_cancel=True):
-            return decode_ranks(await anyio.to_thread.run_sync(store.get, key, abandon_on_cancel=True))
+        if await run_in_thread(lambda: store.check([key]), None, name="asynccoll-shrink"):
+            return decode_ranks(await run_in_thread(lambda: store.get(key), None, name="asynccoll-shrink"))
         if anyio.current_time() >= next_probe:
-            dead = await anyio.to_thread.run_sync(_probe, liveness, others, abandon_on_cancel=True)
+            dead = await run_in_thread(lambda: _probe(liveness, others), None, name="asynccoll-shrink")
             if dead:
-                raw = await anyio.to_thread.run_sync(
-                    store.compare_set, key, "", encode_ranks(dead), abandon_on_cancel=True
+                proposal = encode_ranks(dead)
+                raw = await run_in_thread(
+                    lambda: store.compare_set(key, "", proposal), None, name="asynccoll-shrink"  # noqa: B023 - awaited here, within this iteration
                 )
                 return decode_ranks(raw)
             next_probe = anyio.current_time() + _WATCH_EVERY
