@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import anyio
 
+from . import shutdown
+
 _get_running_loop = asyncio._get_running_loop
 
 
@@ -54,7 +56,9 @@ def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
         else:
             result.set_result(value)
 
-    threading.Thread(target=job, name=name, daemon=True).start()
+    thread = threading.Thread(target=job, name=name, daemon=True)
+    thread.start()
+    shutdown.native(thread)  # a torch constructor may still run in it at exit
     return result
 
 

@@ -3,6 +3,7 @@ per-store creation lock that makes each rank build its communicators in order.""
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from .._base.aio import run_in_thread
 from .._base.errors import AsyncCollError, CollectiveTimeout, InvalidArgument
+from .._faults.service import Service, mark_host
 
 
 class _StoreCache:
@@ -25,15 +27,23 @@ class _StoreCache:
     "many communicators in one process" reuses the first store instead (each
     communicator still gets its own prefix). A store is dropped when no
     communicator built on it is alive.
+
+    A store whose server this process hosts (rank 0 without ``store=``) is
+    marked as such on the server (``mark_host``: peers name this rank if the
+    process dies), and before it is dropped, or at interpreter exit, the
+    liveness services of the other processes are told and acknowledge
+    (``Service.announce_leaving``): none of their requests meets a closed server.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._key_locks: dict[tuple[str, int], threading.Lock] = {}
-        self._stores: dict[tuple[str, int], list[Any]] = {}  # key -> [store, holders]
+        self._stores: dict[tuple[str, int], list[Any]] = {}  # key -> [store, holders, hosted here]
 
-    def acquire(self, key: tuple[str, int], create: Callable[[], Any]) -> Any:
-        """The store for ``key`` (made by ``create`` if none), with one hold taken. Blocking."""
+    def acquire(self, key: tuple[str, int], create: Callable[[], Any], hosted: bool = False) -> Any:
+        """The store for ``key`` (made by ``create`` if none), with one hold taken. Blocking.
+
+        ``hosted``: ``create`` makes the server, in this process."""
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:  # one creation per key; other keys proceed
@@ -43,8 +53,10 @@ class _StoreCache:
                     entry[1] += 1
                     return entry[0]
             store = create()
+            if hosted:
+                mark_host(store)
             with self._lock:
-                self._stores[key] = [store, 1]
+                self._stores[key] = [store, 1, hosted]
             return store
 
     def hold(self, key: tuple[str, int], owner: object) -> None:
@@ -59,10 +71,21 @@ class _StoreCache:
     def release(self, key: tuple[str, int]) -> None:
         with self._lock:
             entry = self._stores.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del self._stores[key]
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._stores[key]
+        if entry[2]:
+            Service.announce_leaving(entry[0])
+
+    def leave_all(self) -> None:
+        """At exit: tell the peers of every server this process still hosts."""
+        with self._lock:
+            hosted = [entry[0] for entry in self._stores.values() if entry[2]]
+        for store in hosted:
+            Service.announce_leaving(store)
 
     def __contains__(self, key: tuple[str, int]) -> bool:
         with self._lock:
@@ -70,6 +93,7 @@ class _StoreCache:
 
 
 STORES = _StoreCache()
+atexit.register(STORES.leave_all)
 
 # Creation of communicators on one store, per process, one at a time. Gloo's
 # constructor blocks inside the store client, which serves one request at a time:
@@ -173,7 +197,7 @@ async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: f
     try:
         # A hold the thread still takes after we stopped waiting is given back.
         store = await run_in_thread(
-            lambda: STORES.acquire(key, create), max(0.001, end - time.monotonic()), on_late=lambda _: STORES.release(key)
+            lambda: STORES.acquire(key, create, is_server), max(0.001, end - time.monotonic()), on_late=lambda _: STORES.release(key)
         )
     except AsyncCollError:
         raise

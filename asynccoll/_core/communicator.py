@@ -108,6 +108,8 @@ class Communicator:
             for backend in self._backends.values():
                 if hasattr(backend, "census"):
                     backend.census = self._liveness.census
+            if self._objects is not None:  # a peer that dies meanwhile fails an object collective at once
+                self._objects.watch = self._liveness.failure_among
             self._liveness.start()
         self._finalizer = weakref.finalize(
             self, _release, ledger, list(self._backends.values()), self._liveness, self._objects
@@ -361,6 +363,8 @@ class Communicator:
             def done(value: Any, exc: BaseException | None) -> None:
                 if exc is None:
                     ledger.succeed(work, value)
+                elif isinstance(exc, CommAborted):  # typed already (a PeerFailure keeps its ranks)
+                    ledger.fail(work, exc)
                 else:
                     err = CommAborted(f"{op} (seq {seq}) failed: {exc}")
                     err.__cause__ = exc

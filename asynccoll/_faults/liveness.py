@@ -44,6 +44,7 @@ import time
 import weakref
 from typing import Any, Callable
 
+from .._base import shutdown
 from .._base.errors import CommAborted, PeerFailure
 from . import procs
 from .service import Service, StoreHost, root_of
@@ -55,6 +56,12 @@ _COUNT = itertools.count(1)
 _BATCH = 512
 #: How often a blocked object collective knocks on silent peers elsewhere.
 _KNOCK_EVERY = 0.25
+#: Without heartbeat detection, how often the store is read for abort news (the
+#: pulse brings it at once; this only backs it up). Few requests in flight means
+#: few that a store host dying at that instant would fail (each prints a C++ trace).
+_FALLBACK_EVERY = 2.0
+#: The host rank writes ``host`` as it starts; after this the others stop looking.
+_HOST_KNOWN_AFTER = 5.0
 #: Store errors: torch raises DistError subclasses (or RuntimeError) for a broken store.
 _STORE_ERRORS = (RuntimeError, ValueError)
 
@@ -125,6 +132,8 @@ class Liveness:
         self.store_gone: str | None = None
         self._host_rank: int | None = None
         self._knocked = 0.0
+        self._started = time.monotonic()
+        self._next_read = 0.0
 
     @property
     def bound(self) -> float:
@@ -190,6 +199,8 @@ class Liveness:
     def _keep(self) -> None:
         """Have the service run this member until its news and goodbye are out, even
         after it left the service (a close may have raced ahead of the abort)."""
+        if shutdown.exiting():
+            return  # the interpreter exits: no thread starts, no goodbye is written
         with self._lock:
             rejoin = self._left_service or self._service is None
             self._left_service = False
@@ -207,6 +218,8 @@ class Liveness:
         closed or collected.
         """
         self.urgent = False
+        if shutdown.exiting():
+            return True  # no store call while the interpreter exits
         with self._lock:
             reason, self._abort_reason = self._abort_reason, None
         try:
@@ -227,11 +240,16 @@ class Liveness:
             now = time.monotonic()
             starved = now - self._last_tick > 2 * self.interval + 0.5
             self._last_tick = now
+            if not self.detect and self._host_rank is not None and now < self._next_read:
+                return True  # abort news comes to the pulse; the store is read now and then only
+            self._next_read = now + _FALLBACK_EVERY
             if self.detect:
                 self._store.add(f"hb/{self._rank}", 1)
             values = self._store.multi_get(["aborted", "host"] + [f"hb/{r}" for r in self._watch])
             if values[1]:
                 self._host_rank = int(values[1])
+            elif now - self._started > _HOST_KNOWN_AFTER:
+                self._host_rank = -1  # not hosted by a rank of this communicator
             if values[0] and not self._aborted:
                 self.deliver(values[0].decode(errors="replace"))
             elif self.detect and not self._aborted:
@@ -314,14 +332,21 @@ class Liveness:
 
     def _host_of(self, host: StoreHost) -> int | None:
         if self._host_rank is not None:
-            return self._host_rank
+            return self._host_rank if self._host_rank >= 0 else None
         for r, p in self._peers.items():
             if host.pid and p.same_process(host.machine, host.pid, host.start):
                 return r
         return None
 
+    def _store_usable(self) -> bool:
+        svc = self._service
+        if svc is not None:
+            svc.check_host()
+        return self.store_gone is None
+
     def failure(self) -> BaseException | None:
         """The error for an operation that needs the store when it is gone, else None."""
+        self._store_usable()
         why = self.store_gone
         if why is None:
             return None
@@ -339,7 +364,7 @@ class Liveness:
         """What each peer (of ``ranks``, default all) published about its process."""
         want = self._others() if ranks is None else ranks
         missing = [r for r in want if r not in self._peers and r != self._rank]
-        if missing and self.store_gone is None:
+        if missing and self._store_usable():
             for i in range(0, len(missing), _BATCH):
                 part = missing[i : i + _BATCH]
                 keys = [f"proc/{r}" for r in part]
@@ -404,7 +429,7 @@ class Liveness:
 
     def _take_census(self) -> tuple[int, ...]:
         known = self.dead
-        if self.store_gone is not None:
+        if not self._store_usable():
             svc = self._service
             host = self._host_of(svc.host) if svc is not None and not svc.host_left else None
             gone = procs.gone_among(self._peers.items())

@@ -67,14 +67,22 @@ def _machine() -> str:
 MACHINE = _machine()
 
 
+#: ``PF_EXITING`` in ``/proc/<pid>/stat``'s flags (include/linux/sched.h): set when
+#: the process starts to exit, before its files (its sockets) are closed.
+_PF_EXITING = 0x4
+
+
 def process_state(pid: int, start: str) -> str:
-    """``"gone"`` (exited, killed, a zombie, or its pid reused), ``"stopped"``
-    (SIGSTOP) or ``"running"``, for a process of this machine."""
+    """``"gone"`` (exiting, exited, killed, a zombie, or its pid reused), ``"stopped"``
+    (SIGSTOP) or ``"running"``, for a process of this machine.
+
+    Exiting counts as gone: a peer sees the process's sockets close only after its
+    exit began, so by then this says so."""
     stat = read_text(f"/proc/{pid}/stat")
     if stat is None:
         return "gone"
     fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X", "x") or fields[19] != start:
+    if fields[0] in ("Z", "X", "x") or fields[19] != start or int(fields[6]) & _PF_EXITING:
         return "gone"
     return "stopped" if fields[0] in ("T", "t") else "running"
 

@@ -25,13 +25,14 @@ is held strongly until it is out. The threads end with the last member.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import threading
 import time
 import weakref
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from .._base import shutdown
 from . import procs
 
 if TYPE_CHECKING:
@@ -134,8 +135,10 @@ class Service:
         except OSError:  # no socket to listen on: the census falls back to heartbeats
             self.pulse = None
         self._register()
+        self._stopping = False
         self._beater = threading.Thread(target=self._beat_loop, name="asynccoll-liveness", daemon=True)
         self._beater.start()
+        shutdown.native(self._beater)  # store calls: stopped and joined when the interpreter exits
 
     def _register(self) -> None:
         """List this service on its store, for a store host that closes (``announce_leaving``)."""
@@ -204,7 +207,7 @@ class Service:
             return False
         if kind == "h":  # the store host is closing its server
             self.host_left = True
-            self.store_gone = "the rendezvous store's host closed it"
+            self.lose_store("the rendezvous store's host closed it", died=False)
             with self._round_lock:  # no request of ours is in flight after this
                 pass
             self._wake.set()
@@ -226,6 +229,8 @@ class Service:
         A method of its own so that no member outlives it in a local variable of
         the loop (a dropped communicator's membership must end when it is collected).
         """
+        if self._stopping:
+            return False
         with Service._lock:
             members = self._live_members()
             if not members and self._holds <= 0 and not self._news:
@@ -238,8 +243,7 @@ class Service:
             target = self.member(mid)
             if target is not None:
                 target.deliver(raw)
-        if self.store_gone is None and self.host.gone():
-            self.lose_store(f"the rendezvous store's host (pid {self.host.pid}) is gone", died=True)
+        self.check_host()
         now = time.monotonic()
         with self._round_lock:
             for m in members:
@@ -247,6 +251,13 @@ class Service:
                     m.due = now + m.interval
                     m.tick(self.store_gone is not None)  # a member that leaves calls leave()
         return True
+
+    def check_host(self) -> bool:
+        """False (and every member told) once the store can no longer be used:
+        before a request, where the host runs on this machine, this looks at its process."""
+        if self.store_gone is None and self.host.gone():
+            self.lose_store(f"the rendezvous store's host (pid {self.host.pid}) is gone", died=True)
+        return self.store_gone is None
 
     def lose_store(self, why: str, *, died: bool) -> None:
         """The store can no longer be used: stop every request; tell the members.
@@ -265,7 +276,11 @@ class Service:
         return max(0.0, min(dues) - time.monotonic())
 
     def _shutdown(self) -> None:
-        if self._slot is not None and self.store_gone is None:
+        with Service._lock:
+            self._closing = True
+            if Service._services.get(self._key) is self:
+                del Service._services[self._key]
+        if self._slot is not None and self.store_gone is None and not self._stopping:
             try:  # unlisted: a closing host need not wait for this process
                 self.root.set(f"{SERVICES_KEY}/{self._slot}", "-")
             except RuntimeError:  # the store failed meanwhile: nothing more to say on it
@@ -281,12 +296,16 @@ class Service:
         each has stopped using the store, so that none of their requests meets a closed
         server. Blocking; never raises."""
         try:
+            # A connection of its own: the process's client may be held by a blocked
+            # call (a Gloo constructor waiting for peers that never came).
+            store = store.clone()
+            store.set_timeout(timedelta(seconds=wait))
             count = int(store.add(SERVICES_KEY, 0))
             keys = [f"{SERVICES_KEY}/{i}" for i in range(1, count + 1)]
             values = store.multi_get(keys) if keys and store.check(keys) else [
                 store.get(k) if store.check([k]) else b"-" for k in keys
             ]
-        except RuntimeError:  # the server is unusable already: nobody can be told
+        except (AttributeError, RuntimeError):  # no clone, or the server is unusable already: nobody can be told
             return
         targets: dict[int, tuple[tuple[str, int], str]] = {}
         for i, raw in enumerate(values):
@@ -298,13 +317,20 @@ class Service:
             procs.deliver_all(targets, wait, ack=True)
 
     @classmethod
-    def _stop_all(cls) -> None:
-        """At exit: close the pulses (no thread of ours outlives the interpreter in a socket call)."""
+    def stop_all(cls) -> None:
+        """The interpreter exits: every beater ends after its current store call (no
+        thread of ours may be inside one when the interpreter finalizes), every pulse
+        closes."""
         with cls._lock:
             services = list(cls._services.values())
         for svc in services:
+            svc._stopping = True
+            svc._wake.set()
+        for svc in services:
+            svc._beater.join(1.0)
             if svc.pulse is not None:
                 svc.pulse.close(join=0.5)
 
 
-atexit.register(Service._stop_all)
+shutdown.on_exit(Service.stop_all)
+

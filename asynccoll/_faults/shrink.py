@@ -31,9 +31,10 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
 
 import anyio
+import torch.distributed as dist
 
 from .._base.aio import run_in_thread
-from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
+from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommClosed, InvalidArgument
 from .._core.objects import poll_keys
 from .liveness import decode_ranks, encode_ranks
 
@@ -120,16 +121,22 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
         raise InvalidArgument(f"exclude: ranks {bad} out of range for world_size {comm.world_size}")
     if comm.rank in excluded:
         raise InvalidArgument(f"rank {comm.rank} cannot shrink a communicator that excludes itself")
+    liveness = comm.liveness
+    gone = liveness.failure() if liveness is not None else None
+    if gone is not None:  # the store died with its host (or was closed): nothing to meet on
+        raise gone
     comm.claim()
     failed = comm.state == "aborted"  # after a failure (or a user's abort), not a planned shrink
     if comm.state == "ok":
         comm.abort("shrinking the communicator")
-    liveness = comm.liveness
     if liveness is not None:
         liveness.hold()  # keep answering the survivors' census while this rank rebuilds
     try:
         agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
         return await _build(comm, cast(Any, rebuild), agreed, failed)
+    except dist.DistError as exc:  # the store failed under the agreement (torch's type for it)
+        error = liveness.failure() if liveness is not None else None
+        raise (error or CommAborted(f"shrink: the rendezvous store failed: {exc}")) from exc
     finally:
         if liveness is not None:
             liveness.release()
