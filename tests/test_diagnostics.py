@@ -360,11 +360,19 @@ def test_rank_that_never_issues_is_named(tmp_path: Path, check: str | None) -> N
 
 
 def test_rank_that_skips_is_named(tmp_path: Path) -> None:
+    """skip_collective records the skipped op as skipped, not done: diagnose blames the
+    rank that skipped it, not the one that timed out waiting (it said "ended
+    differently: timed out on rank 0, done on rank 1")."""
     results = run_ranks(never_issues, world_size=2, backend=None, timeout=60, args=(str(tmp_path), True))
     assert [r["state"] for r in results] == ["aborted", "aborted"]
+    assert results[1]["last"]["seq"] == 3 and results[1]["last"]["state"] == "skipped", results
     proc = _diagnose(tmp_path)
     assert proc.returncode == 1
-    assert "seq 3 all_reduce ended differently: timed out on rank 0, done on rank 1" in proc.stdout, proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert lines[0].startswith("PROBLEM: rank 1 skipped seq 3 all_reduce"), proc.stdout
+    assert "rank 1 never issued seq 3 all_reduce; issued by rank 0 at" in proc.stdout, proc.stdout
+    assert "ended differently" not in proc.stdout, proc.stdout
+    assert "rank 1: last completed seq 2 broadcast" in proc.stdout, proc.stdout
 
 
 async def mismatch_traced(ctx: Any, trace_dir: str) -> None:
