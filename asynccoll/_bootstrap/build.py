@@ -22,7 +22,7 @@ from .._core.backend import Backend
 from .._core.communicator import Communicator
 from .._diag.diagnostics import Diagnostics
 from .args import check_args
-from .rendezvous import Rendezvous, comm_prefix, off_loop, rendezvous
+from .rendezvous import Rendezvous, agree_options, comm_prefix, forget, off_loop, rendezvous
 from .stores import STORES, exclusive
 
 #: Seconds Gloo's connect timeout outlasts ours.
@@ -116,6 +116,9 @@ async def connect(
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous."""
     prefix = await comm_prefix(rdv, timeout)
+    await agree_options(rdv, prefix, {
+        "backend": backend, "nccl": use_nccl, "check": check, "heartbeat": heartbeat, "world_size": rdv.world_size,
+    }, timeout)
     backends: dict[str | None, Backend] = {}
     if backend in ("gloo", "auto"):
         backends["cpu"] = await build_gloo(rdv, prefix, timeout)
@@ -169,6 +172,7 @@ async def connect(
         detect_failures=detect,
         rebuild=rebuild,
         diagnostics=diagnostics,
+        forget=functools.partial(forget, rdv, prefix),
     )
 
 

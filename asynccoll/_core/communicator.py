@@ -77,6 +77,7 @@ class Communicator:
         detect_failures: bool = False,
         rebuild: Callable[[int, int, str], Awaitable[Communicator]] | None = None,
         diagnostics: Diagnostics | None = None,
+        forget: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -89,6 +90,7 @@ class Communicator:
         self._store = store
         self._objects = ObjectChannel(store, rank, world_size) if store is not None else None
         self._rebuild = rebuild
+        self._forget = forget  # close(): the last rank to close deletes the store keys
         self._shrunk = False
         self._ledger = ledger = Ledger(
             rank,
@@ -431,12 +433,14 @@ class Communicator:
         ledger.end_close()
         self._finalizer.detach()
         if self._liveness is not None:
-            self._liveness.stop()
+            await run_in_thread(self._liveness.goodbye, None, name="asynccoll-close")
         if self._objects is not None:
             self._objects.shutdown()
         for backend in self._backends.values():
             await run_in_thread(backend.close, None, name="asynccoll-close")
         await run_in_thread(self._diag.closed, None, name="asynccoll-close")  # the timeline to trace_dir
+        if self._forget is not None and (self._liveness is None or self._liveness.failure() is None):
+            await run_in_thread(self._forget, None, name="asynccoll-close")
 
     # ---------------------------------------------------------- diagnostics
     def flight_record(self) -> list[dict[str, Any]]:

@@ -120,6 +120,7 @@ class Liveness:
         self._lock = threading.Lock()
         self._abort_reason: str | None = None
         self._left_service = False
+        self._said_bye = False
         self._dead: set[int] = set()
         self._census_lock = threading.Lock()
         self._census: tuple[int, ...] | None = None
@@ -175,6 +176,18 @@ class Liveness:
         self._closed = True
         self._keep()
 
+    def goodbye(self) -> None:
+        """``close()``: say goodbye now (blocking, one store request), then leave the service."""
+        self._closed = True
+        if self._store_usable() and not shutdown.exiting():
+            try:
+                self._store.set(f"bye/{self._rank}", "1")
+            except _STORE_ERRORS:  # the store failed meanwhile: the service notices
+                pass
+        with self._lock:
+            self._said_bye = True
+        self._keep()
+
     def hold(self) -> None:
         """Keep this process's service (and its pulse) up while the communicator is rebuilt."""
         if self._service is not None:
@@ -226,8 +239,9 @@ class Liveness:
             if reason is not None:
                 self._publish(reason, store_gone)
             if self._closed:
-                if not store_gone:
+                if not store_gone and not self._said_bye:
                     self._store.set(f"bye/{self._rank}", "1")
+                    self._said_bye = True
                 with self._lock:
                     if self._abort_reason is not None:
                         return True  # news arrived meanwhile: out at the next round
@@ -429,6 +443,11 @@ class Liveness:
 
     def _take_census(self) -> tuple[int, ...]:
         known = self.dead
+        if self._closed:
+            # A transport error after close() (an aborted op that Gloo ended only now):
+            # nobody needs the answer, and the keys may be gone (``forget``), so that a
+            # read would wait for them and block the process's store client.
+            return known
         if not self._store_usable():
             svc = self._service
             host = self._host_of(svc.host) if svc is not None and not svc.host_left else None

@@ -282,7 +282,7 @@ class Service:
                 del Service._services[self._key]
         if self._slot is not None and self.store_gone is None and not self._stopping:
             try:  # unlisted: a closing host need not wait for this process
-                self.root.set(f"{SERVICES_KEY}/{self._slot}", "-")
+                self.root.delete_key(f"{SERVICES_KEY}/{self._slot}")
             except RuntimeError:  # the store failed meanwhile: nothing more to say on it
                 pass
         if self.pulse is not None:
@@ -302,9 +302,7 @@ class Service:
             store.set_timeout(timedelta(seconds=wait))
             count = int(store.add(SERVICES_KEY, 0))
             keys = [f"{SERVICES_KEY}/{i}" for i in range(1, count + 1)]
-            values = store.multi_get(keys) if keys and store.check(keys) else [
-                store.get(k) if store.check([k]) else b"-" for k in keys
-            ]
+            values = [store.get(k) if store.check([k]) else b"-" for k in keys]  # (unlisted ones are deleted)
         except (AttributeError, RuntimeError):  # no clone, or the server is unusable already: nobody can be told
             return
         targets: dict[int, tuple[tuple[str, int], str]] = {}
