@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import pickle
 import threading
 import time
 from datetime import timedelta
@@ -135,16 +134,15 @@ def test_a_beat_costs_a_few_store_requests_whatever_the_world_size(world_size: i
 
 # ------------------------------------------------------------------ a rank that holds the GIL
 def _hold_gil(seconds: float) -> float:
-    """Hold the GIL for about ``seconds`` (C code that never lets another thread in)."""
-    items = list(range(1_000_000))
+    """Hold the GIL for about ``seconds``: one C call (``sum`` over a ``range``) that never
+    lets another thread of this process run Python."""
     per_item = 1.0
     for _ in range(3):  # the fastest of three: the machine's load only ever adds time
         t0 = time.perf_counter()
-        pickle.dumps(items)
-        per_item = min(per_item, max((time.perf_counter() - t0) / len(items), 1e-9))
-    big = list(range(int(seconds / per_item)))
+        sum(range(2_000_000))
+        per_item = min(per_item, max((time.perf_counter() - t0) / 2_000_000, 1e-10))
     t0 = time.perf_counter()
-    pickle.dumps(big)  # one C call: no eval-loop check, the GIL stays held
+    sum(range(int(seconds / per_item)))
     return time.perf_counter() - t0
 
 

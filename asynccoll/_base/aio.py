@@ -47,6 +47,9 @@ def current_task() -> object | None:
 
 def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
     result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    # Running from the start: a waiter that gives up (asyncio.wrap_future cancels the
+    # future it wraps) cannot cancel it, so fn's outcome still reaches ``on_late``.
+    result.set_running_or_notify_cancel()
 
     def job() -> None:
         try:

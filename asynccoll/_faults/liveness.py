@@ -47,13 +47,12 @@ from typing import Any, Callable
 from .._base import shutdown
 from .._base.errors import CommAborted, PeerFailure
 from . import procs
+from .census import Roster, decode_ranks, encode_ranks
 from .service import Service, StoreHost, root_of
 
 #: How many ranks each rank watches with heartbeat detection.
 WATCH = 3
 _COUNT = itertools.count(1)
-#: Keys read per request (bounded replies).
-_BATCH = 512
 #: How often a blocked object collective knocks on silent peers elsewhere.
 _KNOCK_EVERY = 0.25
 #: Without heartbeat detection, how often the store is read for abort news (the
@@ -64,19 +63,6 @@ _FALLBACK_EVERY = 2.0
 _HOST_KNOWN_AFTER = 5.0
 #: Store errors: torch raises DistError subclasses (or RuntimeError) for a broken store.
 _STORE_ERRORS = (RuntimeError, ValueError)
-
-
-def encode_ranks(ranks: Any) -> str:
-    """``"1,3"``; ``"none"`` for an empty set (a census that found everyone alive)."""
-    text = ",".join(str(r) for r in sorted(set(ranks)))
-    return text or "none"
-
-
-def decode_ranks(raw: bytes | str) -> tuple[int, ...]:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    if text in ("", "none"):
-        return ()
-    return tuple(sorted({int(x) for x in text.split(",")}))
 
 
 def watched(rank: int, world_size: int) -> list[int]:
@@ -124,7 +110,7 @@ class Liveness:
         self._dead: set[int] = set()
         self._census_lock = threading.Lock()
         self._census: tuple[int, ...] | None = None
-        self._peers: dict[int, procs.Peer] = {}
+        self._roster = Roster(store, rank, world_size, self._store_usable)
         self._service: Service | None = None
         self._watch = watched(rank, world_size) if detect else []
         self._seen: dict[int, tuple[bytes, float, int]] = {}
@@ -323,11 +309,14 @@ class Liveness:
         if not store_gone:
             if self._store.compare_set("aborted", "", reason).decode(errors="replace") != reason:
                 return  # a peer's abort came first: every rank has that news already
-        peers = self._peers if store_gone else self.peers()
+        peers = self._roster.cache if store_gone else self.peers()
+        by_process: dict[tuple[str, int], list[int]] = {}  # one message per peer process
+        for p in peers.values():
+            if p.address is not None and not (p.local and p.state() == "gone"):
+                by_process.setdefault(p.address, []).append(p.mid)
         targets = {
-            r: (p.address, f"a|{p.mid}|{reason}")
-            for r, p in peers.items()
-            if p.address is not None and not (p.local and p.state() == "gone")
+            i: (address, f"a|{','.join(map(str, mids))}|{reason}")
+            for i, (address, mids) in enumerate(by_process.items())
         }
         procs.deliver_all(targets, 1.0, ack=False)
 
@@ -347,7 +336,7 @@ class Liveness:
     def _host_of(self, host: StoreHost) -> int | None:
         if self._host_rank is not None:
             return self._host_rank if self._host_rank >= 0 else None
-        for r, p in self._peers.items():
+        for r, p in self._roster.cache.items():
             if host.pid and p.same_process(host.machine, host.pid, host.start):
                 return r
         return None
@@ -376,30 +365,20 @@ class Liveness:
     # ---------------------------------------------------------------- peers
     def peers(self, ranks: list[int] | None = None) -> dict[int, procs.Peer]:
         """What each peer (of ``ranks``, default all) published about its process."""
-        want = self._others() if ranks is None else ranks
-        missing = [r for r in want if r not in self._peers and r != self._rank]
-        if missing and self._store_usable():
-            for i in range(0, len(missing), _BATCH):
-                part = missing[i : i + _BATCH]
-                keys = [f"proc/{r}" for r in part]
-                if self._store.check(keys):
-                    values = self._store.multi_get(keys)
-                else:
-                    values = [self._store.get(k) if self._store.check([k]) else b"" for k in keys]
-                for r, raw in zip(part, values):
-                    if raw:
-                        self._peers[r] = procs.Peer.decode(raw)
-        return {r: self._peers[r] for r in want if r in self._peers}
+        return self._roster.peers(ranks)
 
     def _left(self, rank: int) -> bool:
-        """``rank`` closed or aborted on its own: alive, not failed (its sockets may close)."""
-        if self.store_gone is not None:
-            return False
-        store = self._store
-        if store.check([f"bye/{rank}"]):
-            return True
-        news = store.get("aborted")
-        return bool(news) and news.split(b"|", 1)[0] == str(rank).encode()
+        return self._roster.left(rank)
+
+    def probe(
+        self, ranks: list[int], *, bound: float | None = None, stopped_failed: bool = False,
+        eliminate: bool = False,
+    ) -> tuple[int, ...]:
+        """Which of ``ranks`` failed, on proof only (``Roster.probe``; at most about ``bound``
+        seconds, default the detection bound)."""
+        return self._roster.probe(
+            ranks, bound=self.bound if bound is None else bound, stopped_failed=stopped_failed, eliminate=eliminate
+        )
 
     # ---------------------------------------------------------------- census
     def record(self) -> tuple[int, ...] | None:
@@ -451,7 +430,7 @@ class Liveness:
         if not self._store_usable():
             svc = self._service
             host = self._host_of(svc.host) if svc is not None and not svc.host_left else None
-            gone = procs.gone_among(self._peers.items())
+            gone = procs.gone_among(self._roster.cache.items())
             return tuple(sorted(set(known) | set(gone) | ({host} if host is not None else set())))
         try:
             recorded = self.record()
@@ -474,54 +453,6 @@ class Liveness:
             return self._agree(self.probe(self._others(), eliminate=True))
         except _STORE_ERRORS:  # the store is unreachable: say what is known
             return known
-
-    def probe(
-        self, ranks: list[int], *, bound: float | None = None, stopped_failed: bool = False,
-        eliminate: bool = False,
-    ) -> tuple[int, ...]:
-        """Which of ``ranks`` failed (blocking; at most about ``bound`` seconds).
-
-        Proof of death only (see ``procs``): on this machine, the process is gone
-        (or stopped, with ``stopped_failed``: heartbeat detection, which already
-        saw it silent for a bound); elsewhere, its pulse refuses a connection, or
-        its machine does not answer for ``bound`` seconds. A rank that never
-        published its process within ``bound`` counts as failed. ``eliminate``:
-        a rank whose process is gone after it closed or aborted on its own (its
-        sockets closed too) is not a failure.
-        """
-        bound = self.bound if bound is None else bound
-        end = time.monotonic() + bound
-        peers = self.peers(ranks)
-        while len(peers) < len(ranks) and time.monotonic() < end and self.store_gone is None:
-            time.sleep(0.02)  # a rank that has not published its process yet
-            peers = self.peers(ranks)
-        dead = {r for r in ranks if r not in peers}
-        while True:
-            dead |= self._proven_dead(peers, end, stopped_failed)
-            if eliminate:
-                dead = {r for r in dead if not self._left(r)}
-            # After a transport error some peer is dying: a process that is exiting
-            # closes its sockets (the transport's, then its pulse) before it leaves the
-            # process table, so look again for a moment.
-            if dead or not eliminate or time.monotonic() >= end:
-                return tuple(sorted(dead))
-            time.sleep(0.005)
-
-    def _proven_dead(self, peers: dict[int, procs.Peer], end: float, stopped_failed: bool) -> set[int]:
-        dead: set[int] = set()
-        knock: dict[int, tuple[str, int]] = {}
-        for r, p in peers.items():
-            if p.local:
-                state = p.state()
-                if state == "gone" or (stopped_failed and state == "stopped"):
-                    dead.add(r)
-                    continue
-            if p.address is not None:
-                knock[r] = p.address  # (a local one too: an exiting process has closed it)
-        if knock:
-            answers = procs.knock(knock, max(0.001, end - time.monotonic()))
-            dead.update(r for r, ok in answers.items() if ok is False or (ok is None and not peers[r].local))
-        return dead
 
     def failure_among(self, ranks: list[int]) -> BaseException | None:
         """For an operation waiting on ``ranks`` through the store (an object

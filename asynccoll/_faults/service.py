@@ -197,10 +197,10 @@ class Service:
     def _message(self, text: str) -> bool:
         """A message on the pulse (pulse thread); True: acknowledge it."""
         kind, _, rest = text.partition("|")
-        if kind == "a":  # abort news for one member: the beater delivers it
-            mid, _, raw = rest.partition("|")
+        if kind == "a":  # abort news for members of this process: the beater delivers it
+            mids, _, raw = rest.partition("|")
             try:
-                self._news.append((int(mid), raw))
+                self._news.extend((int(mid), raw) for mid in mids.split(","))
             except ValueError:  # not one of ours
                 return False
             self._wake.set()

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .._base.aio import run_in_thread
 from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommClosed, InvalidArgument
 from .._core.objects import poll_keys
-from .liveness import decode_ranks, encode_ranks
+from .census import decode_ranks, encode_ranks
 
 
 def _encode(ranks: Iterable[int]) -> str:
