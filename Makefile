@@ -5,7 +5,7 @@ VENV    ?= .venv
 TORCH   ?= torch==2.13.0
 BIN      = $(VENV)/bin
 
-.PHONY: demo test bench venv clean gpu-test flake-hunt chaos
+.PHONY: demo test bench venv clean gpu-test docs dist-check flake-hunt chaos
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,17 @@ MINUTES ?= 10
 chaos: venv
 	$(BIN)/python -m bench.chaos --minutes $(MINUTES)
 
+# The documentation (docs/), warnings as errors; and the sdist + wheel checked in a fresh venv.
+$(BIN)/.docs-installed: pyproject.toml $(BIN)/.installed
+	$(BIN)/pip install -q -e ".[test,docs,dist]"
+	touch $@
+
+docs: $(BIN)/.docs-installed
+	$(BIN)/sphinx-build -q -W --keep-going -n -b html docs docs/_build/html
+
+dist-check: $(BIN)/.docs-installed
+	PY="$(PY)" BIN="$(BIN)" TORCH="$(TORCH)" bash .ci/dist-check
+
 # On a CUDA machine: a CUDA torch build, the nccl extra, then the real-GPU tests
 # (tests/test_nccl.py's GPU tests; they skip without CUDA) and the GPU benchmark.
 GPU_TORCH ?= torch
@@ -52,4 +63,4 @@ gpu-test:
 	$(GPU_VENV)/bin/python bench/gpu.py
 
 clean:
-	rm -rf $(VENV) bench/results
+	rm -rf $(VENV) bench/results docs/_build dist

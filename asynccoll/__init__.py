@@ -15,6 +15,7 @@ from ._base.errors import InvalidArgument as InvalidArgument
 from ._base.errors import PeerFailure as PeerFailure
 from ._base.ops import ReduceOp as ReduceOp
 from ._bootstrap.init import init as init
+from ._bootstrap.init import join as join
 from ._bootstrap.init import wrap as wrap
 from ._core.communicator import Communicator as Communicator
 from ._core.work import Work as Work
@@ -36,6 +37,7 @@ __all__ = [
     "ReduceOp",
     "Work",
     "init",
+    "join",
     "wrap",
 ]
 

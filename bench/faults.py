@@ -154,11 +154,12 @@ async def _asynccoll_death(rank: int, store: Any, params: dict[str, Any]) -> dic
     import torch
 
     import asynccoll as ac
+    from asynccoll._bootstrap.init import init_with
 
     how, heartbeat = params["how"], params["heartbeat"]
-    marks = _instrument()
+    marks, factories = _instrument()
     world, victims = params.get("world", 3), params.get("victims", [VICTIM])
-    comm = await ac.init("gloo", rank=rank, world_size=world, store=store, timeout=30, heartbeat=heartbeat)
+    comm = await init_with(factories, "gloo", rank=rank, world_size=world, store=store, timeout=30, heartbeat=heartbeat)
     t = torch.ones(256)
     for _ in range(WARMUP):
         await comm.all_reduce(t)
@@ -191,8 +192,9 @@ async def _asynccoll_death(rank: int, store: Any, params: dict[str, Any]) -> dic
     }
 
 
-def _instrument() -> dict[str, float]:
-    """Time inside shrink: when the excluded set is settled, how long the Gloo group takes."""
+def _instrument() -> tuple[dict[str, float], Any]:
+    """Time inside shrink: when the excluded set is settled, how long the Gloo group takes
+    (the backend factories to pass to ``init_with``)."""
     import asynccoll._bootstrap.build as init_mod
     import asynccoll._faults.shrink as shrink_mod
 
@@ -200,7 +202,7 @@ def _instrument() -> dict[str, float]:
     # (_settle since the census record; before that, shrink called agree(): the
     # same bench then measures the previous commit for a before/after table.)
     name = "_settle" if hasattr(shrink_mod, "_settle") else "agree"
-    settle, gloo = getattr(shrink_mod, name), init_mod.build_gloo
+    settle, gloo = getattr(shrink_mod, name), init_mod.Factories().gloo
 
     def timed_settle(*args: Any) -> Any:
         out = settle(*args)
@@ -214,8 +216,7 @@ def _instrument() -> dict[str, float]:
         return out
 
     setattr(shrink_mod, name, timed_settle)
-    init_mod.build_gloo = timed_gloo  # type: ignore[assignment]
-    return marks
+    return marks, init_mod.Factories(gloo=timed_gloo)
 
 
 def _torch_death(rank: int, store: Any, how: str, timeout: float) -> dict[str, Any]:

@@ -88,7 +88,7 @@ async def issue_side(comm: Any, dist: Any, n: int, reps: int) -> dict[str, float
         for _ in range(k):
             x = validate.tensor(t, "tensor")
             b = comm._backend_for(x)
-            spec = OpSpec(OpKind.ALL_REDUCE, x, reduce_op=validate.reduce_op(ReduceOp.SUM, x.dtype, b.name))
+            spec = OpSpec(OpKind.ALL_REDUCE, x, reduce_op=validate.reduce_op(ReduceOp.SUM, x.dtype, b.caps))
             spec.timeout = comm.timeout
         return ns() - t0
 

@@ -573,3 +573,52 @@ def test_checker_thread_ends_when_its_communicator_is_collected() -> None:
     for before, during, after in run_ranks(dropped_without_close, world_size=2, backend=None, timeout=60):
         assert during == before + 1
         assert after == before
+
+
+async def verdict_before_news(ctx: Any) -> str:
+    """Rank 0's reader thread is held up while rank 1 reaches the mismatch verdict and
+    aborts: the abort news from rank 1 reaches rank 0 before rank 0 has read rank 1's
+    fingerprint. Rank 0 must still raise the mismatch (API.md §6: on every rank), not
+    the news."""
+    import threading
+
+    comm = await _comm(ctx, check="fingerprint")
+    try:
+        await comm.all_reduce(torch.ones(2))
+        if comm.rank == 0:
+            work = comm.all_reduce(torch.ones(4))  # held: rank 1's fingerprint is not here yet
+            checker = comm._diag.checker
+            held, release = threading.Event(), threading.Event()
+
+            def stall() -> None:  # the reader thread cannot take the checker's lock meanwhile
+                with checker._lock:
+                    held.set()
+                    release.wait(20)
+
+            threading.Thread(target=stall, daemon=True).start()
+            held.wait(10)
+            ctx.store.set("rank0/stalled", "1")
+            ctx.store.wait(["rank1/aborted"], __import__("datetime").timedelta(seconds=20))
+            await asyncio.sleep(1.0)  # rank 1's abort news arrives meanwhile (one store hop)
+            release.set()
+            try:
+                await work
+            except ac.AsyncCollError as exc:
+                return type(exc).__name__
+            return "no error"
+        ctx.store.wait(["rank0/stalled"], __import__("datetime").timedelta(seconds=20))
+        try:
+            await comm.all_reduce(torch.ones(6))
+        except ac.AsyncCollError as exc:
+            ctx.store.set("rank1/aborted", "1")
+            return type(exc).__name__
+        return "no error"
+    finally:
+        comm.abort("test over")
+        await comm.close()
+
+
+def test_a_held_op_raises_the_mismatch_even_when_the_peers_abort_news_comes_first() -> None:
+    assert run_ranks(verdict_before_news, world_size=2, backend=None, timeout=90) == [
+        "CollectiveMismatch", "CollectiveMismatch"
+    ]

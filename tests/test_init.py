@@ -114,6 +114,36 @@ def test_port_in_use_is_invalid_argument(loop: str) -> None:
     _run(loop, main)
 
 
+def test_store_errors_are_typed() -> None:
+    """A TCPStore constructor's errors, with the messages torch 2.13 gives (measured: all
+    three are DistNetworkError), become the contract's types."""
+    cases: list[tuple[str, type[BaseException], str]] = [
+        (
+            "The server socket has failed to listen on any local network address. port: 29500, "
+            "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+            ac.InvalidArgument, "already in use",
+        ),
+        (
+            "The client socket has timed out after 1000ms while trying to connect to (127.0.0.1, 29500).",
+            ac.CollectiveTimeout, "did not arrive",
+        ),
+        ("Connection refused", ac.InvalidArgument, "no asynccoll/torch store answers"),
+    ]
+    for text, kind, words in cases:
+        err = stores.store_error(dist.DistNetworkError(text), "127.0.0.1", 29500, 1.0)
+        assert type(err) is kind and words in str(err), (text, err)
+
+
+def test_a_store_that_never_answers_is_a_timeout() -> None:
+    """A client rank whose store server never comes up times out as the contract says."""
+
+    async def main() -> None:
+        with pytest.raises(ac.CollectiveTimeout, match="did not arrive"):
+            await ac.init("gloo", rank=1, world_size=2, master_addr="127.0.0.1", master_port=_free_port(), timeout=1)
+
+    _run("asyncio", main)
+
+
 def test_wrap_checks_its_arguments() -> None:
     store = dist.HashStore()
     pg = dist.ProcessGroupGloo(store, 0, 1, __import__("datetime").timedelta(seconds=10))

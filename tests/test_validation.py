@@ -13,6 +13,7 @@ import torch
 from backends import LOOPS
 
 import asynccoll as ac
+from asynccoll._backends import nccl
 from asynccoll._core import validate
 from asynccoll.testing import run_ranks
 
@@ -154,14 +155,15 @@ def test_nccl_table_matches_nccl4py_enums() -> None:
         "Bfloat16": "bfloat16", "Float8e4m3": "float8_e4m3fn", "Float8e5m2": "float8_e5m2",
     }
     members = [m.name for m in bindings.DataType if m.name != "NumTypes"]
-    assert sorted(members) == sorted(names), "nccl4py's DataType changed: update validate._NCCL"
+    assert sorted(members) == sorted(names), "nccl4py's DataType changed: update the NCCL backend's caps"
     ops = {m.name.upper() for m in bindings.RedOp if m.name in ("Sum", "Prod", "Max", "Min", "Avg")}
     assert ops == {op.name for op in R}
+    caps = nccl.NcclBackend.caps  # what the backend declares, and validate asks
     for name in members:
         for op in R:
-            assert validate.reduce_op(op, getattr(torch, names[name]), "nccl") is op
-    with pytest.raises(ac.InvalidArgument, match="supports"):
-        validate.reduce_op(R.MAX, torch.complex64, "nccl")
+            assert validate.reduce_op(op, getattr(torch, names[name]), caps) is op
+    with pytest.raises(ac.InvalidArgument, match="nccl cannot reduce .* supports"):
+        validate.reduce_op(R.MAX, torch.complex64, caps)
 
 
 async def aliasing(comm: ac.Communicator) -> int:

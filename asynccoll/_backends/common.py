@@ -26,8 +26,13 @@ from .._core.work import Bundle, Work
 
 Target = Work | Bundle
 
-# torch 2.13's Gloo raises a plain RuntimeError for every transport failure (no
-# DistNetworkError subclass), so the kind is read from the message, here only.
+# torch 2.13 gives no type finer than its message for these, so the kind is read
+# from the message, here only: Gloo raises a plain RuntimeError for every transport
+# failure (no DistNetworkError subclass); a TCPStore's constructor raises
+# DistNetworkError alike for a port in use ("... name: EADDRINUSE, message: address
+# already in use"), a connect that times out and a refused connection (measured; no
+# errno attribute).
+_IN_USE = ("eaddrinuse", "address already in use")
 _PEER_LOST = (
     "connection closed",
     "connection reset",
@@ -40,9 +45,12 @@ _TIMED_OUT = ("timed out", "timeout")
 
 
 def kind_of(exc: BaseException) -> str | None:
-    """``"peer"`` (a peer's connection went away), ``"timeout"``, or None, for a
-    torch/Gloo error: by type where torch gives one, else by its message."""
+    """``"peer"`` (a peer's connection went away), ``"timeout"``, ``"in use"`` (a store
+    server's port is taken), or None, for a torch/Gloo error: by type where torch gives
+    one, else by its message."""
     low = str(exc).lower()
+    if any(s in low for s in _IN_USE):
+        return "in use"
     if isinstance(exc, TimeoutError) or any(s in low for s in _TIMED_OUT):
         return "timeout"  # torch's DistNetworkError covers socket timeouts too
     if isinstance(exc, torch.distributed.DistNetworkError) or any(s in low for s in _PEER_LOST):

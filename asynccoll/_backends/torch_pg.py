@@ -20,7 +20,7 @@ from torch._C import _distributed_c10d as c10d
 
 from .._base.errors import InvalidArgument, PeerFailure
 from .._base.ops import OpKind, OpSpec, ReduceOp
-from .._core.backend import Backend
+from .._core.backend import ANY, Backend, Capabilities
 from .._core.work import Bundle, Work
 from .common import Completer, avg_fixup, strand, translate
 
@@ -52,9 +52,11 @@ class TorchGroupBackend(Backend):
         device_type: str | None,
         world_size: int,
         timeout: float,
+        caps: Capabilities = ANY,
     ) -> None:
         self.name = name
         self.device_type = device_type
+        self.caps = caps  # Gloo's table (``gloo.CAPS``), or torch's own checks
         self._pg = pg
         self._world_size = world_size
         self._timeout = timeout

@@ -14,6 +14,7 @@ and the index of unsettled ops drops an op whose record leaves the ring.
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, PeerFailure
@@ -21,6 +22,9 @@ from .ops import OpKind
 
 #: Default ring size: enough for a training step of several thousand ops.
 DEFAULT_CAPACITY = 4096
+
+#: The recorder's clock: wall time, so that the ranks' records line up in one timeline.
+now = time.time
 
 # Record layout (a list, mutated once by ``ended``).
 _SEQ, _OP, _DTYPE, _SHAPE, _PEER, _REDUCE, _BATCH, _T0, _STATE, _T1, _ERROR, _CSEQ = range(12)
@@ -120,6 +124,11 @@ class FlightRecorder:
             rec[_STATE] = state
             rec[_T1] = t
             rec[_ERROR] = error
+
+    def failed(self, seq: int, error: BaseException, t: float) -> None:
+        """Record that op ``seq`` failed with ``error`` (its state read from the error's type)."""
+        state, text = outcome(error)
+        self.ended(seq, state, t, text)
 
     def open_seqs(self) -> list[int]:
         """Seqs issued and not yet settled, oldest first."""

@@ -3,24 +3,32 @@
 
 Nothing here blocks the event loop: building each backend (Gloo's full-mesh
 connect, NCCL's polled init) runs on executor threads, bounded by ``timeout``.
+
+Backends are made by :class:`Factories`, passed explicitly from ``init`` down to every
+rebuild (the simulated GPU's test kit passes one that builds NCCL on its simulator).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import torch
 import torch.distributed as dist
 
+from .._backends import gloo
 from .._backends.torch_pg import TorchGroupBackend
 from .._base.errors import BackendUnavailable, InvalidArgument
 from .._core.backend import Backend
 from .._core.communicator import Communicator
+from .._core.seams import Membership
 from .._diag.diagnostics import Diagnostics
+from .._faults.liveness import Liveness
+from .._faults.shrink import shrink
 from .args import check_args
 from .rendezvous import Rendezvous, agree_options, comm_prefix, forget, off_loop, rendezvous
 from .stores import STORES, exclusive
@@ -44,7 +52,9 @@ async def build_gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroup
         return pg
 
     pg = await off_loop(build, timeout, "gloo init")
-    return TorchGroupBackend(pg, name="gloo", device_type="cpu", world_size=rdv.world_size, timeout=timeout)
+    return TorchGroupBackend(
+        pg, name="gloo", device_type="cpu", world_size=rdv.world_size, timeout=timeout, caps=gloo.CAPS
+    )
 
 
 async def build_nccl(rdv: Rendezvous, prefix: str, device: Any, timeout: float) -> Backend:
@@ -58,6 +68,21 @@ def nccl_missing() -> str | None:
     from .._backends.nccl import missing
 
     return missing()
+
+
+@dataclasses.dataclass(frozen=True)
+class Factories:
+    """How the bootstrap makes each backend; the defaults are the real ones."""
+
+    #: ``await gloo(rdv, prefix, timeout)``: the Gloo backend of a met rendezvous.
+    gloo: Callable[[Rendezvous, str, float], Awaitable[Backend]] = build_gloo
+    #: ``await nccl(rdv, prefix, device, timeout)``: the NCCL backend.
+    nccl: Callable[[Rendezvous, str, Any, float], Awaitable[Backend]] = build_nccl
+    #: Why NCCL cannot run here (what to install), or None when it can.
+    nccl_missing: Callable[[], str | None] = nccl_missing
+
+
+REAL = Factories()
 
 
 async def build_communicator(
@@ -74,8 +99,11 @@ async def build_communicator(
     trace_dir: Any,
     heartbeat: float | None = None,
     nccl_backend: Backend | None = None,
+    factories: Factories = REAL,
+    group: Any = None,
 ) -> Communicator:
     # nccl_backend: a ready NCCL backend (shrink's ncclCommShrink) used instead of a new init.
+    # group: the named group (elastic.Group) this communicator belongs to, or None.
     timeout = check_args(backend, store, master_addr, device, timeout, heartbeat)
     if check not in (None, "fingerprint"):
         raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
@@ -85,7 +113,7 @@ async def build_communicator(
     if backend in ("nccl", "auto"):
         # "auto" serves CUDA tensors with NCCL whenever CUDA, nccl4py, cuda-bindings
         # and libnccl are all usable here; "nccl" insists on them.
-        missing = nccl_missing()
+        missing = factories.nccl_missing()
         if missing is None:
             use_nccl = True
         elif backend == "nccl":
@@ -94,10 +122,15 @@ async def build_communicator(
         rank=rank, world_size=world_size, master_addr=master_addr,
         master_port=master_port, store=store, timeout=timeout,
     )
+    if group is not None:
+        group = group.bound(rdv.store, rdv.key)  # the first communicator's store: joiners meet there
     try:
         lock = await exclusive(rdv.store, rdv.rank, timeout)
         try:
-            comm = await connect(rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat, nccl_backend)
+            comm = await connect(
+                rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat, nccl_backend, factories,
+                group,
+            )
         finally:
             lock.release()
     except BaseException:
@@ -107,29 +140,39 @@ async def build_communicator(
     if rdv.key is not None:
         # The hold taken by rendezvous() ends with this communicator.
         weakref.finalize(comm, STORES.release, rdv.key)
+    elif group is not None and group.key is not None:
+        STORES.hold(group.key, comm)  # a grown group's communicator uses the group's store
     return comm
 
 
 async def connect(
     rdv: Rendezvous, backend: str, use_nccl: bool, device: Any, timeout: float,
     check: str | None, trace_dir: Any, heartbeat: float | None, nccl_backend: Backend | None = None,
+    factories: Factories = REAL,
+    group: Any = None,
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous."""
     prefix = await comm_prefix(rdv, timeout)
     await agree_options(rdv, prefix, {
         "backend": backend, "nccl": use_nccl, "check": check, "heartbeat": heartbeat, "world_size": rdv.world_size,
+        "name": getattr(group, "name", None),
     }, timeout)
     backends: dict[str | None, Backend] = {}
     if backend in ("gloo", "auto"):
-        backends["cpu"] = await build_gloo(rdv, prefix, timeout)
+        backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
     if use_nccl:
-        backends["cuda"] = nccl_backend or await build_nccl(rdv, prefix, device, timeout)
-    dev = getattr(backends.get("cuda"), "device", None) or torch.device("cpu")
+        backends["cuda"] = nccl_backend or await factories.nccl(rdv, prefix, device, timeout)
+    cuda = backends.get("cuda")
+    dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
     diagnostics = await build_diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
     # for; otherwise a slower census-only beat that names ranks Gloo lost.
     detect = heartbeat is not None or use_nccl
     interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
+    store = rdv.prefixed(prefix)
+
+    def liveness(on_failure: Callable[[BaseException], None]) -> Membership:
+        return Liveness(store, rdv.rank, rdv.world_size, interval=interval, detect=detect, on_failure=on_failure)
 
     async def rebuild(
         new_rank: int, new_size: int, suffix: str, failed: bool = False, excluded: tuple[int, ...] = ()
@@ -142,15 +185,16 @@ async def connect(
         store = await off_loop(rdv.prefixed(prefix + suffix).clone, timeout, "store")
         # NCCL: ncclCommShrink of the old (revoked) communicator, ABORT flag after a
         # failure, DEFAULT for a planned shrink; None (a new init) unless every survivor can.
-        shrink_agreed, shrunk = getattr(backends.get("cuda"), "shrink_agreed", None), None
-        if shrink_agreed is not None:
-            job = functools.partial(shrink_agreed, store, new_rank, new_size, excluded, failed, timeout)
+        shrunk = None
+        if cuda is not None:  # Backend.shrink_agreed: None where there is no native shrink
+            job = functools.partial(cuda.shrink_agreed, store, new_rank, new_size, excluded, failed, timeout)
             shrunk = await off_loop(job, timeout, "nccl shrink")
         try:
             new = await build_communicator(
                 backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
                 store=store, device=device, timeout=timeout, check=check,
-                trace_dir=trace_dir, heartbeat=heartbeat, nccl_backend=shrunk,
+                trace_dir=trace_dir, heartbeat=heartbeat, nccl_backend=shrunk, factories=factories,
+                group=group,
             )
         except BaseException:
             if shrunk is not None:
@@ -166,12 +210,13 @@ async def connect(
         backends=backends,
         backend_name=backend,
         device=dev,
-        store=rdv.prefixed(prefix),
+        store=store,
         timeout=timeout,
-        heartbeat=interval or None,
-        detect_failures=detect,
+        liveness=liveness if interval and rdv.world_size > 1 else None,
         rebuild=rebuild,
+        recover=shrink,
         diagnostics=diagnostics,
+        group=group,
         forget=functools.partial(forget, rdv, prefix),
     )
 
@@ -183,7 +228,8 @@ async def build_diagnostics(
     """The communicator's diagnostics (API.md §6); with ``check``, wraps ``backends`` in place."""
     checker = None
     if check == "fingerprint" and rdv.world_size > 1:
-        from .._diag.fingerprint import FingerprintChecker, store_host
+        from .._diag.fingerprint import FingerprintChecker
+        from .._diag.mesh import store_host
 
         store = rdv.prefixed(prefix)
         host = store_host(rdv.store)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import anyio
 import torch.distributed as dist
 
+from .._backends.common import kind_of
 from .._base.aio import run_in_thread
 from .._base.errors import AsyncCollError, CollectiveTimeout, InvalidArgument
 from .._faults.service import Service, mark_host
@@ -125,16 +126,17 @@ async def exclusive(store: Any, rank: int, timeout: float) -> threading.Lock:
     return lock
 
 
-def _store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Exception:
-    """A TCPStore constructor's DistNetworkError/DistStoreError as the contract's error."""
+def store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Exception:
+    """A TCPStore constructor's error (``DistNetworkError``, ``DistStoreError``) as the
+    contract's; the kind comes from ``common.kind_of`` (torch has no finer type)."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    low = text.lower()
-    if "eaddrinuse" in low or "address already in use" in low:
+    kind = kind_of(exc)
+    if kind == "in use":
         return InvalidArgument(
             f"master_port {port} is already in use on this host (by another process): pick a free "
             f"port, or pass store= ({text})"
         )
-    if "timed out" in low or "timeout" in low:
+    if kind == "timeout":
         return CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s: {text}")
     return InvalidArgument(
         f"no asynccoll/torch store answers at {addr}:{port} (check master_addr and master_port): {text}"
@@ -164,8 +166,8 @@ async def _server_listening(addr: str, port: int, timeout: float) -> None:
         except (OSError, TimeoutError):  # refused or unreachable: not up yet
             if time.monotonic() >= end:
                 raise CollectiveTimeout(
-                    f"store at {addr}:{port}: no store server answered within {timeout} s "
-                    "(is rank 0 running, and are master_addr/master_port right?)"
+                    f"store at {addr}:{port}: the store server did not arrive within {timeout} s: nothing "
+                    "answered (is rank 0 running, and are master_addr/master_port right?)"
                 ) from None
             await anyio.sleep(min(delay, max(0.0, end - time.monotonic())))
             delay = min(delay * 2, 0.2)
@@ -189,7 +191,7 @@ async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: f
                 timeout=timedelta(seconds=timeout), wait_for_workers=False,
             )
         except (dist.DistError, RuntimeError) as exc:  # DistNetworkError, DistStoreError
-            raise _store_error(exc, addr, port, timeout) from exc
+            raise store_error(exc, addr, port, timeout) from exc
 
     end = time.monotonic() + timeout
     if not is_server and key not in STORES:

@@ -7,15 +7,93 @@ from any thread, to the :class:`Sink` it was bound to (the communicator's ledger
 contract's family (``errors.py``) and the backend's original error as ``__cause__``.
 A failure makes the communicator abort, so a backend does not abort itself on
 errors. Backends never touch Work internals.
+
+What a backend can do is declared on it, with the defaults below, never discovered
+with ``hasattr``: :attr:`Backend.caps` (:class:`Capabilities`: the dtypes it moves
+and reduces, which ``validate.py`` asks), :attr:`Backend.device`, :attr:`Backend.census` (used by a
+backend whose transport errors do not name the failed peer) and
+:meth:`Backend.shrink_agreed` (a native shrink). A wrapper forwards each of them
+explicitly.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
-from .._base.ops import OpSpec
+import torch
+
+from .._base.ops import OpSpec, ReduceOp
 from .work import Bundle, Work
+
+
+def dtypes(*names: str) -> frozenset[torch.dtype]:
+    """The torch dtypes of these names that this torch build has."""
+    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+def dtype_names(dts: frozenset[torch.dtype]) -> str:
+    """``dts`` for a message: sorted names without ``torch.``."""
+    return ", ".join(sorted(str(d).replace("torch.", "") for d in dts))
+
+
+class Capabilities(Protocol):
+    """What ``validate.py`` asks of a backend's :attr:`Backend.caps` (see :class:`Caps`).
+
+    :class:`Caps` is the plain table; a backend may declare a richer object of the same
+    shape (NCCL's depends on the device's compute capability).
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def move(self) -> frozenset[torch.dtype] | None: ...
+
+    @property
+    def as_bytes(self) -> bool: ...
+
+    @property
+    def reduce(self) -> Mapping[ReduceOp, frozenset[torch.dtype]] | None: ...
+
+    @property
+    def sum(self) -> frozenset[torch.dtype] | None: ...
+
+    @property
+    def text(self) -> Mapping[ReduceOp, str]: ...
+
+
+class Caps:
+    """What one backend can run (its capability table; ``validate.py`` asks it).
+
+    ``move``: dtypes that data-movement ops (broadcast, all_gather, all_to_all,
+    gather, scatter, send, recv) carry natively; ``None`` means any. Other dtypes
+    travel as their bytes (a flat ``uint8`` view) when ``as_bytes`` is set.
+    ``reduce``: per reduce op, the dtypes that reductions accept; ``None`` means
+    any (a wrapped group of unknown kind: torch checks at the call).
+    ``name`` is the backend's, for messages.
+    """
+
+    __slots__ = ("as_bytes", "move", "name", "reduce", "sum", "text")
+
+    def __init__(
+        self,
+        name: str,
+        move: frozenset[torch.dtype] | None,
+        as_bytes: bool,
+        reduce: Mapping[ReduceOp, frozenset[torch.dtype]] | None,
+    ) -> None:
+        self.name = name
+        self.move = move
+        self.as_bytes = as_bytes
+        self.reduce = dict(reduce) if reduce is not None else None
+        #: ``reduce[SUM]``, looked up without hashing the enum (the hot path).
+        self.sum = self.reduce[ReduceOp.SUM] if self.reduce is not None else None
+        self.text = {op: dtype_names(dts) for op, dts in (reduce or {}).items()}
+
+
+#: A backend that declares no table: anything goes here, the library it calls checks.
+ANY = Caps("torch", move=None, as_bytes=False, reduce=None)
 
 
 class Sink(Protocol):
@@ -35,6 +113,13 @@ class Backend(abc.ABC):
     name: str = ""
     #: The tensor device type this backend serves; ``None`` serves any device.
     device_type: str | None = None
+    #: What it can run: dtypes per reduce op and the dtypes it moves (``validate.py``).
+    caps: Capabilities = ANY
+    #: The one device its tensors live on (NCCL: its CUDA device); None: not tied to one.
+    device: torch.device | None = None
+    #: Names the failed ranks after a transport error that does not say which (Gloo's
+    #: closed connection); set by the communicator when liveness runs, else None.
+    census: Callable[[], tuple[int, ...]] | None = None
     #: Where outcomes go; set once by the communicator through :meth:`bind`.
     sink: Sink
 
@@ -70,3 +155,12 @@ class Backend(abc.ABC):
     def release(self) -> None:
         """The communicator was garbage-collected: stop threads, never block. Default: abort."""
         self.abort()
+
+    def shrink_agreed(
+        self, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
+        timeout: float,
+    ) -> Backend | None:
+        """The survivors' backend made from this one by a native shrink (NCCL's
+        ``ncclCommShrink``) when every survivor can, else None: the bootstrap builds a
+        fresh one. Blocking; runs off the loop. Default: None (no native shrink)."""
+        return None

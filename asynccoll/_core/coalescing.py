@@ -45,12 +45,11 @@ from typing import TYPE_CHECKING, Any, Generator
 from .._base.aio import current_task as _current_task
 from .._base.errors import InvalidArgument
 from .._base.ops import OpSpec
-from .ledger import State
+from .ledger import Ledger, State
 from .work import Bundle, Work
 
 if TYPE_CHECKING:
     from .backend import Backend
-    from .communicator import Communicator
 
 
 _NEW, _OPEN, _EXITED = 0, 1, 2
@@ -98,12 +97,12 @@ class CoalescingGroup:
     See the module docstring for scope, nesting, deadline and failure rules.
     """
 
-    __slots__ = ("_comm", "_wait", "_state", "_batch", "_token")
+    __slots__ = ("_ledger", "_wait", "_state", "_batch", "_token")
 
-    def __init__(self, comm: Communicator, wait: bool = True) -> None:
+    def __init__(self, ledger: Ledger, wait: bool = True) -> None:
         if not isinstance(wait, bool):
             raise InvalidArgument(f"coalescing(wait=...) must be a bool, got {wait!r}")
-        self._comm = comm
+        self._ledger = ledger
         self._wait = wait
         self._state = _NEW
         self._batch: Batch | None = None
@@ -125,18 +124,17 @@ class CoalescingGroup:
             raise InvalidArgument(
                 "this coalescing group was already entered; use a new comm.coalescing() per batch"
             )
-        comm = self._comm
+        ledger = self._ledger
         task = _current_task()
         if task is None:
             raise InvalidArgument("comm.coalescing() must be entered from an asyncio or trio task")
-        outer = comm.ledger.batch.get()
+        outer = ledger.batch.get()
         if outer is not None and outer.open and outer.task is task:
             raise InvalidArgument("comm.coalescing() does not nest within one task")
-        ledger = comm.ledger
         if ledger.state is not State.OK or ledger.closing:
             raise ledger.unusable()
         self._batch = batch = Batch(task)
-        self._token = comm.ledger.batch.set(batch)
+        self._token = ledger.batch.set(batch)
         self._state = _OPEN
         return self
 
@@ -149,7 +147,7 @@ class CoalescingGroup:
         batch.open = False
         self._state = _EXITED
         try:
-            self._comm.ledger.batch.reset(self._token)
+            self._ledger.batch.reset(self._token)
         except ValueError:  # exited in another context than entered; the batch is closed anyway
             pass
         self._token = None
@@ -169,7 +167,7 @@ class CoalescingGroup:
         works = self._batch.works if self._batch is not None else []
         if not works:
             return
-        ledger = self._comm.ledger
+        ledger = self._ledger
         with ledger.lock:
             ledger.discard(works)
         ledger.fail_unissued(works, exc)
@@ -179,7 +177,7 @@ class CoalescingGroup:
         batch = self._batch
         assert batch is not None
         specs, works, backends = batch.specs, batch.works, batch.backends
-        ledger = self._comm.ledger
+        ledger = self._ledger
         error: BaseException | None = None
         with ledger.lock:
             if ledger.state is not State.OK:

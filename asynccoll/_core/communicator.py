@@ -2,57 +2,28 @@
 
 from __future__ import annotations
 
-import threading
+import types
 import weakref
 from typing import Any, Awaitable, Callable, Mapping
 
 import anyio
 import torch
 
-from .._base.aio import run_in_thread, settle_within
+from .._base.aio import settle_within
 from .._base.deadlines import service as deadline_service
 from .._base.errors import CommAborted, InvalidArgument, PeerFailure
 from .._base.ops import OpKind, OpSpec, ReduceOp
-from .._diag.diagnostics import Diagnostics
-from .._faults.liveness import Liveness
-from .._faults.shrink import Recovery
-from .._faults.shrink import shrink as _shrink
 from . import validate
 from .backend import Backend
 from .coalescing import CoalescingGroup
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
+from .parts import Parts, weakly
+from .seams import Diagnosis, Elastic, Membership, MembershipFactory, Recovery
+from .state import broadcast_state as _broadcast_state
 from .work import Work
 
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
-
-
-def _weak(method: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``method`` called through a weak reference to its object (for background threads)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(arg: Any) -> None:
-        fn = ref()
-        if fn is not None:
-            fn(arg)
-
-    return call
-
-
-def _release(ledger: Ledger, backends: list[Backend], liveness: Liveness | None, objects: ObjectChannel | None) -> None:
-    """A communicator dropped without ``close()``: stop everything it started.
-
-    Runs from ``weakref.finalize`` (garbage collection or interpreter exit); it
-    holds no reference to the communicator. Pending Works fail with ``CommAborted``.
-    """
-    ledger.abort(CommAborted("the communicator was garbage-collected without close()"))
-    ledger.release()
-    if liveness is not None:
-        liveness.stop()
-    if objects is not None:
-        objects.shutdown()
-    for backend in backends:
-        backend.release()
 
 
 class Communicator:
@@ -73,10 +44,11 @@ class Communicator:
         device: torch.device,
         store: Any = None,
         timeout: float = 60.0,
-        heartbeat: float | None = None,
-        detect_failures: bool = False,
-        rebuild: Callable[[int, int, str], Awaitable[Communicator]] | None = None,
-        diagnostics: Diagnostics | None = None,
+        liveness: MembershipFactory | None = None,
+        rebuild: Callable[..., Awaitable[Communicator]] | None = None,
+        recover: Recover | None = None,
+        diagnostics: Diagnosis | None = None,
+        group: Elastic | None = None,
         forget: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
@@ -90,32 +62,19 @@ class Communicator:
         self._store = store
         self._objects = ObjectChannel(store, rank, world_size) if store is not None else None
         self._rebuild = rebuild
-        self._forget = forget  # close(): the last rank to close deletes the store keys
+        self._recover = recover
         self._shrunk = False
+        self._group = group  # elastic membership (bootstrap's Group): waiting() and grow()
+        self._diag = diagnostics if diagnostics is not None else Diagnosis()
         self._ledger = ledger = Ledger(
-            rank,
-            deadlines=deadline_service(),
-            on_abort=_weak(self._after_abort),
-            diag=diagnostics or Diagnostics(rank=rank, world_size=world_size, backend=backend_name),
+            rank, deadlines=deadline_service(), on_abort=weakly(self._after_abort), recorder=self._diag.recorder
         )
-        self._diag = ledger.diag
-        for backend in self._backends.values():
-            backend.bind(ledger)
-        self._liveness: Liveness | None = None
-        if heartbeat and store is not None and world_size > 1:
-            self._liveness = Liveness(
-                store, rank, world_size, interval=heartbeat, detect=detect_failures,
-                on_failure=_weak(self._abort),
-            )
-            for backend in self._backends.values():
-                if hasattr(backend, "census"):
-                    backend.census = self._liveness.census
-            if self._objects is not None:  # a peer that dies meanwhile fails an object collective at once
-                self._objects.watch = self._liveness.failure_among
-            self._liveness.start()
-        self._finalizer = weakref.finalize(
-            self, _release, ledger, list(self._backends.values()), self._liveness, self._objects
-        )
+        # forget: close() then deletes the store keys, on the last rank to close (``_bootstrap``).
+        self._parts = parts = Parts(ledger, self._backends, self._objects, self._diag, forget)
+        self._liveness: Membership | None = None
+        if liveness is not None:
+            self._liveness = parts.start_liveness(liveness, weakly(self._abort))
+        self._finalizer = weakref.finalize(self, parts.collected)
 
     # ------------------------------------------------------------------ state
     @property
@@ -138,9 +97,19 @@ class Communicator:
         return tuple(sorted(ranks))
 
     @property
+    def name(self) -> str | None:
+        """The group's name (``ac.init(..., name=)``), or None for a private group."""
+        return self._group.name if self._group is not None else None
+
+    @property
     def pending(self) -> int:
         """Number of issued operations not yet settled."""
         return len(self._ledger.pending)
+
+    @property
+    def backends(self) -> Mapping[str | None, Backend]:
+        """The backends by the device type each one serves (the key None serves any device), read-only."""
+        return types.MappingProxyType(self._backends)
 
     @property
     def ledger(self) -> Ledger:
@@ -195,7 +164,7 @@ class Communicator:
         """Reduce ``tensor`` across ranks, in place. Work result: ``tensor``."""
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
-        spec = OpSpec(OpKind.ALL_REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.name))
+        spec = OpSpec(OpKind.ALL_REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.caps))
         return self._issue(backend, spec, t, t, timeout)
 
     def broadcast(self, tensor: Any, src: int, *, timeout: float | None = None) -> Work:
@@ -203,7 +172,7 @@ class Communicator:
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.BROADCAST, validate.movable(t, backend.name, "broadcast"),
+            OpKind.BROADCAST, validate.movable(t, backend.caps, "broadcast"),
             peer=validate.rank(src, self.world_size, "src"),
         )
         return self._issue(backend, spec, t, t, timeout)
@@ -215,7 +184,7 @@ class Communicator:
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.name),
+            OpKind.REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.caps),
             peer=validate.rank(dst, self.world_size, "dst"),
         )
         return self._issue(backend, spec, t, t, timeout)
@@ -228,10 +197,10 @@ class Communicator:
         validate.stacked(out, inp, self.world_size, "all_gather output")
         validate.no_overlap(out, inp, "all_gather", own_slot=self.rank)
         backend = self._backend_for(inp)
-        name = backend.name
+        caps = backend.caps
         spec = OpSpec(
-            OpKind.ALL_GATHER, validate.movable(validate.chunk(inp), name, "all_gather"),
-            validate.movable(out, name, "all_gather"),
+            OpKind.ALL_GATHER, validate.movable(validate.chunk(inp), caps, "all_gather"),
+            validate.movable(out, caps, "all_gather"),
         )
         return self._issue(backend, spec, out, (out, inp), timeout)
 
@@ -245,7 +214,7 @@ class Communicator:
         validate.stacked(inp, out, self.world_size, "reduce_scatter input")
         validate.no_overlap(out, inp, "reduce_scatter", own_slot=self.rank)
         backend = self._backend_for(inp)
-        rop = validate.reduce_op(op, inp.dtype, backend.name)
+        rop = validate.reduce_op(op, inp.dtype, backend.caps)
         # chunk(): a 0-d output is a (1,) view; Gloo SIGSEGVs the process on a 0-d one.
         spec = OpSpec(OpKind.REDUCE_SCATTER, inp, validate.chunk(out), reduce_op=rop)
         return self._issue(backend, spec, out, (out, inp), timeout)
@@ -256,9 +225,9 @@ class Communicator:
         validate.splittable(out, inp, self.world_size, "all_to_all")
         validate.no_overlap(out, inp, "all_to_all")
         backend = self._backend_for(inp)
-        name = backend.name
+        caps = backend.caps
         spec = OpSpec(
-            OpKind.ALL_TO_ALL, validate.movable(inp, name, "all_to_all"), validate.movable(out, name, "all_to_all")
+            OpKind.ALL_TO_ALL, validate.movable(inp, caps, "all_to_all"), validate.movable(out, caps, "all_to_all")
         )
         return self._issue(backend, spec, out, (out, inp), timeout)
 
@@ -269,9 +238,9 @@ class Communicator:
         inp = validate.tensor(input, "input")
         dst = validate.rank(dst, self.world_size, "dst")
         backend = self._backend_for(inp)
-        name = backend.name
+        caps = backend.caps
         # Every rank, root or not, checks and converts its own input alike.
-        sent = validate.movable(validate.chunk(inp), name, "gather")
+        sent = validate.movable(validate.chunk(inp), caps, "gather")
         out = into = None
         if self.rank == dst:
             if output is None:
@@ -279,7 +248,7 @@ class Communicator:
             out = validate.tensor(output, "output")
             validate.stacked(out, inp, self.world_size, "gather output")
             validate.no_overlap(out, inp, "gather")
-            into = validate.movable(out, name, "gather")
+            into = validate.movable(out, caps, "gather")
         spec = OpSpec(OpKind.GATHER, sent, into, peer=dst)
         return self._issue(backend, spec, out, (out, inp), timeout)
 
@@ -290,9 +259,9 @@ class Communicator:
         out = validate.tensor(output, "output")
         src = validate.rank(src, self.world_size, "src")
         backend = self._backend_for(out)
-        name = backend.name
+        caps = backend.caps
         # Every rank, root or not, checks and converts its own output alike.
-        into = validate.movable(validate.chunk(out), name, "scatter")
+        into = validate.movable(validate.chunk(out), caps, "scatter")
         inp = sent = None
         if self.rank == src:
             if input is None:
@@ -300,7 +269,7 @@ class Communicator:
             inp = validate.tensor(input, "input")
             validate.stacked(inp, out, self.world_size, "scatter input")
             validate.no_overlap(out, inp, "scatter")
-            sent = validate.movable(inp, name, "scatter")
+            sent = validate.movable(inp, caps, "scatter")
         spec = OpSpec(OpKind.SCATTER, sent, into, peer=src)
         return self._issue(backend, spec, out, (out, inp), timeout)
 
@@ -309,7 +278,7 @@ class Communicator:
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.SEND, validate.movable(t, backend.name, "send"),
+            OpKind.SEND, validate.movable(t, backend.caps, "send"),
             peer=validate.peer(dst, self.world_size, self.rank, "dst"),
         )
         return self._issue(backend, spec, t, t, timeout)
@@ -319,7 +288,7 @@ class Communicator:
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.RECV, validate.movable(t, backend.name, "recv"),
+            OpKind.RECV, validate.movable(t, backend.caps, "recv"),
             peer=validate.peer(src, self.world_size, self.rank, "src"),
         )
         return self._issue(backend, spec, t, t, timeout)
@@ -375,11 +344,7 @@ class Communicator:
             def run() -> None:
                 channel.run(lambda: fn(channel, seq, limit), done)
 
-            checker = self._diag.checker
-            if checker is None:
-                run()
-            else:  # held until every rank's fingerprint agrees
-                checker.gate_object(op, root, work, run)
+            self._diag.gate_object(op, root, work, run)  # with a checker: once the fingerprints agree
         return work
 
     # ------------------------------------------------------------------ faults
@@ -391,27 +356,12 @@ class Communicator:
         """
         self._ledger.abort(CommAborted(reason or "aborted by the user"))
 
-    def _abort(self, cause: BaseException) -> None:
+    def _abort(self, cause: BaseException) -> None:  # a peer's failure or abort news (liveness)
+        self._diag.settle()  # a verdict already in reach is what the held ops raise
         self._ledger.abort(cause)
 
     def _after_abort(self, error: BaseException) -> None:
-        """The ledger aborted (any thread): tell the peers, stop the transport, record it.
-
-        The peers' news and the backends come first: a failure to write the
-        diagnostics must never keep them waiting.
-        """
-        self._ledger.release()
-        if self._liveness is not None:
-            # Tell the peers (a no-op when the news came from a peer: that thread is done).
-            self._liveness.publish_abort(error)
-        try:
-            self._diag.aborted(error)  # the flight record goes to trace_dir (before the checker closes)
-        except Exception as exc:  # noqa: BLE001 - a diagnostic must never stop the abort
-            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
-        if self._objects is not None:
-            self._objects.shutdown()
-        for backend in self._backends.values():
-            backend.abort()
+        self._parts.aborted(error)  # the ledger aborted (any thread): peers, transport, records
 
     async def close(self, *, timeout: float | None = None) -> None:
         """Finish pending work, then release the backends. Idempotent.
@@ -432,15 +382,7 @@ class Communicator:
                 ledger.abort(CommAborted(f"close(): {left} op(s) still pending after {limit} s"))
         ledger.end_close()
         self._finalizer.detach()
-        if self._liveness is not None:
-            await run_in_thread(self._liveness.goodbye, None, name="asynccoll-close")
-        if self._objects is not None:
-            self._objects.shutdown()
-        for backend in self._backends.values():
-            await run_in_thread(backend.close, None, name="asynccoll-close")
-        await run_in_thread(self._diag.closed, None, name="asynccoll-close")  # the timeline to trace_dir
-        if self._forget is not None and (self._liveness is None or self._liveness.failure() is None):
-            await run_in_thread(self._forget, None, name="asynccoll-close")
+        await self._parts.close()
 
     # ---------------------------------------------------------- diagnostics
     def flight_record(self) -> list[dict[str, Any]]:
@@ -464,7 +406,7 @@ class Communicator:
         with its exception. Nesting in one task, entering a group twice, or
         awaiting it before the body exited raise ``InvalidArgument``.
         """
-        return CoalescingGroup(self, wait)
+        return CoalescingGroup(self._ledger, wait)
 
     # ----------------------------------------------------------- recovery
     async def shrink(self, exclude: Any = None) -> Communicator:
@@ -478,21 +420,67 @@ class Communicator:
         """
         if self._shrunk:
             raise InvalidArgument("this communicator was already shrunk; shrink the new one")
+        if self._recover is None:
+            raise InvalidArgument(f"shrink needs a communicator made by asynccoll.init(), not {self.backend!r}")
         recovery = Recovery(
             rank=self.rank, world_size=self.world_size, timeout=self.timeout, backend=self.backend,
             state=self.state, failed_ranks=self.failed_ranks, store=self._store, liveness=self._liveness,
             rebuild=self._rebuild, abort=self.abort, claim=self._claim_shrink,
         )
-        return await _shrink(recovery, exclude)
+        return await self._recover(recovery, exclude)
 
     def _claim_shrink(self) -> None:
         self._shrunk = True
+
+    # ---------------------------------------------------------------- elastic
+    def _named(self, what: str) -> Elastic:
+        if self._group is None:
+            raise InvalidArgument(f"{what} needs a named group: ac.init(..., name=...)")
+        return self._group
+
+    async def waiting(self, *, timeout: float | None = None) -> int:
+        """How many processes wait in ``ac.join`` for this group (API.md §5).
+
+        A collective: every member calls it at the same point of its op order and
+        gets the same count (rank 0 reads the waiting room and broadcasts it).
+        """
+        return await self._named("waiting()").waiting(self, timeout)
+
+    async def grow(self, world_size: int, timeout: float | None = None) -> Communicator:
+        """A communicator of ``world_size`` ranks: this group plus joiners (API.md §5).
+
+        Every member calls it; it returns once ``world_size - self.world_size``
+        processes waiting in ``ac.join`` are in (``timeout``: how long to wait for
+        them, default the communicator's timeout, then ``CollectiveTimeout`` and this
+        communicator is left as it was). Old ranks keep their numbers; newcomers get
+        ``self.world_size .. world_size - 1``. This communicator is closed. If a
+        participant dies meanwhile, every member gets ``PeerFailure`` (``.ranks``
+        numbered as in the grown group); if members died, this communicator is
+        aborted and ``shrink()`` recovers as after any failure.
+        """
+        new: Communicator = await self._named("grow()").grow(self, world_size, timeout)
+        return new
+
+    async def broadcast_state(self, state: Any, src: int = 0, *, timeout: float | None = None) -> Any:
+        """Send ``state`` (nested dicts/lists/tuples of tensors and picklable objects,
+        such as a ``state_dict()``) from ``src`` to every rank (API.md §5).
+
+        Receivers pass None (what they pass is ignored) and get the whole structure
+        back, with tensors on CPU or this communicator's CUDA device as on ``src``;
+        ``src`` gets its ``state`` back. Tensors travel as tensors in one coalesced
+        batch, the rest as one object.
+        """
+        return await _broadcast_state(self, state, src, timeout)
 
     async def __aenter__(self) -> Communicator:
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         await exit_scope(self, exc)
+
+
+#: ``_faults.shrink.shrink``: what ``Communicator.shrink`` runs (handed over by ``_bootstrap``).
+Recover = Callable[[Recovery, Any], Awaitable[Communicator]]
 
 
 async def exit_scope(comm: Communicator, exc: BaseException | None) -> None:

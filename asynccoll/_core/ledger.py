@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
-from .._diag.diagnostics import Diagnostics, now
+from .._base.recorder import FlightRecorder, now
 from .work import _DONE, _FAILED, Bundle, Wakeups, Work
 
 Target = Work | Bundle
@@ -95,7 +95,7 @@ class Ledger:
         *,
         deadlines: DeadlineService,
         on_abort: Callable[[BaseException], None],
-        diag: Diagnostics | None = None,
+        recorder: FlightRecorder | None = None,
     ) -> None:
         self.rank = rank
         #: Orders issuing against abort/close: an op is in ``pending`` before abort
@@ -110,9 +110,9 @@ class Ledger:
         self._deadlines: DeadlineClient = deadlines.client(self)
         #: The coalescing batch open in the current task, if any (``coalescing.py``).
         self.batch: contextvars.ContextVar[Any] = contextvars.ContextVar("asynccoll_batch", default=None)
-        #: The flight recorder and its outcome hook (``diagnostics.Diagnostics``).
-        self.diag: Diagnostics = diag or Diagnostics(rank=rank, world_size=1, backend="")
-        self._recorder = self.diag.recorder
+        #: The flight recorder: every op's issue and outcome (``comm.flight_record()``,
+        #: the trace files of ``_diag``).
+        self.recorder = self._recorder = recorder if recorder is not None else FlightRecorder()
 
     @property
     def last_seq(self) -> int:
@@ -231,10 +231,11 @@ class Ledger:
             if first:
                 self.pending.clear()
         wake = Wakeups()
-        ended = self.diag.ended
+        failed = self._recorder.failed
         for i, work in enumerate(works):
-            if work._settle(_FAILED, exc if i == 0 else clone_error(exc), wake):
-                ended(work)
+            err = exc if i == 0 else clone_error(exc)
+            if work._settle(_FAILED, err, wake):
+                failed(work.seq, err, now())
         error = self.error if first else None
         if error is not None:
             self._fail_pending(others, error, wake)
@@ -275,10 +276,11 @@ class Ledger:
         return True
 
     def _fail_pending(self, works: list[Work], error: BaseException, wake: Wakeups) -> None:
-        ended = self.diag.ended
+        failed = self._recorder.failed
         for work in works:
-            if work._settle(_FAILED, abort_error(error), wake):
-                ended(work)
+            err = abort_error(error)
+            if work._settle(_FAILED, err, wake):
+                failed(work.seq, err, now())
 
     # ------------------------------------------------------------------ close
     def begin_close(self) -> bool:

@@ -2,120 +2,29 @@
 
 Each check uses only what the calling rank holds, and every rank makes it, root
 or not, so all ranks that make the same call reject it alike. What a backend can
-run is in :data:`CAPS`, keyed by ``Backend.name``; the communicator consults it
-with the backend chosen for the op's tensors.
+run is its own declaration, ``Backend.caps`` (:class:`~asynccoll._core.backend.Capabilities`):
+the communicator passes the table of the backend chosen for the op's tensors.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, cast
+from typing import Any, cast
 
 import torch
 
 from .._base.errors import InvalidArgument
 from .._base.ops import ReduceOp
+from .backend import ANY, Capabilities, dtype_names, dtypes
 
 #: Longest timeout accepted, in seconds (about 31 years): larger values overflow
 #: ``datetime.timedelta`` and C++ millisecond counts inside torch and Gloo.
 MAX_TIMEOUT = 1e9
 
 
-class Caps:
-    """What one backend can run.
-
-    ``move``: dtypes that data-movement ops (broadcast, all_gather, all_to_all,
-    gather, scatter, send, recv) carry natively; ``None`` means any. Other dtypes
-    travel as their bytes (a flat ``uint8`` view) when ``as_bytes`` is set.
-    ``reduce``: per reduce op, the dtypes that reductions accept; ``None`` means
-    any (a wrapped group of unknown kind: torch checks at the call).
-    """
-
-    __slots__ = ("as_bytes", "move", "name", "reduce", "sum", "text")
-
-    def __init__(
-        self,
-        name: str,
-        move: frozenset[torch.dtype] | None,
-        as_bytes: bool,
-        reduce: Mapping[ReduceOp, frozenset[torch.dtype]] | None,
-    ) -> None:
-        self.name = name
-        self.move = move
-        self.as_bytes = as_bytes
-        self.reduce = dict(reduce) if reduce is not None else None
-        #: ``reduce[SUM]``, looked up without hashing the enum (the hot path).
-        self.sum = self.reduce[ReduceOp.SUM] if self.reduce is not None else None
-        self.text = {op: _names(dts) for op, dts in (reduce or {}).items()}
-
-
-def _names(dtypes: frozenset[torch.dtype]) -> str:
-    return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-
-
-def _dtypes(*names: str) -> frozenset[torch.dtype]:
-    """The torch dtypes of these names that this torch build has."""
-    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
-
-
-# Gloo (torch 2.13), measured op by op with 2 ranks: these 9 dtypes work for every op;
-# any other (uint16/32/64, int16, float8, complex in all_gather/all_to_all/gather/
-# scatter) fails only when the op runs ("Invalid scalar type") and leaves the group
-# unusable, so it must never reach Gloo. send/recv carry any dtype.
-_GLOO_BASIC = _dtypes("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool")
-# Complex reductions: SUM works (Gloo sums the real view); PROD/MIN/MAX fail in the
-# op ("does not support complex"); AVG is SUM + a division, which complex32 lacks.
-_GLOO_COMPLEX = _dtypes("complex64", "complex128", "complex32")
-_GLOO = Caps(
-    "gloo",
-    move=_GLOO_BASIC,
-    as_bytes=True,
-    reduce={
-        ReduceOp.SUM: _GLOO_BASIC | _GLOO_COMPLEX,
-        ReduceOp.PROD: _GLOO_BASIC,
-        ReduceOp.MIN: _GLOO_BASIC,
-        ReduceOp.MAX: _GLOO_BASIC,
-        ReduceOp.AVG: (_GLOO_BASIC - {torch.bool}) | _dtypes("complex64", "complex128"),
-    },
-)
-
-# NCCL: ncclDataType_t as nccl4py 0.6.0 enumerates it (Int8, Uint8, Int32, Uint32,
-# Int64, Uint64, Float16, Float32, Float64, Bfloat16, Float8e4m3, Float8e5m2), every
-# ncclRedOp_t (Sum, Prod, Max, Min, Avg). The NCCL backend adds bool (as uint8, with
-# MAX/MIN) and complex SUM/AVG (as the real view); it moves any dtype as bytes.
-_NCCL_NATIVE = _dtypes(
-    "int8", "uint8", "int32", "uint32", "int64", "uint64",
-    "float16", "float32", "float64", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-)
-_NCCL_COMPLEX = _dtypes("complex64", "complex128")
-_NCCL = Caps(
-    "nccl",
-    move=None,
-    as_bytes=False,
-    reduce={
-        ReduceOp.SUM: _NCCL_NATIVE | {torch.bool} | _NCCL_COMPLEX,
-        ReduceOp.PROD: _NCCL_NATIVE | {torch.bool},
-        ReduceOp.MIN: _NCCL_NATIVE | {torch.bool},
-        ReduceOp.MAX: _NCCL_NATIVE | {torch.bool},
-        ReduceOp.AVG: _NCCL_NATIVE | _NCCL_COMPLEX,
-    },
-)
-
-# A wrapped torch group of unknown kind: torch validates at the call; only what no
-# backend defines is refused here.
-_TORCH = Caps("torch", move=None, as_bytes=False, reduce=None)
-
 # Quantized tensors look dense and contiguous, but no backend here moves or reduces
 # them meaningfully (their scale and zero point are not data).
-_QUANTIZED = _dtypes("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
-
-#: Capabilities by ``Backend.name``.
-CAPS: dict[str, Caps] = {"gloo": _GLOO, "nccl": _NCCL, "torch": _TORCH}
-
-
-def caps(backend_name: str) -> Caps:
-    """The capability table of a backend (unknown names: the permissive ``"torch"`` one)."""
-    return CAPS.get(backend_name, _TORCH)
+_QUANTIZED = dtypes("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
 
 
 def tensor(obj: Any, name: str) -> torch.Tensor:
@@ -145,9 +54,8 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
     return cast(torch.Tensor, obj)
 
 
-def reduce_op(op: Any, dtype: torch.dtype, backend: str = "torch") -> ReduceOp:
-    """``op`` as a ReduceOp that ``backend`` can apply to ``dtype``."""
-    table = CAPS.get(backend, _TORCH)
+def reduce_op(op: Any, dtype: torch.dtype, table: Capabilities = ANY) -> ReduceOp:
+    """``op`` as a ReduceOp that a backend with capabilities ``table`` can apply to ``dtype``."""
     if op is ReduceOp.SUM and (dtype in table.sum if table.sum is not None else dtype not in _QUANTIZED):
         return op  # the common case, first
     if dtype in _QUANTIZED:
@@ -161,25 +69,24 @@ def reduce_op(op: Any, dtype: torch.dtype, backend: str = "torch") -> ReduceOp:
         raise InvalidArgument(f"ReduceOp.AVG is not defined for {dtype}")
     if table.reduce is not None and dtype not in table.reduce[op]:
         raise InvalidArgument(
-            f"{backend} cannot reduce {dtype} with ReduceOp.{op.name}; "
+            f"{table.name} cannot reduce {dtype} with ReduceOp.{op.name}; "
             f"it supports: {table.text[op]}"
         )
     return cast(ReduceOp, op)
 
 
-def movable(t: torch.Tensor, backend: str, what: str) -> torch.Tensor:
-    """``t`` as ``backend`` can move it: as is, or as a flat byte view of it."""
+def movable(t: torch.Tensor, table: Capabilities, what: str) -> torch.Tensor:
+    """``t`` as a backend with capabilities ``table`` can move it: as is, or as a flat byte view."""
     if t.dtype in _QUANTIZED:
         raise InvalidArgument(f"{what}: quantized tensors ({t.dtype}) are not supported; send int_repr() instead")
-    table = caps(backend)
     if table.move is None or t.dtype in table.move:
         return t
     if not table.as_bytes:
-        raise InvalidArgument(f"{what}: {backend} cannot move {t.dtype}; it supports: {_names(table.move)}")
+        raise InvalidArgument(f"{what}: {table.name} cannot move {t.dtype}; it supports: {dtype_names(table.move)}")
     try:
         return t.reshape(-1).view(torch.uint8)
     except RuntimeError as exc:
-        raise InvalidArgument(f"{what}: {backend} cannot move {t.dtype} ({exc})") from exc
+        raise InvalidArgument(f"{what}: {table.name} cannot move {t.dtype} ({exc})") from exc
 
 
 def chunk(t: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,11 @@ class Work:
                 raise TimeoutError(f"{self!r} not done after {timeout} s")
         return self.result()
 
+    def set_stream_hook(self, hook: Callable[[Any], None]) -> None:
+        """For device backends, at submit: ``wait_stream(s)`` will call ``hook(s)``, which
+        makes stream ``s`` wait for this op on the device."""
+        self._stream_hook = hook
+
     def wait_stream(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for this op on the device, no host block.
 

@@ -1,39 +1,37 @@
 """What a communicator keeps for diagnosis (API.md §6), behind a few narrow hooks.
 
 :class:`Diagnostics` bundles the flight recorder (always on), the optional
-fingerprint checker (``check="fingerprint"``) and the optional ``trace_dir``. The
-communicator calls it at five points only:
+fingerprint checker (``check="fingerprint"``) and the optional ``trace_dir``. It
+extends the op path's :class:`~asynccoll._core.seams.Diagnosis`, so the
+communicator reaches it at these points only:
 
-* issue — ``recorder.issued(seq, op, spec_or_None, t, batch=..., root=...)`` with its lock held;
-* a refused op gives its seq back — ``recorder.discard(seq)``;
-* settle — ``ended(work)`` from whichever thread settles the Work;
-* abort — ``aborted(error)`` after the pending Works were failed: writes
+* issue, refusal and settle: the ledger writes the recorder
+  (``issued``/``discard``/``ended``/``failed``) with the outcome it settles;
+* object collectives: ``gate_object(...)`` holds them for the checker;
+* abort: ``aborted(error)`` after the pending Works were failed: writes
   ``rank<R>.flight.json`` when ``trace_dir`` is set;
-* close — ``closed()`` (off the loop): writes ``rank<R>.trace.json``.
+* close: ``closed()`` (off the loop): writes ``rank<R>.trace.json``.
 
 The checker needs no call site for tensor ops: it wraps the backends
-(:meth:`FingerprintChecker.wrap`). Object collectives are gated explicitly.
+(:meth:`FingerprintChecker.wrap`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
-from .._base.recorder import DEFAULT_CAPACITY, FlightRecorder, outcome
-from .._core.work import _FAILED
+from .._base.recorder import DEFAULT_CAPACITY, FlightRecorder
+from .._core.seams import Diagnosis
+from .._core.work import Work
 from . import trace
 
 if TYPE_CHECKING:
-    from .._core.work import Work
     from .fingerprint import FingerprintChecker
 
-now = time.time  # wall clock: the ranks' records line up in one timeline
 
-
-class Diagnostics:
+class Diagnostics(Diagnosis):
     """Flight recorder, fingerprint checker and trace files of one communicator."""
 
     def __init__(
@@ -46,21 +44,27 @@ class Diagnostics:
         checker: FingerprintChecker | None = None,
         capacity: int = DEFAULT_CAPACITY,
     ) -> None:
+        super().__init__(FlightRecorder(capacity))
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.trace_dir = trace_dir
         self.checker = checker
-        self.recorder = FlightRecorder(capacity)
         self._dumped = False
 
-    def ended(self, work: Work) -> None:
-        """Record how ``work`` ended (called once, when it settles)."""
-        if work._state == _FAILED:
-            state, error = outcome(work._value)
-            self.recorder.ended(work.seq, state, now(), error)
+    def gate_object(self, op: str, root: int, work: Work, run: Callable[[], None]) -> None:
+        """Start an object collective, with the checker once every rank's fingerprint agrees."""
+        if self.checker is None:
+            run()
         else:
-            self.recorder.ended(work.seq, "done", now())
+            self.checker.gate_object(op, root, work, run)
+
+    def settle(self) -> None:
+        """Before a peer's news aborts the communicator: the checker decides what the
+        fingerprints already sent to this rank decide (a mismatch then raises
+        ``CollectiveMismatch`` here too, not the news of the peer that found it first)."""
+        if self.checker is not None:
+            self.checker.settle()
 
     def aborted(self, error: BaseException) -> None:
         """The communicator aborted: write this rank's flight record (``trace_dir``)."""
@@ -87,7 +91,3 @@ class Diagnostics:
             )
         except OSError as exc:
             print(f"asynccoll: could not write the timeline to {self.trace_dir}: {exc}", file=sys.stderr)
-
-    def flight_record(self) -> list[dict[str, Any]]:
-        """``comm.flight_record()``: the recorded ops, oldest first."""
-        return self.recorder.snapshot()

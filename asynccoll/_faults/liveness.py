@@ -175,11 +175,14 @@ class Liveness:
         self._keep()
 
     def hold(self) -> None:
-        """Keep this process's service (and its pulse) up while the communicator is rebuilt."""
+        """Keep this process's service (its pulse, which the peers' census knocks on) up, even
+        once this member has stopped, until :meth:`release`: ``shrink`` holds it while the
+        survivors rebuild."""
         if self._service is not None:
             self._service.hold()
 
     def release(self) -> None:
+        """Undo one :meth:`hold`."""
         if self._service is not None:
             self._service.release()
 

@@ -2,7 +2,7 @@
 
 It owns two threads and one socket:
 
-* the **beater** runs each member's beat (``Liveness._tick``) every ``interval``:
+* the **beater** runs each member's beat (``Liveness.tick``) every ``interval``:
   its heartbeat, a read of its watched neighbours' counters and of the abort
   key, and publishing abort news and goodbyes;
 * the **pulse** (:class:`~.procs.Pulse`): a listening socket whose kernel
@@ -30,13 +30,29 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._base import shutdown
 from . import procs
 
-if TYPE_CHECKING:
-    from .liveness import Liveness
+
+class Member(Protocol):
+    """What the service needs of a member (``liveness.Liveness``)."""
+
+    id: int
+    root: Any
+    interval: float
+    due: float
+    urgent: bool
+
+    def tick(self, store_gone: bool) -> bool:
+        """One beat (the beater's thread); a member that leaves calls ``Service.leave``."""
+
+    def deliver(self, raw: str) -> None:
+        """A peer's abort news."""
+
+    def store_lost(self, why: str, died: bool, host: StoreHost) -> None:
+        """The store can no longer be used."""
 
 #: Root-store key of the process hosting the store server (``host_info``).
 HOST_KEY = "asynccoll/host"
@@ -93,7 +109,7 @@ class Service:
     _services: dict[Any, Service] = {}
 
     @classmethod
-    def join(cls, member: Liveness) -> Service:
+    def join(cls, member: Member) -> Service:
         key = root_key(member.root)
         with cls._lock:
             svc = cls._services.get(key)
@@ -114,9 +130,9 @@ class Service:
     def __init__(self, key: Any, root: Any) -> None:
         self._key = key
         self.root = root
-        self._members: dict[int, weakref.ref[Liveness]] = {}
+        self._members: dict[int, weakref.ref[Member]] = {}
         #: Members with news or a goodbye not yet written: held until it is out.
-        self._keep: set[Liveness] = set()
+        self._keep: set[Member] = set()
         self._holds = 0
         self._closing = False
         self._wake = threading.Event()
@@ -165,13 +181,13 @@ class Service:
     def wake(self) -> None:
         self._wake.set()
 
-    def keep(self, member: Liveness) -> None:
-        """Hold ``member`` until its news or goodbye is out (see ``Liveness._tick``)."""
+    def keep(self, member: Member) -> None:
+        """Hold ``member`` until its news or goodbye is out (see ``Liveness.tick``)."""
         with Service._lock:
             self._keep.add(member)
         self._wake.set()
 
-    def leave(self, member: Liveness) -> None:
+    def leave(self, member: Member) -> None:
         """``member`` said goodbye (its tick, holding its own lock)."""
         with Service._lock:
             ref = self._members.get(member.id)
@@ -179,7 +195,7 @@ class Service:
                 del self._members[member.id]
             self._keep.discard(member)
 
-    def _live_members(self) -> list[Liveness]:
+    def _live_members(self) -> list[Member]:
         out = []
         for mid, ref in list(self._members.items()):
             m = ref()
@@ -189,7 +205,7 @@ class Service:
                 out.append(m)
         return out
 
-    def member(self, mid: int) -> Liveness | None:
+    def member(self, mid: int) -> Member | None:
         ref = self._members.get(mid)
         return ref() if ref is not None else None
 

@@ -26,16 +26,17 @@ of a healthy communicator.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
+from typing import Any, Iterable, cast
 
 import anyio
 import torch.distributed as dist
 
 from .._base.aio import run_in_thread
 from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommClosed, InvalidArgument
+from .._core.communicator import Communicator
 from .._core.objects import poll_keys
+from .._core.seams import Membership, Recovery
 from .census import decode_ranks, encode_ranks
 
 
@@ -80,28 +81,6 @@ def agree(store: Any, rank: int, world_size: int, exclude: set[int], timeout: fl
     return union
 
 
-if TYPE_CHECKING:
-    from .._core.communicator import Communicator
-
-
-@dataclasses.dataclass(frozen=True)
-class Recovery:
-    """What shrink needs of a communicator (``Communicator.shrink`` hands it over)."""
-
-    rank: int
-    world_size: int
-    timeout: float
-    backend: str
-    state: str
-    failed_ranks: tuple[int, ...]
-    store: Any
-    liveness: Any
-    rebuild: Any
-    abort: Callable[[str], None]
-    #: Marks the communicator shrunk (once valid arguments are known).
-    claim: Callable[[], None]
-
-
 async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
     """See ``Communicator.shrink`` (which checks and marks it shrunk once)."""
     if comm.state == "closed":
@@ -133,7 +112,7 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
         liveness.hold()  # keep answering the survivors' census while this rank rebuilds
     try:
         agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
-        return await _build(comm, cast(Any, rebuild), agreed, failed)
+        return await _build(comm, rebuild, agreed, failed)
     except dist.DistError as exc:  # the store failed under the agreement (torch's type for it)
         error = liveness.failure() if liveness is not None else None
         raise (error or CommAborted(f"shrink: the rendezvous store failed: {exc}")) from exc
@@ -190,7 +169,7 @@ async def _build(comm: Recovery, rebuild: Any, agreed: set[int], failed: bool) -
         excluded |= set(lost[0])
 
 
-async def _watch(store: Any, key: str, liveness: Any, others: list[int]) -> tuple[int, ...]:
+async def _watch(store: Any, key: str, liveness: Membership, others: list[int]) -> tuple[int, ...]:
     """The survivors that died while this build runs (recorded under ``key`` by the
     first survivor to see it; every survivor then reads the same record)."""
     start = anyio.current_time()
@@ -210,7 +189,7 @@ async def _watch(store: Any, key: str, liveness: Any, others: list[int]) -> tupl
             next_probe = anyio.current_time() + _WATCH_EVERY
 
 
-def _probe(liveness: Any, ranks: list[int]) -> tuple[int, ...]:
+def _probe(liveness: Membership, ranks: list[int]) -> tuple[int, ...]:
     return tuple(liveness.probe(ranks))
 
 

@@ -40,14 +40,14 @@ if TYPE_CHECKING:
 
 
 class Join:
-    """The async context manager returned by :meth:`GradSync.join`."""
+    """The async context manager returned by :meth:`asynccoll.GradSync.join`."""
 
     def __init__(self, sync: GradSync) -> None:
         self._sync = sync
         self._entered = False
-        #: After the block: the rank whose model every rank now holds.
+        #: The rank whose model every rank holds after the block.
         self.authoritative_rank: int | None = None
-        #: After the block: how many of the others' steps this rank shadowed.
+        #: How many of the others' steps this rank shadowed (known after the block).
         self.shadowed_steps = 0
 
     async def __aenter__(self) -> Join:

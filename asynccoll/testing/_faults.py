@@ -82,8 +82,8 @@ def skip_collective(comm: Any, n: int = 1) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
-    backends = list(comm._backends.values())
-    recorder = comm.ledger.diag.recorder
+    backends = list(comm.backends.values())
+    recorder = comm.ledger.recorder
     lock = threading.Lock()
     left = [n]
     saved: list[tuple[Any, bool, Any]] = []

@@ -24,17 +24,17 @@ from typing import Any, Callable, Iterable, Sequence
 from .._base.errors import CommAborted
 from ._errors import RanksTimedOut, RemoteTraceback
 from ._process import (
-    _DUMP_WAIT,
-    _FAILURE_GRACE,
-    _HOST,
-    _LOOPS,
-    _START_TIMEOUT,
-    _exit_text,
-    _mp_context,
-    _Outcome,
-    _outcome_from,
-    _stop_workers,
-    _Worker,
+    DUMP_WAIT,
+    FAILURE_GRACE,
+    HOST,
+    LOOPS,
+    START_TIMEOUT,
+    Outcome,
+    Worker,
+    exit_text,
+    mp_context,
+    outcome_from,
+    stop_workers,
 )
 
 
@@ -57,18 +57,18 @@ class RankPool:
         import torch.distributed as dist
 
         self.world_size = world_size
-        self._ctx = _mp_context(start_method)
+        self._ctx = mp_context(start_method)
         self._server: dist.TCPStore | None = dist.TCPStore(
-            _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+            HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
         self._port = self._server.port
         self._lock = threading.RLock()
         self._runs = 0
         self._closed = False
         # Mutated in place only: the finalizer holds this very list.
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         # Stops the workers on close(), when the pool is garbage-collected, or at exit.
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._spawn()
 
     # ------------------------------------------------------------ processes
@@ -79,10 +79,11 @@ class RankPool:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` was called; a closed pool runs nothing more."""
         return self._closed
 
     def _spawn(self) -> None:
-        self._workers[:] = [_Worker(self._ctx, r, self._port) for r in range(self.world_size)]
+        self._workers[:] = [Worker(self._ctx, r, self._port) for r in range(self.world_size)]
 
     def _replace(self) -> None:
         for w in self._workers:
@@ -94,7 +95,7 @@ class RankPool:
     def _ensure_ready(self) -> None:
         if any(w.proc.exitcode is not None for w in self._workers):
             self._replace()
-        deadline = time.monotonic() + _START_TIMEOUT
+        deadline = time.monotonic() + START_TIMEOUT
         for w in self._workers:
             while not w.ready:
                 left = deadline - time.monotonic()
@@ -104,9 +105,9 @@ class RankPool:
                         msg = w.conn.recv()
                     except (EOFError, OSError):
                         w.proc.join(1)
-                        msg = ("failed", _exit_text(w.proc.exitcode))
+                        msg = ("failed", exit_text(w.proc.exitcode))
                 elif left <= 0 or w.proc.exitcode is not None:
-                    why = f"no answer within {_START_TIMEOUT:g} s" if left <= 0 else _exit_text(w.proc.exitcode)
+                    why = f"no answer within {START_TIMEOUT:g} s" if left <= 0 else exit_text(w.proc.exitcode)
                     msg = ("failed", why)
                 if msg is None:
                     continue
@@ -177,13 +178,13 @@ class RankPool:
 
     def _collect(
         self, run_id: int, timeout: float, lost: frozenset[int]
-    ) -> tuple[list[_Outcome | None], list[int]]:
+    ) -> tuple[list[Outcome | None], list[int]]:
         """Wait for every non-lost rank's outcome; returns the outcomes and the ranks still running.
 
         The timeout counts from when every rank has unpickled the task (importing
         ``fn``'s module is not the test's time), or from now for a rank that never does.
         """
-        outcomes: list[_Outcome | None] = [None] * self.world_size
+        outcomes: list[Outcome | None] = [None] * self.world_size
         pending = set(range(self.world_size))
         started: set[int] = set()
         limit = time.monotonic() + timeout
@@ -198,7 +199,7 @@ class RankPool:
                 all_started = True
                 limit = now + timeout
             if any(o is not None and o.kind != "ok" for r, o in enumerate(outcomes) if r not in lost):
-                limit = min(limit, now + _FAILURE_GRACE)
+                limit = min(limit, now + FAILURE_GRACE)
             if now >= limit:
                 break
             objs: list[Any] = []
@@ -208,7 +209,7 @@ class RankPool:
         return outcomes, sorted(r for r in pending if r not in lost)
 
     def _drain(
-        self, run_id: int, pending: set[int], outcomes: list[_Outcome | None], started: set[int]
+        self, run_id: int, pending: set[int], outcomes: list[Outcome | None], started: set[int]
     ) -> None:
         for r in sorted(pending):
             w = self._workers[r]
@@ -218,21 +219,21 @@ class RankPool:
                     if msg[0] == "started" and msg[1] == run_id:
                         started.add(r)
                     elif msg[0] == "result" and msg[1] == run_id:
-                        outcomes[r] = _outcome_from(msg)
+                        outcomes[r] = outcome_from(msg)
                         pending.discard(r)
                         break
             except (EOFError, OSError):
                 pass
             if r in pending and w.proc.exitcode is not None:
                 pending.discard(r)
-                outcomes[r] = _Outcome(
+                outcomes[r] = Outcome(
                     "died",
-                    error=RuntimeError(f"rank {r} (pid {w.pid}) died unexpectedly: {_exit_text(w.proc.exitcode)}"),
-                    summary=f"rank {r}: died ({_exit_text(w.proc.exitcode)})",
+                    error=RuntimeError(f"rank {r} (pid {w.pid}) died unexpectedly: {exit_text(w.proc.exitcode)}"),
+                    summary=f"rank {r}: died ({exit_text(w.proc.exitcode)})",
                 )
 
     def _conclude(
-        self, outcomes: list[_Outcome | None], stuck: list[int], lost: frozenset[int], timeout: float
+        self, outcomes: list[Outcome | None], stuck: list[int], lost: frozenset[int], timeout: float
     ) -> tuple[list[Any], bool]:
         failures = [
             (r, o) for r, o in enumerate(outcomes) if o is not None and o.kind != "ok" and r not in lost
@@ -281,7 +282,7 @@ class RankPool:
                 pass
             w.signal(signal.SIGUSR1)
         tasks: dict[int, str] = {}
-        end = time.monotonic() + _DUMP_WAIT
+        end = time.monotonic() + DUMP_WAIT
         while len(tasks) < len(ranks) and time.monotonic() < end:
             conns = {self._workers[r].conn: r for r in ranks if r not in tasks}
             for conn in multiprocessing.connection.wait(list(conns), timeout=end - time.monotonic()):
@@ -310,8 +311,8 @@ def _payload(
 ) -> bytes:
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"fn must be an async def function, got {fn!r}")
-    if loop not in _LOOPS:
-        raise ValueError(f"loop must be one of {_LOOPS}, got {loop!r}")
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if getattr(fn, "__module__", None) == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):

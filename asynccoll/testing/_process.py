@@ -18,32 +18,32 @@ from typing import Any, Iterator
 
 from . import _worker
 
-_HOST = "127.0.0.1"
-_LOOPS = ("asyncio", "uvloop", "trio")
+HOST = "127.0.0.1"
+LOOPS = ("asyncio", "uvloop", "trio")
 #: Once a rank has failed, how long the others get to finish before they are killed.
-_FAILURE_GRACE = 3.0
+FAILURE_GRACE = 3.0
 #: How long the parent waits for stack dumps from stuck ranks.
-_DUMP_WAIT = 1.0
-_START_TIMEOUT = 120.0
+DUMP_WAIT = 1.0
+START_TIMEOUT = 120.0
 
 
-def _signal_name(num: int) -> str:
+def signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name
     except ValueError:
         return f"signal {num}"
 
 
-def _exit_text(code: int | None) -> str:
+def exit_text(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
-        return f"killed by {_signal_name(-code)}"
+        return f"killed by {signal_name(-code)}"
     return f"exited with code {code}"
 
 
 @contextlib.contextmanager
-def _main_without_missing_file() -> Iterator[None]:
+def main_without_missing_file() -> Iterator[None]:
     """Hide ``__main__.__file__`` from spawn when it names no file (``python - <<EOF``).
 
     Spawn re-runs the parent's main script in each child; for a main read from stdin
@@ -64,7 +64,7 @@ def _main_without_missing_file() -> Iterator[None]:
             main.__file__ = path  # type: ignore[union-attr]
 
 
-def _mp_context(method: str | None) -> Any:
+def mp_context(method: str | None) -> Any:
     """``forkserver`` by default: each worker is forked from a clean server process that
     imported torch and asynccoll once (tens of ms instead of seconds per worker), never
     from the caller's process. ``spawn`` where forkserver is unavailable."""
@@ -78,7 +78,7 @@ def _mp_context(method: str | None) -> Any:
     return ctx
 
 
-class _Worker:
+class Worker:
     """One worker process, its pipe and its stack-dump file."""
 
     def __init__(self, ctx: Any, rank: int, port: int) -> None:
@@ -88,11 +88,11 @@ class _Worker:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=_worker.main,
-            args=(rank, child, _HOST, port, os.getpid(), self.stack_path),
+            args=(rank, child, HOST, port, os.getpid(), self.stack_path),
             name=f"asynccoll-rank{rank}",
             daemon=True,
         )
-        with _main_without_missing_file():
+        with main_without_missing_file():
             self.proc.start()
         child.close()
         self.ready = False
@@ -146,7 +146,7 @@ class _Worker:
         self.kill()
 
 
-class _Outcome:
+class Outcome:
     __slots__ = ("kind", "value", "error", "text", "summary", "aborted")
 
     def __init__(self, kind: str, value: Any = None, error: BaseException | None = None,
@@ -159,9 +159,9 @@ class _Outcome:
         self.aborted = aborted
 
 
-def _outcome_from(msg: tuple[Any, ...]) -> _Outcome:
+def outcome_from(msg: tuple[Any, ...]) -> Outcome:
     if msg[2] == "ok":
-        return _Outcome("ok", value=pickle.loads(msg[3]), aborted=msg[4])
+        return Outcome("ok", value=pickle.loads(msg[3]), aborted=msg[4])
     _, _, _, blob, name, message, text, summary, aborted = msg
     error: BaseException | None = None
     if blob is not None:
@@ -171,10 +171,10 @@ def _outcome_from(msg: tuple[Any, ...]) -> _Outcome:
             error = None
     if not isinstance(error, BaseException):
         error = RuntimeError(f"{name}: {message}")
-    return _Outcome("err", error=error, text=text, summary=summary, aborted=aborted)
+    return Outcome("err", error=error, text=text, summary=summary, aborted=aborted)
 
 
-def _stop_workers(workers: list[_Worker]) -> None:
+def stop_workers(workers: list[Worker]) -> None:
     for w in workers:
         try:
             w.conn.send(("exit",))

@@ -35,6 +35,7 @@ from ..._base.ops import OpSpec
 from ..._core.backend import Backend
 from ..._core.work import Bundle, Work
 from . import encode, lifecycle
+from .caps import CAPS
 from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, poll_async_error
 from .lifecycle import STOP as _STOP
 
@@ -61,6 +62,8 @@ class NcclBackend(Backend):
 
     name = "nccl"
     device_type = "cuda"
+    caps = CAPS
+    device: torch.device
 
     def __init__(
         self, comm: Any, *, rank: int, world_size: int, device: torch.device, lib: Any, runtime: Any,
@@ -130,7 +133,7 @@ class NcclBackend(Backend):
             self._queue.put(job)
         hook = functools.partial(self._wait_stream, job)
         for work in works:
-            work._stream_hook = hook
+            work.set_stream_hook(hook)
 
     # --------------------------------------------------------------- launcher
     def _run(self) -> None:

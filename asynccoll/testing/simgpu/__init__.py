@@ -7,8 +7,8 @@
   nccl4py ``Communicator``/``group_start``/``group_end`` with real enums and result
   codes; faults: kill, hang, async error, calls stuck inside NCCL.
 * :class:`SimCluster` / :class:`SimCudaRuntime` (``runtime.py``): the NCCL
-  backend's CUDA seam on the simulator; build backends, or make ``asynccoll.init``
-  use the simulator (``patch_init``).
+  backend's CUDA seam on the simulator; build backends, or communicators whose
+  ``init`` builds NCCL on the simulator (``factories``, ``run_comms``).
 
 Needs nccl4py importable (no GPU, no libnccl call is made for communication).
 """

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import torch
 
 from .device import SimGPU, SimStream
 from .nccl import SimNccl
+
+if TYPE_CHECKING:
+    from ..._bootstrap.build import Factories
 
 
 class SimCudaRuntime:
@@ -127,38 +130,32 @@ class SimCluster:
         """``async with asynccoll.init(backend, ...) as comm: await fn(comm)`` on every rank.
 
         Ranks are threads with their own event loops; rendezvous through one HashStore;
-        NCCL is built on this simulator (``patch_init``); heartbeats are off unless
+        NCCL is built on this simulator (:meth:`factories`); heartbeats are off unless
         ``heartbeat`` (seconds, or None for ``init``'s default) says otherwise.
         """
         import torch.distributed as dist
 
-        from ..._bootstrap.init import init
+        from ..._bootstrap.init import init_with
 
         store = dist.HashStore()
+        factories = self.factories()
 
         async def rank_main(r: int) -> Any:
-            async with init(backend, rank=r, world_size=world_size, store=store, timeout=timeout,
-                            heartbeat=heartbeat) as comm:
+            async with init_with(factories, backend, rank=r, world_size=world_size, store=store, timeout=timeout,
+                                 heartbeat=heartbeat) as comm:
                 return await fn(comm)
 
-        with self.patch_init():
-            return run_threads(world_size, rank_main, timeout=timeout * 3)
+        return run_threads(world_size, rank_main, timeout=timeout * 3)
 
-    @contextlib.contextmanager
-    def patch_init(self) -> Iterator[None]:
-        """Make ``asynccoll.init`` see CUDA + nccl4py and build NCCL on the simulator."""
-        from ..._bootstrap import build
-
-        saved = build.nccl_missing, build.build_nccl
+    def factories(self) -> Factories:
+        """The bootstrap's backend factories (``_bootstrap.build.Factories``) with CUDA and
+        nccl4py seen as present and NCCL built on this simulator; Gloo is the real one."""
+        from ..._bootstrap.build import Factories
 
         async def nccl(rdv: Any, prefix: str, device: Any, timeout: float) -> Any:
             return await self.create(rdv, prefix + "nccl/", timeout)
 
-        build.nccl_missing, build.build_nccl = (lambda: None), nccl
-        try:
-            yield
-        finally:
-            build.nccl_missing, build.build_nccl = saved
+        return Factories(nccl=nccl, nccl_missing=lambda: None)
 
     def close(self) -> None:
         self.gpu.close()

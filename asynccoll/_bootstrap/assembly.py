@@ -1,0 +1,167 @@
+"""Assembling a grown group: every participant builds the new communicator under a
+watch, and all of them follow one outcome (see ``elastic.py``, step 2).
+
+The watch is a :class:`~asynccoll._faults.liveness.Liveness` of the new group
+(heartbeats confirmed by the census, as for any communicator) under
+``gen/<g>/watch``, plus a look at the process table: a participant on this machine
+whose process is gone is named at once, from the record its watch published or,
+for a joiner that died before its watch started, from its ticket.
+
+The outcome is the key ``gen/<g>/outcome``, first writer wins: ``ok`` once every
+participant announced ``built/<rank>``, ``failed|<ranks>|<why>`` as soon as one of
+them sees a death or a failed build.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any, Awaitable, Callable
+
+import anyio
+import anyio.to_thread
+import torch.distributed as dist
+
+from .._base.errors import CommAborted, PeerFailure
+from .._core.communicator import Communicator
+from .._faults.census import decode_ranks, encode_ranks
+from .._faults.liveness import Liveness
+from .rendezvous import off_loop
+from .room import Room, gone
+
+#: How often a participant looks at the outcome, its news and the process table.
+_TICK = 0.003
+
+
+class _Assembly:
+    """One participant's view of grow ``g`` (blocking methods run off the loop)."""
+
+    def __init__(self, room: Room, g: int, rank: int, size: int, joiners: dict[int, int], watch: Liveness) -> None:
+        self.gen = room.generation(g)
+        self.room = room
+        self.rank = rank
+        self.size = size
+        self.joiners = joiners  # new rank -> ticket
+        self.watch = watch
+        self.records: dict[int, dict[str, Any]] = {}
+        self.announced = False
+
+    def _known(self) -> dict[int, dict[str, Any]]:
+        """Each other participant's process identity, as far as published."""
+        for r, ticket in self.joiners.items():
+            if r != self.rank and r not in self.records:
+                key = f"ticket/{ticket}"
+                if self.room.store.check([key]):
+                    self.records[r] = json.loads(bytes(self.room.store.get(key)))
+        for r, peer in self.watch.peers().items():
+            self.records[r] = {"machine": peer.machine, "pid": peer.pid, "start": peer.start}
+        return self.records
+
+    def step(self, built: bool, verdict: str | None) -> str | None:
+        """Record our news, read or settle the outcome; None while undecided."""
+        gen = self.gen
+        if verdict is None:
+            dead = [r for r, record in self._known().items() if gone(record)]
+            if dead:
+                verdict = f"failed|{encode_ranks(dead)}|process of rank(s) {dead} is gone"
+        if verdict is not None:
+            return bytes(gen.compare_set("outcome", "", verdict)).decode()
+        if built and not self.announced:
+            gen.set(f"built/{self.rank}", "1")
+            self.announced = True
+        if gen.check(["outcome"]):
+            return bytes(gen.get("outcome")).decode()
+        if self.announced and gen.check([f"built/{r}" for r in range(self.size)]):
+            return bytes(gen.compare_set("outcome", "", "ok")).decode()
+        return None
+
+
+async def assemble(
+    room: Room, g: int, rank: int, size: int, joiners: dict[int, int], interval: float, timeout: float,
+    build: Callable[[Any], Awaitable[Communicator]],
+) -> Communicator:
+    """Build grow ``g``'s communicator (rank ``rank`` of ``size``) under the watch.
+
+    ``joiners``: the new ranks' tickets. Returns the communicator once every
+    participant has built theirs; raises ``PeerFailure`` (the failed ranks, numbered
+    as in the grown group) when a participant died, or ``CommAborted`` when a build
+    failed otherwise, on every participant alike.
+    """
+    news: list[BaseException] = []
+    watch = Liveness(
+        dist.PrefixStore("watch", room.generation(g)), rank, size,
+        interval=interval, detect=True, on_failure=news.append,
+    )
+    await off_loop(watch.start, timeout, "grow")
+    view = _Assembly(room, g, rank, size, joiners, watch)
+    built: list[Communicator] = []
+    errors: list[BaseException] = []
+    try:
+        outcome = await _race(view, timeout, news, build, built, errors)
+    finally:
+        watch.stop()
+    if outcome == "ok":
+        return built[0]
+    for comm in built:  # the outcome is a failure: nobody keeps the new group
+        comm.abort("grow failed on another rank")
+        with anyio.CancelScope(shield=True):
+            await comm.close()
+    _, ranks, why = outcome.split("|", 2)
+    failed = decode_ranks(ranks) if ranks != "-" else ()
+    if failed:
+        raise PeerFailure(f"grow: rank(s) {list(failed)} of the grown group failed: {why}", failed)
+    error = CommAborted(f"grow: building the grown group failed: {why}")
+    if errors:
+        raise error from errors[0]
+    raise error
+
+
+async def _race(
+    view: _Assembly, timeout: float, news: list[BaseException],
+    build: Callable[[Any], Awaitable[Communicator]], built: list[Communicator], errors: list[BaseException],
+) -> str:
+    """Build while watching; the agreed outcome (``ok`` or ``failed|<ranks>|<why>``)."""
+    deadline = time.monotonic() + timeout
+
+    async def run() -> None:
+        try:
+            # A connection of its own: Gloo's constructor blocks in the store client
+            # while it waits for peers, and the watch must keep talking meanwhile.
+            prefixed: Any = dist.PrefixStore("comm", view.gen)
+            store = await off_loop(prefixed.clone, timeout, "store")
+            built.append(await build(store))
+        except Exception as exc:  # noqa: BLE001 - becomes the agreed outcome below
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        while True:
+            verdict: str | None = None
+            if news:
+                verdict = _failure(news[0])
+            elif errors:
+                verdict = await _explain(errors[0], view.watch)
+            elif time.monotonic() > deadline:
+                verdict = f"failed|-|not every rank arrived within {timeout} s"
+            step = functools.partial(view.step, bool(built), verdict)
+            outcome = await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
+            if outcome is not None:
+                tg.cancel_scope.cancel()  # a build still blocked ends at its own timeout
+                return str(outcome)
+            await anyio.sleep(_TICK)
+    raise AssertionError("unreachable")  # pragma: no cover - the loop returns
+
+
+def _failure(error: BaseException) -> str:
+    ranks = encode_ranks(error.ranks) if isinstance(error, PeerFailure) and error.ranks else "-"
+    return f"failed|{ranks}|{error}"
+
+
+async def _explain(error: BaseException, watch: Liveness) -> str:
+    """A failed build as an outcome; a peer failure without ranks is named by the census."""
+    if isinstance(error, PeerFailure) and not error.ranks:
+        ranks = await anyio.to_thread.run_sync(watch.census, abandon_on_cancel=True)
+        if ranks:
+            return f"failed|{encode_ranks(ranks)}|{error}"
+    return _failure(error)

@@ -1,0 +1,181 @@
+"""A named group's waiting room in the store: joiners' tickets, admissions, grow plans.
+
+Blocking functions (every call is a store round trip): callers run them off the loop.
+Keys, under ``asynccoll/group/<name>`` on the store the group met on (the one
+joiners connect to as well):
+
+``tickets``
+    counter; a joiner takes ticket ``t = add(tickets, 1)``.
+``ticket/<t>``
+    the joiner's record (JSON: backend, host, pid, and its process identity).
+``admit/<t>``
+    how ticket ``t`` ended, first writer wins (``compare_set``): ``"<g>"`` admitted
+    by grow ``g``; ``"withdrawn"`` (the joiner gave up); ``"dead"`` (its process is
+    gone); ``"refused|<why>"`` (it cannot join this group).
+``resolved``
+    every ticket up to this one has an ``admit`` key: where the next scan starts.
+``generations``
+    counter; each grow takes ``g = add(generations, 1)``.
+``gen/<g>/plan``
+    JSON (the admitted tickets, the new world size, the members' options) or
+    ``"cancelled"``; ``gen/<g>/`` also holds the grown communicator's own keys.
+
+A joiner is admitted only with all the others of its grow: the grow's leader (rank 0
+of the members) claims every chosen ticket, and writes the plan only when it won all
+of them (a joiner may withdraw at the same moment); otherwise the plan says
+``"cancelled"`` and the claimed joiners take new tickets.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from .._faults import procs
+from .._faults.census import encode_ranks
+
+WITHDRAWN, DEAD, REFUSED, CANCELLED = "withdrawn", "dead", "refused|", "cancelled"
+_POLL_MAX = 0.005
+
+
+def process_identity() -> dict[str, Any]:
+    """This process as a peer on this machine can check it (see ``procs.Peer``)."""
+    machine, pid, start = procs.this_process()
+    return {"host": socket.gethostname(), "pid": pid, "machine": machine, "start": start}
+
+
+def gone(record: dict[str, Any]) -> bool:
+    """The joiner's process is known to be gone (only decidable on its own machine)."""
+    machine = record.get("machine", "")
+    if not machine or machine != procs.MACHINE:
+        return False
+    return procs.process_state(int(record["pid"]), str(record["start"])) == "gone"
+
+
+class Room:
+    """The waiting room of group ``name`` on ``root`` (the store every member and joiner reaches)."""
+
+    def __init__(self, root: Any, name: str) -> None:
+        self.name = name
+        self.store = dist.PrefixStore(f"asynccoll/group/{name}", root)
+
+    def generation(self, g: int) -> Any:
+        """The store of grow ``g`` (its plan, its watch, the grown communicator's keys)."""
+        return dist.PrefixStore(f"gen/{g}", self.store)
+
+    # ------------------------------------------------------------- joiner side
+    def take_ticket(self, backend: str) -> int:
+        t = int(self.store.add("tickets", 1))
+        self.store.set(f"ticket/{t}", json.dumps({"backend": backend, **process_identity()}))
+        return t
+
+    def withdraw(self, t: int) -> str:
+        """Give ticket ``t`` up unless it was resolved first; how it ended (``"withdrawn"``: by us)."""
+        return bytes(self.store.compare_set(f"admit/{t}", "", WITHDRAWN)).decode()
+
+    def await_admission(self, t: int, until: float, stop: Any) -> str | None:
+        """Ticket ``t``'s ``admit`` value, or None at ``until`` (``time.monotonic()``) or on ``stop``."""
+        key = f"admit/{t}"
+        delay = 0.0005
+        while not self.store.check([key]):
+            if time.monotonic() >= until or stop.is_set():
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+        return bytes(self.store.get(key)).decode()
+
+    def await_plan(self, g: int, until: float, stop: Any) -> dict[str, Any] | None:
+        """Grow ``g``'s plan; None when it was cancelled, at ``until`` or on ``stop``."""
+        store = self.generation(g)
+        delay = 0.0005
+        while not store.check(["plan"]):
+            if time.monotonic() >= until or stop.is_set():
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+        raw = bytes(store.get("plan")).decode()
+        if raw == CANCELLED:
+            return None
+        plan: dict[str, Any] = json.loads(raw)
+        return plan
+
+    def joiners(self, g: int) -> dict[int, int]:
+        """Grow ``g``'s joiners: new rank -> ticket (from its plan)."""
+        plan = json.loads(bytes(self.generation(g).get("plan")))
+        return {int(plan["old_size"]) + i: int(t) for i, t in enumerate(plan["tickets"])}
+
+    # ------------------------------------------------------------ leader side
+    def call_off(self, g: int, error: BaseException) -> None:
+        """Grow ``g`` will not happen (the members' admission failed): its outcome says so."""
+        ranks = encode_ranks(getattr(error, "ranks", ()))
+        self.generation(g).compare_set("outcome", "", f"failed|{ranks}|the members' admission failed: {error}")
+
+    def scan(self, backend: str) -> list[int]:
+        """The live tickets waiting for admission, in order.
+
+        Resolves on the way the tickets that can never join: a joiner whose process
+        is gone (on this machine), or that asked for another backend.
+        """
+        store = self.store
+        last = int(store.add("tickets", 0))
+        low = int(store.add("resolved", 0))
+        live: list[int] = []
+        upto, contiguous = low, True
+        for t in range(low + 1, last + 1):
+            if not store.check([f"admit/{t}"]):
+                verdict = self._verdict(t, backend)
+                if verdict is None:
+                    live.append(t)
+                    contiguous = False
+                    continue
+                if verdict:
+                    store.compare_set(f"admit/{t}", "", verdict)
+                else:  # no record yet: the joiner is between its two calls
+                    contiguous = False
+                    continue
+            if contiguous:
+                upto = t
+        if upto > low:
+            store.compare_set("resolved", str(low), str(upto))
+        return live
+
+    def _verdict(self, t: int, backend: str) -> str | None:
+        """None: ticket ``t`` may join; ``""``: not decidable yet; else its ``admit`` value."""
+        key = f"ticket/{t}"
+        if not self.store.check([key]):
+            return ""
+        try:
+            record = json.loads(bytes(self.store.get(key)))
+            dead = gone(record)
+        except (ValueError, TypeError, KeyError, AttributeError):  # not written by ac.join
+            return f"{REFUSED}unreadable ticket record {key!r}"
+        if dead:
+            return DEAD
+        if record.get("backend") != backend:
+            return (
+                f"{REFUSED}group {self.name!r} runs backend {backend!r}; "
+                f"ac.join asked for {record.get('backend')!r}"
+            )
+        return None
+
+    def admit(self, k: int, plan: dict[str, Any]) -> int | None:
+        """Admit the first ``k`` live tickets to a new grow; its number, or None if fewer wait.
+
+        ``plan`` (world size, options) is completed with the admitted tickets.
+        """
+        chosen = self.scan(plan["backend"])[:k]
+        if len(chosen) < k:
+            return None
+        g = int(self.store.add("generations", 1))
+        mark = str(g)
+        won = [t for t in chosen if bytes(self.store.compare_set(f"admit/{t}", "", mark)).decode() == mark]
+        gen = self.generation(g)
+        if len(won) < k:  # a joiner withdrew meanwhile: the claimed ones take new tickets
+            gen.set("plan", CANCELLED)
+            return None
+        gen.set("plan", json.dumps({**plan, "tickets": chosen}))
+        return g

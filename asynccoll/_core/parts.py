@@ -1,0 +1,116 @@
+"""What a communicator runs besides its ledger, and the one place that stops it.
+
+A communicator starts these parts, and each of three paths must stop every one of
+them: ``abort`` (any thread; bounded, never waiting for peers), ``close`` (off the
+loop, once the pending ops settled) and garbage collection without ``close``
+(``weakref.finalize``, also at interpreter exit). :class:`Parts` keeps the three
+paths side by side and holds no reference to the communicator, so that the
+communicator's finalizer can run them:
+
+* the backends, bound to the ledger (their outcomes settle Works there);
+* the liveness membership (``seams.Membership``): heartbeats, census, abort news;
+* the object channel (store-based object collectives);
+* the diagnosis (recorder, checker gate, trace files).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+from .._base.aio import run_in_thread
+from .._base.errors import CommAborted
+from .backend import Backend
+from .ledger import Ledger
+from .objects import ObjectChannel
+from .seams import Diagnosis, Membership, MembershipFactory
+
+
+def weakly(method: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``method`` called through a weak reference to its object: what background threads
+    and the parts hold of a communicator (a dropped one must still be collected)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(arg: Any) -> None:
+        fn = ref()
+        if fn is not None:
+            fn(arg)
+
+    return call
+
+
+class Parts:
+    """The backends, liveness, object channel and diagnosis of one communicator."""
+
+    def __init__(
+        self, ledger: Ledger, backends: dict[str | None, Backend], objects: ObjectChannel | None, diag: Diagnosis,
+        forget: Callable[[], None] | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.backends = backends
+        self.objects = objects
+        self.diag = diag
+        self.liveness: Membership | None = None
+        #: ``close()``'s last step: the last rank to close deletes the communicator's store keys.
+        self.forget = forget
+        for backend in backends.values():
+            backend.bind(ledger)
+
+    def start_liveness(self, factory: MembershipFactory, on_failure: Callable[[BaseException], None]) -> Membership:
+        """Join the liveness service; the backends name lost peers with its census from now on."""
+        liveness = self.liveness = factory(on_failure)
+        for backend in self.backends.values():
+            backend.census = liveness.census
+        if self.objects is not None:  # a peer that dies meanwhile fails an object collective at once
+            self.objects.watch = liveness.failure_among
+        liveness.start()
+        return liveness
+
+    def aborted(self, error: BaseException) -> None:
+        """The ledger aborted (any thread): tell the peers, stop the transport, record it.
+
+        The peers' news and the backends come first: a failure to write the
+        diagnostics must never keep them waiting.
+        """
+        self.ledger.release()
+        if self.liveness is not None:
+            # Tell the peers (a no-op when the news came from a peer: that thread is done).
+            self.liveness.publish_abort(error)
+        try:
+            self.diag.aborted(error)  # the flight record goes to trace_dir (before the checker closes)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must never stop the abort
+            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
+        if self.objects is not None:
+            self.objects.shutdown()
+        for backend in self.backends.values():
+            backend.abort()
+
+    async def close(self) -> None:
+        """The communicator closed (every op settled): stop and release everything, off the loop."""
+        liveness = self.liveness
+        if liveness is not None:
+            await run_in_thread(liveness.goodbye, None, name="asynccoll-close")
+        if self.objects is not None:
+            self.objects.shutdown()
+        for backend in self.backends.values():
+            await run_in_thread(backend.close, None, name="asynccoll-close")
+        await run_in_thread(self.diag.closed, None, name="asynccoll-close")  # the timeline to trace_dir
+        if self.forget is not None and (liveness is None or liveness.failure() is None):  # (a store still there)
+            await run_in_thread(self.forget, None, name="asynccoll-close")
+
+    def collected(self) -> None:
+        """The communicator was dropped without ``close()``: stop everything, never block.
+
+        Runs from ``weakref.finalize`` (garbage collection or interpreter exit).
+        Pending Works fail with ``CommAborted``.
+        """
+        ledger = self.ledger
+        ledger.abort(CommAborted("the communicator was garbage-collected without close()"))
+        ledger.release()
+        if self.liveness is not None:
+            self.liveness.stop()
+        if self.objects is not None:
+            self.objects.shutdown()
+        for backend in self.backends.values():
+            backend.release()
