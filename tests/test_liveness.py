@@ -197,3 +197,23 @@ def test_a_live_rank_holding_the_gil_is_not_declared_dead() -> None:
     results = run_ranks(gil_holder, world_size=2, backend=None, timeout=60)
     assert all(h > 0.6 for h in results[1]["held"]), results
     assert [r["state"] for r in results] == ["ok", "ok"], results
+
+
+# ------------------------------------------------------------------ the census never waits on a key
+def test_a_census_of_a_peer_that_neither_left_nor_aborted_does_not_wait_for_the_store() -> None:
+    """``Roster.left`` reads the abort news only where there is some: a store ``get`` of a
+    missing key blocks for the store's whole timeout (it held the process's store client
+    for it: every later creation on that store waited ~60 s behind it)."""
+    from asynccoll._faults.census import Roster
+
+    server = _server()
+    server.set_timeout(timedelta(seconds=5))
+    store = dist.PrefixStore("c/", server)
+    roster = Roster(store, 0, 2, lambda: True)
+    t0 = time.monotonic()
+    assert roster.left(1) is False
+    assert time.monotonic() - t0 < 2.5
+    store.set("aborted", "1|boom")
+    assert roster.left(1) is True and roster.left(0) is False
+    store.set("bye/0", "1")
+    assert roster.left(0) is True

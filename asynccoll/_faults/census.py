@@ -72,8 +72,9 @@ class Roster:
         store = self._store
         if store.check([f"bye/{rank}"]):
             return True
-        news = store.get("aborted")
-        return bool(news) and news.split(b"|", 1)[0] == str(rank).encode()
+        if not store.check(["aborted"]):  # (a get of a missing key waits for the store's timeout)
+            return False
+        return bytes(store.get("aborted")).split(b"|", 1)[0] == str(rank).encode()
 
     def probe(
         self, ranks: list[int], *, bound: float, stopped_failed: bool = False, eliminate: bool = False,
