@@ -5,7 +5,7 @@ VENV    ?= .venv
 TORCH   ?= torch==2.13.0
 BIN      = $(VENV)/bin
 
-.PHONY: demo test bench venv clean gpu-test docs dist-check flake-hunt chaos
+.PHONY: demo test bench venv clean gpu-test docs dist-check coverage mutations flake-hunt chaos
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,8 +49,20 @@ docs: $(BIN)/.docs-installed
 dist-check: $(BIN)/.docs-installed
 	PY="$(PY)" BIN="$(BIN)" TORCH="$(TORCH)" bash .ci/dist-check
 
-# On a CUDA machine: a CUDA torch build, the nccl extra, then the real-GPU tests
-# (tests/test_nccl.py's GPU tests; they skip without CUDA) and the GPU benchmark.
+# Line coverage of the GPU path (asynccoll/_backends/nccl/, streams/) by the CPU suite,
+# per file; fails below 90 %.
+coverage: venv
+	-$(BIN)/python -m pytest -q --cov=asynccoll/_backends/nccl --cov=streams --cov-report= \
+		--cov-report=json:$(VENV)/coverage.json
+	$(BIN)/python -m tests.covered $(VENV)/coverage.json 90
+
+# Deliberate breakages of the NCCL/CUDA path, each run against a temporary copy (minutes).
+mutations: venv
+	$(BIN)/python -m tests.mutations
+
+# On a CUDA machine: a CUDA torch build, the nccl extra, then every test (the GPU tests
+# skip without CUDA, here they run) and the GPU benchmark, printed as ONE report
+# (also in bench/results/gpu_report.txt).
 GPU_TORCH ?= torch
 GPU_VENV  ?= .venv-gpu
 gpu-test:
@@ -59,8 +71,7 @@ gpu-test:
 	$(GPU_VENV)/bin/pip install -q "$(GPU_TORCH)"
 	$(GPU_VENV)/bin/pip install -q -e ".[test,nccl]"
 	$(GPU_VENV)/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-test needs a CUDA GPU')"
-	$(GPU_VENV)/bin/python -m pytest -q -rs tests/test_nccl.py tests/test_streams.py tests/test_simgpu_backend.py
-	$(GPU_VENV)/bin/python bench/gpu.py
+	$(GPU_VENV)/bin/python -m bench.gpu --report
 
 clean:
 	rm -rf $(VENV) bench/results docs/_build dist

@@ -80,6 +80,16 @@ def batch(step: int, rank: int, world_size: int, args: argparse.Namespace) -> tu
     return x[rank::world_size], y[rank::world_size]
 
 
+def held_out_loss(model: torch.nn.Module, args: argparse.Namespace) -> float:
+    """The loss on a fixed held-out batch: one step's loss on a random shard is too noisy to
+    tell whether the model learnt."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1024, args.features, generator=gen)
+    y = torch.sin(x[:, :1] * 2) + x[:, 1:2] * x[:, 2:3]
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(x), y).item()
+
+
 def finished(step: int, back_at: int, world_size: int, args: argparse.Namespace) -> bool:
     """Stop after ``--steps``, but not before the group is whole again and trained 5 steps so.
 
@@ -224,16 +234,18 @@ async def worker(args: argparse.Namespace) -> None:
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         state_bytes += sum(t.numel() * t.element_size() for s in opt.state_dict()["state"].values()
                            for t in s.values() if isinstance(t, torch.Tensor))
+        learnt = (held_out_loss(make_model(args)[0], args), held_out_loss(model, args))  # (at the start, now)
         report(args, events, history, digests, comm.world_size,
-               {"state_bytes": state_bytes, "step_s": sorted(step_times)[len(step_times) // 2]})
+               {"state_bytes": state_bytes, "step_s": sorted(step_times)[len(step_times) // 2]}, learnt)
     await comm.close()
 
 
 def report(args: argparse.Namespace, events: Events, history: list[tuple[int, float, int]],
-           digests: list[str], world_size: int, extra: dict[str, float]) -> None:
+           digests: list[str], world_size: int, extra: dict[str, float], learnt: tuple[float, float]) -> None:
     marks = events.read()
     same = len(set(digests)) == 1
     print(f"final loss {history[-1][1]:.5f} after {len(history)} steps (first {history[0][1]:.5f})")
+    print(f"held-out loss {learnt[1]:.5f} (at the start {learnt[0]:.5f})")
     print(f"parameters bit-equal on all {world_size} ranks: {same}  (sha256 {digests[0]})")
     zero = marks["death"][0] if "death" in marks else T0
     print("timeline (seconds after the death):")

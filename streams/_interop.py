@@ -44,10 +44,10 @@ def current_stream(obj: Any = None) -> torch.cuda.Stream:
     if obj is None or isinstance(obj, (int, str, torch.device)):
         return torch.cuda.current_stream(device_index(obj, "current_stream"))
     if isinstance(obj, torch.Tensor):
-        if obj.device.type != "cuda":
-            raise ValueError(f"a tensor on {obj.device} has no CUDA stream")
-        require_cuda("current_stream")
-        return torch.cuda.current_stream(obj.device)
+        device = obj.device
+        if device.type != "cuda":
+            raise ValueError(f"a tensor on {device} has no CUDA stream")
+        return torch.cuda.current_stream(device)  # a CUDA tensor exists: CUDA is usable
     if _is_torch_stream(obj):
         stream: torch.cuda.Stream = obj
         return stream
@@ -95,8 +95,7 @@ def as_torch_tensor(obj: Any) -> torch.Tensor:
 
 def _is_torch_stream(obj: Any) -> bool:
     """True for torch CUDA streams (checked without touching CUDA on CPU-only builds)."""
-    stream_base = getattr(torch._C, "_CudaStreamBase", None)
-    return isinstance(stream_base, type) and isinstance(obj, stream_base)
+    return isinstance(obj, torch.cuda.Stream)
 
 
 def _stream_ptr(obj: Any) -> int:

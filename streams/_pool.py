@@ -8,18 +8,124 @@ from typing import Any, Callable
 
 import torch
 
-from ._errors import DeviceLike, device_index, require_cuda
+from ._errors import CudaUnavailable, DeviceLike, device_index, require_cuda
 
-__all__ = ["EventPool", "StreamSet", "comm_stream"]
+__all__ = ["EventPool", "OwnStreams", "StreamSet", "comm_stream", "own_streams"]
+
+
+class OwnStreams:
+    """CUDA streams this process created for itself, never shared with other code.
+
+    ``torch.cuda.Stream()`` does not create a stream: it hands out one of 32 pooled
+    streams per priority level per device, round-robin (c10/cuda/CUDAStream.cpp), so
+    the 33rd "new" stream is the first one again, shared with FSDP, user code and
+    every other caller. A communication stream must be its own: a ``wait_stream`` on
+    an alias waits on itself, foreign kernels queue behind the collectives, two
+    communicators could share one. These streams are created with
+    ``cuStreamCreateWithPriority`` (``cuda-bindings``) and wrapped as
+    :class:`torch.cuda.ExternalStream`.
+
+    :meth:`acquire` hands out a stream no one else holds; :meth:`release` takes it
+    back for reuse. Streams are never destroyed: the caching allocator records events
+    on every stream named by ``record_stream`` when it frees those blocks, so a
+    stream must outlive every tensor ever recorded on it. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, int], list[torch.cuda.Stream]] = {}
+        self._ranges: dict[int, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        self.created = 0
+
+    def acquire(self, device: DeviceLike = None, priority: int | None = None) -> torch.cuda.Stream:
+        """A stream of ``device`` held by nobody else (None priority: the highest).
+
+        Raises:
+            CudaUnavailable: CUDA or ``cuda-bindings`` cannot be used.
+        """
+        index = device_index(device, "OwnStreams.acquire")
+        with self._lock:
+            prio = self._priority(index, priority)
+            free = self._free.get((index, prio))
+            if free:
+                return free.pop()
+            self.created += 1
+        return self._create(index, prio)
+
+    def release(self, stream: torch.cuda.Stream) -> None:
+        """Give ``stream`` (from :meth:`acquire`) back; it may be handed out again."""
+        key = (int(stream.device.index or 0), int(stream.priority))
+        with self._lock:
+            self._free.setdefault(key, []).append(stream)
+
+    def _priority(self, index: int, priority: int | None) -> int:
+        rng = self._ranges.get(index)
+        if rng is None:
+            rng = self._ranges[index] = _driver_call(
+                index, "cuCtxGetStreamPriorityRange", lambda cu: cu.cuCtxGetStreamPriorityRange())
+        least, greatest = rng
+        if priority is None:
+            return greatest
+        return min(max(int(priority), greatest), least)
+
+    def _create(self, index: int, priority: int) -> torch.cuda.Stream:
+        handle = _driver_call(index, "cuStreamCreateWithPriority", lambda cu: cu.cuStreamCreateWithPriority(
+            int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), priority))
+        stream: torch.cuda.Stream = torch.cuda.ExternalStream(int(handle), device=index)
+        return stream
+
+
+def _driver_call(index: int, what: str, fn: Callable[[Any], tuple[Any, ...]]) -> Any:
+    """``fn(cuda.bindings.driver)`` with ``index``'s primary context current (pushed and popped
+    around the call, so the calling thread's own context is left as it was); its results
+    after the ``CUresult``, raising RuntimeError for an error code."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as exc:
+        raise CudaUnavailable(
+            f"streams of its own need cuda-bindings ({exc}): pip install cuda-bindings "
+            "(or asynccoll[nccl], which includes it)"
+        ) from exc
+    err, dev = cu.cuDeviceGet(index)
+    _check(err, "cuDeviceGet")
+    err, ctx = cu.cuDevicePrimaryCtxRetain(dev)  # held for the process: the streams are never destroyed
+    _check(err, "cuDevicePrimaryCtxRetain")
+    (err,) = cu.cuCtxPushCurrent(ctx)
+    _check(err, "cuCtxPushCurrent")
+    try:
+        out = fn(cu)
+        _check(out[0], what)
+        return out[1] if len(out) == 2 else out[1:]
+    finally:
+        cu.cuCtxPopCurrent()
+
+
+def _check(err: Any, what: str) -> None:
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: CUDA error {int(err)} ({err})")
+
+
+_own: OwnStreams | None = None
+_own_lock = threading.Lock()
+
+
+def own_streams() -> OwnStreams:
+    """The process-wide :class:`OwnStreams`, created on first use (never at import)."""
+    global _own
+    if _own is None:
+        with _own_lock:
+            if _own is None:
+                _own = OwnStreams()
+    return _own
 
 
 class StreamSet:
     """Owns one dedicated CUDA stream per device, created on first use.
 
     Communication kernels issued on these streams overlap with compute on the default or
-    current stream. By default each stream gets the *highest* priority that
-    :meth:`torch.cuda.Stream.priority_range` reports, so that communication kernels are
-    scheduled ahead of queued compute kernels.
+    current stream. By default each stream gets the *highest* priority the device
+    offers, so that communication kernels are scheduled ahead of queued compute
+    kernels. The streams are the set's own (:class:`OwnStreams`), never torch's pool.
 
     Thread-safe: concurrent :meth:`get` calls for a device return the same stream.
     """
@@ -39,7 +145,7 @@ class StreamSet:
         """Return this set's stream for ``device`` (None: the current device), creating it once.
 
         Raises:
-            CudaUnavailable: CUDA cannot be used.
+            CudaUnavailable: CUDA (or cuda-bindings) cannot be used.
         """
         index = device_index(device, "StreamSet.get")
         stream = self._streams.get(index)
@@ -48,7 +154,7 @@ class StreamSet:
         with self._lock:
             stream = self._streams.get(index)
             if stream is None:
-                stream = torch.cuda.Stream(device=index, priority=self.priority)
+                stream = own_streams().acquire(index, self._priority)
                 self._streams[index] = stream
             return stream
 
@@ -57,8 +163,7 @@ class StreamSet:
         """The priority this set's streams are created with (resolved lazily; needs CUDA)."""
         if self._priority is None:
             require_cuda("StreamSet.priority")
-            # priority_range() is (least, greatest); numerically lower is higher priority.
-            self._priority = min(torch.cuda.Stream.priority_range())  # type: ignore[call-arg]
+            self._priority = own_streams()._priority(device_index(None, "StreamSet.priority"), None)
         return self._priority
 
     def __len__(self) -> int:
@@ -82,6 +187,14 @@ def default_stream_set() -> StreamSet:
             if _default_set is None:
                 _default_set = StreamSet()
     return _default_set
+
+
+def forget() -> None:
+    """Drop the process-wide stream set and own-stream pool (see :func:`streams.reset`)."""
+    global _default_set, _own
+    with _default_set_lock, _own_lock:
+        _default_set = None
+        _own = None
 
 
 def comm_stream(device: DeviceLike = None) -> torch.cuda.Stream:

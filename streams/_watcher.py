@@ -89,6 +89,7 @@ class EventWatcher:
         spin: float = 50e-6,
         poll_interval: float = 1e-3,
         error_handler: Callable[[str, BaseException], Any] | None = None,
+        cuda_device: int | None = None,
     ) -> None:
         """Create an idle watcher (no thread yet).
 
@@ -99,6 +100,11 @@ class EventWatcher:
             poll_interval: longest sleep between queries in ``"poll"`` mode.
             error_handler: called as ``error_handler(message, exc)`` when a callback raises
                 or a wait fails without ``on_fail``; default: log to the ``"streams"`` logger.
+            cuda_device: the CUDA device of the events, made current on the thread before
+                its first wait. torch's ``Event.query``/``synchronize`` have no device guard
+                (ATen/cuda/CUDAEvent.h): on a thread that never set its device they run on
+                device 0 and create its primary context (hundreds of MB on GPU 0; an error
+                in EXCLUSIVE_PROCESS mode).
         """
         if mode not in ("sync", "poll"):
             raise ValueError(f"mode must be 'sync' or 'poll', got {mode!r}")
@@ -109,6 +115,7 @@ class EventWatcher:
         self.spin = spin
         self.poll_interval = poll_interval
         self._error_handler = error_handler or _report
+        self.cuda_device = cuda_device
         self._queue: deque[_Entry] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
@@ -226,6 +233,13 @@ class EventWatcher:
             self._fail(entry, WatcherClosed(f"{self!r} closed before the event completed"))
 
     def _run(self) -> None:
+        if self.cuda_device is not None:
+            try:
+                import torch
+
+                torch.cuda.set_device(self.cuda_device)
+            except Exception as exc:  # noqa: BLE001 - reported; waits then fail where the device is unusable
+                self._error_handler(f"{self!r} could not select cuda:{self.cuda_device}", exc)
         cond = self._cond
         while True:
             with cond:
@@ -299,8 +313,18 @@ def default_watcher(device: Hashable = None) -> EventWatcher:
             watcher = _defaults.get(device)
             if watcher is None or watcher.closed:
                 label = "shared" if device is None else device
-                watcher = _defaults[device] = EventWatcher(label)
+                cuda = device if isinstance(device, int) and not isinstance(device, bool) else None
+                watcher = _defaults[device] = EventWatcher(label, cuda_device=cuda)
     return watcher
+
+
+def forget() -> None:
+    """Close and drop the default watchers (see :func:`streams.reset`)."""
+    with _defaults_lock:
+        watchers = list(_defaults.values())
+        _defaults.clear()
+    for w in watchers:
+        w.close(timeout=1.0, drain=False)
 
 
 def _event_device(event: Any) -> Hashable:

@@ -158,17 +158,19 @@ def test_store_cli_serves_until_signalled_and_refuses_a_port_in_use() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_grow_on_nccl_with_a_fresh_init_on_the_simulated_gpu() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["ncclCommGrow", "fresh-init"])
+def test_grow_on_nccl_on_the_simulated_gpu(native: bool) -> None:
     """NCCL below is the simulated GPU's (nccl4py's real classes, autospecced); asynccoll above
-    it is real. 2 members admit a joiner; the grown group gets a fresh NCCL communicator of 3
-    (the fallback where the installed NCCL has no ncclCommGrow); an all_reduce runs on it."""
+    it is real. 2 members admit a joiner; the grown group's NCCL communicator of 3 comes from
+    ncclCommGrow of the members' one (the joiner joins it with the grow's unique id), or, where
+    the installed NCCL has no ncclCommGrow, from a fresh init; an all_reduce runs on it."""
     import asyncio
 
     from asynccoll._bootstrap.init import init_with, join_with
     from asynccoll.testing.simgpu import SimCluster
     from asynccoll.testing.simgpu.runtime import run_threads
 
-    with SimCluster() as sim:
+    with SimCluster(grow=native) as sim:
         store = dist.HashStore()
         gpu = sim.gpu
         factories = sim.factories()  # NCCL on the simulator, for init and join alike
@@ -183,15 +185,20 @@ def test_grow_on_nccl_with_a_fresh_init_on_the_simulated_gpu() -> None:
                     await asyncio.sleep(0.01)
                 comm = await old.grow(old.world_size + n)
                 assert old.state == "closed"
-            nccl_comm = comm.backends["cuda"]._comm
+            nccl_comm = comm.backends["cuda"].handle.communicator
             t = gpu.tensor([float(comm.rank + 1)])
             await asyncio.wait_for(comm.all_reduce(t), 20)
-            res = (comm.rank, comm.world_size, gpu.host(t).item(), comm.backend, sim.nccl.state(nccl_comm).world.nranks)
+            world = sim.nccl.state(nccl_comm).world
+            grown = isinstance(world.key, tuple) and world.key[1] == "grow"  # the simulator's child of a grow
+            res = (comm.rank, comm.world_size, gpu.host(t).item(), comm.backend, world.nranks, grown)
             await comm.close()
             return res
 
         results = run_threads(3, rank_main, timeout=90)
-    assert results == [(0, 3, 6.0, "nccl", 3), (1, 3, 6.0, "nccl", 3), (2, 3, 6.0, "nccl", 3)], results
+        inits = sim.nccl.module.Communicator.init.call_count
+        assert sim.nccl.live() == [] and sim.gpu.errors == []
+    assert results == [(r, 3, 6.0, "nccl", 3, native) for r in range(3)], results
+    assert inits == (2 if native else 5)  # the members' first init; a fresh one of 3 without grow
 
 
 def test_joiner_takes_the_members_options() -> None:

@@ -93,14 +93,14 @@ def test_missing_checks_that_libnccl_loads() -> None:
 
 
 def test_create_turns_an_unloadable_nccl4py_into_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asynccoll._backends.nccl import lifecycle
+    from asynccoll._backends.nccl import creation
 
-    monkeypatch.setattr(lifecycle, "missing", lambda: None)  # as on a GPU machine
+    monkeypatch.setattr(creation, "missing", lambda: None)  # as on a GPU machine
 
     def broken(*a: Any, **k: Any) -> Any:
         raise ModuleNotFoundError("No module named 'cuda.bindings'")
 
-    monkeypatch.setattr(lifecycle, "NcclLib", broken)
+    monkeypatch.setattr(creation, "NcclLib", broken)
     with pytest.raises(ac.BackendUnavailable, match="cuda.bindings"):
         asyncio.run(nccl.create(None, "p/", 0, 1.0))
 
@@ -170,7 +170,7 @@ def test_contract_result_codes_are_nccl4py_s() -> None:
     assert nccl.REMOTE_ERROR == int(Result.RemoteError)
     assert nccl.SYSTEM_ERROR == int(Result.SystemError)
     assert nccl.INVALID_ARGUMENT == int(Result.InvalidArgument)
-    assert set(nccl._PEER_ERRORS) == {int(Result.SystemError), int(Result.RemoteError)}
+    assert set(nccl.PEER_ERRORS) == {int(Result.SystemError), int(Result.RemoteError)}
 
 
 def test_contract_inprogress_is_not_raised_by_nccl4py() -> None:
@@ -214,15 +214,43 @@ def test_contract_real_ncclib_calls_bind_to_nccl4py_signatures() -> None:
     assert "progress" in nccl.NcclLib().error_string(nccl.IN_PROGRESS).lower()
 
 
-def test_contract_every_torch_dtype_the_backend_sends_is_accepted_by_nccl4py() -> None:
+def test_contract_native_dtypes_are_exactly_those_nccl4py_maps() -> None:
+    # nccl4py 0.6 interop/torch.py _to_nccl_dtype: every other dtype raises NcclInvalid.
+    import nccl.core as nc
     from nccl.core.interop.torch import _to_nccl_dtype
 
     from asynccoll._backends.nccl import encode
 
-    for dt in sorted(nccl._NCCL_DTYPES, key=str):
-        _to_nccl_dtype(dt)
-    for dt in (torch.complex64, torch.complex128, torch.int16):
-        _to_nccl_dtype(encode.raw(torch.zeros(2, dtype=dt)).dtype)
+    every = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    mapped = set()
+    for dt in every:
+        try:
+            _to_nccl_dtype(dt)
+        except nc.NcclInvalid:
+            continue
+        mapped.add(dt)
+    assert mapped == set(nccl.NATIVE)
+    assert _to_nccl_dtype(torch.bool) == nc.NcclDataType.UINT8  # NCCL has no bool
+    for dt in (torch.complex64, torch.complex128, torch.int16, torch.uint16, torch.float8_e4m3fnuz):
+        assert dt not in mapped
+        assert encode.raw(torch.zeros(2, dtype=dt)).dtype == torch.uint8  # moved as bytes
+
+
+def test_caps_bool_reduces_except_avg_and_fp8_needs_sm90() -> None:
+    # NCCL has no bool (nccl.h ncclDataType_t); nccl4py sends it as uint8. A uint8 SUM
+    # would store 2 in a bool, so the backend reduces bool with MAX/MIN (or/and); AVG
+    # has no meaning for bool. This table is the one validate.py must agree with.
+    caps = nccl.CAPS
+    for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX):
+        assert torch.bool in caps.reduce[op] and caps.refusal(op, torch.bool) is None
+    assert torch.bool not in caps.reduce[ReduceOp.AVG]
+    assert "AVG is not defined" in (caps.refusal(ReduceOp.AVG, torch.bool) or "")
+    assert nccl.COMPLEX <= caps.reduce[ReduceOp.SUM] and not nccl.COMPLEX & caps.reduce[ReduceOp.MAX]
+    fp8 = torch.float8_e4m3fn
+    assert fp8 in caps.for_device((9, 0)).reduce[ReduceOp.SUM]
+    old = caps.for_device((8, 9))
+    assert fp8 not in old.reduce[ReduceOp.SUM] and "sm_90" in (old.refusal(ReduceOp.SUM, fp8) or "")
+    assert old.move is None  # every dtype still moves (as bytes where not native)
 
 
 # ============================================================== GPU (world size 1)
@@ -405,23 +433,3 @@ def test_backend_class_is_exported() -> None:
     assert nccl.backend_class is nccl.NcclBackend
     assert issubclass(nccl.NcclBackend, ac._core.backend.Backend) if hasattr(ac, "_core") else True
     assert streams.EventWatcher is not None
-
-
-def test_cuda_runtime_gives_every_communicator_its_own_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    # No CUDA here: the streams package is replaced by recorders; the point is that
-    # CudaRuntime never takes the process-wide comm_stream shared by all communicators.
-    made: list[object] = []
-
-    class Set:
-        def get(self, index: int) -> object:
-            made.append(object())
-            return made[-1]
-
-    def shared(*a: Any) -> Any:
-        raise AssertionError("CudaRuntime used the process-wide streams.comm_stream")
-
-    monkeypatch.setattr(streams, "StreamSet", Set)
-    monkeypatch.setattr(streams, "comm_stream", shared)
-    monkeypatch.setattr(streams, "EventPool", lambda index: None)
-    a, b = nccl.CudaRuntime(0), nccl.CudaRuntime(0)
-    assert a.comm_stream is not b.comm_stream and a.sibling().comm_stream not in (a.comm_stream, b.comm_stream)

@@ -11,35 +11,21 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from typing import Any
 
 import nccl.core as nc
 import pytest
 import torch
+from simgpu_util import WAIT, submit, until
 
 import asynccoll as ac
+import streams
 from asynccoll._backends import nccl
-from asynccoll._base.ops import OpKind, OpSpec
-from asynccoll._core.work import Work
+from asynccoll._base.ops import OpKind
 from asynccoll.testing.simgpu import SimCluster
 
 pytestmark = pytest.mark.timeout(120)
-WAIT = 20.0
-
-
-def until(pred: Any, timeout: float = WAIT) -> None:
-    ev = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if pred():
-            return
-        ev.wait(0.01)
-    raise AssertionError("condition not reached")
-
-
-def submit(be: Any, kind: OpKind, t: Any, timeout: float = 30.0, **kw: Any) -> Work:
-    w = Work(kind.value, 1)
-    be.submit(OpSpec(kind, t, timeout=timeout, **kw), w)
-    return w
 
 
 def close_all(*bes: Any) -> None:
@@ -63,7 +49,7 @@ def test_op_waits_for_the_callers_stream_and_wait_stream_orders_a_later_kernel()
             w.wait_stream(side)
             with gpu.use_stream(side):
                 t.mul_(10)  # a kernel on `side`: must run after the all_reduce
-            nccl_comm = comm._backends["cuda"]._comm
+            nccl_comm = comm._backends["cuda"].handle.communicator
             await asyncio.to_thread(until, lambda: sim.nccl.pushed(nccl_comm) == 1)  # on the comm stream
             gpu.idle()
             assert not w.done() and gpu.host(t).tolist() == [0.0] * 4  # held behind the long kernel
@@ -73,36 +59,6 @@ def test_op_waits_for_the_callers_stream_and_wait_stream_orders_a_later_kernel()
             return gpu.host(t).tolist()
 
         assert sim.run_comms(2, body) == [[30.0] * 4] * 2
-        assert gpu.errors == []
-
-
-def test_wait_stream_never_blocks_while_the_op_is_queued() -> None:
-    with SimCluster() as sim:
-        gpu = sim.gpu
-        (be,) = sim.backends(1)
-        try:
-            stuck = gpu.latch()
-            sim.nccl.block_calls(be._comm, stuck)  # the launcher sits inside an NCCL call
-            a, b = gpu.tensor([1.0]), gpu.tensor([2.0])
-            w1 = submit(be, OpKind.ALL_REDUCE, a)
-            w2 = submit(be, OpKind.ALL_REDUCE, b)  # queued behind w1
-            side = gpu.stream("side")
-            caller = threading.Thread(target=w2.wait_stream, args=(side,))
-            caller.start()
-            caller.join(5.0)
-            assert not caller.is_alive(), "wait_stream blocked the host while the op was queued"
-            with gpu.use_stream(side):
-                b.add_(100)
-            gpu.idle()
-            assert gpu.host(b).tolist() == [2.0]  # the side stream waits for the queued op
-            sim.nccl.block_calls(be._comm, None)
-            stuck.open()
-            w1.wait(WAIT)
-            w2.wait(WAIT)
-            side.synchronize()
-            assert gpu.host(b).tolist() == [102.0]
-        finally:
-            close_all(be)
         assert gpu.errors == []
 
 
@@ -133,11 +89,14 @@ def test_tensors_of_an_aborted_op_are_protected_by_record_stream() -> None:
         assert not w.done()
         del t
         gc.collect()
-        be0.abort()  # the backend drops its references; the kernel is still on the stream
+        be0.handle.abort_timeout = 0.3
+        be0.abort()  # bounded: ncclCommAbort still waits for the kernel to leave the stream
+        be0.close()  # bounded too: the backend drops its references; the kernel is still there
         gc.collect()
-        assert gpu.errors == []
+        assert sim.nccl.state(be0.handle.communicator or sim.nccl.comms[0].mock).launches[0].pushed
+        assert gpu.errors == []  # record_stream(comm stream): the allocator defers the reuse
         sim.nccl.drain_aborted()
-        close_all(be0, be1)
+        be1.close()
         assert gpu.errors == []
 
 
@@ -148,9 +107,9 @@ def test_failed_op_keeps_its_tensors_until_abort() -> None:
         w = submit(be, OpKind.ALL_REDUCE, t, timeout=0.2)
         with pytest.raises(ac.CollectiveTimeout):
             w.wait(WAIT)
-        assert [j.specs[0].tensor for j in be._stuck] == [t]  # NCCL may still launch it
+        assert be.stuck == 1  # NCCL may still launch it: its tensors stay referenced
         be.abort()
-        assert be._stuck == []
+        assert be.stuck == 0
         be.close()
 
 
@@ -161,7 +120,7 @@ def test_abort_while_stuck_is_bounded_and_fails_the_work() -> None:
 
         async def body(comm: Any) -> str:
             if comm.rank == 1:
-                sim.nccl.hang(comm._backends["cuda"]._comm)
+                sim.nccl.hang(comm._backends["cuda"].handle.communicator)
             t = gpu.tensor([1.0, 2.0])
             w = comm.all_reduce(t)
             gpu.idle()
@@ -181,24 +140,74 @@ def test_abort_while_the_launcher_is_inside_an_nccl_call() -> None:
     with SimCluster() as sim:
         (be,) = sim.backends(1)
         stuck = sim.gpu.latch()
-        st = sim.nccl.state(be._comm)
-        sim.nccl.block_calls(be._comm, stuck)
+        st = sim.nccl.state(be.handle.communicator)
+        sim.nccl.block_calls(be.handle.communicator, stuck)
         w = submit(be, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
-        until(lambda: be._nccl_lock.locked())
-        be._abort_timeout = 0.5
-        be.abort()  # bounded although the lock is held
-        assert be._aborted and not w.done()  # the communicator failed it, never as a success
+        until(lambda: be.handle.calling)
+        be.handle.abort_timeout = 0.5
+        t0 = time.monotonic()
+        be.abort()  # bounded although the lock is held and NCCL's own abort is stuck too
+        assert time.monotonic() - t0 < 2.0
+        assert be.handle.stopping and not w.done()  # the communicator failed it, never as a success
         stuck.open()
         until(lambda: st.aborted)
         be.close()
+
+
+class Recorder:
+    """A sink that records what the backend reports."""
+
+    def __init__(self) -> None:
+        self.succeeded: list[Any] = []
+        self.failed: list[Any] = []
+
+    def succeed(self, target: Any, value: Any = None) -> None:
+        self.succeeded.append(target)
+
+    def succeed_all(self, targets: Any) -> None:
+        self.succeeded.extend(targets)
+
+    def fail(self, target: Any, exc: BaseException) -> None:
+        self.failed.append((target, exc))
+
+
+def test_no_success_is_reported_after_abort() -> None:
+    # The watcher is inside the done event's synchronize when abort comes; the aborted
+    # kernel then leaves the stream and the event fires: that is no success. (The stop
+    # thread is held after ncclCommAbort returned, so the watcher's callback comes first.)
+    with SimCluster() as sim:
+        be0, be1 = sim.backends(2)
+        sink = Recorder()
+        be0.bind(sink)
+        st = sim.nccl.state(be0.handle.communicator)
+        real_abort = st.mock.abort.side_effect
+        held = threading.Event()
+
+        def abort_then_hold() -> None:
+            real_abort()
+            held.wait(WAIT)
+
+        st.mock.abort.side_effect = abort_then_hold
+        submit(be0, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))  # rank 1 never joins
+        until(be0.busy)
+        threading.Event().wait(0.1)  # the watcher is inside the done event's synchronize
+        be0.handle.use_revoke = False
+        be0.handle.abort_timeout = 0.3
+        be0.abort()
+        until(lambda: st.aborted)
+        sim.gpu.synchronize()
+        threading.Event().wait(0.2)  # the watcher's callback ran
+        assert sink.succeeded == []
+        held.set()
+        close_all(be0, be1)
 
 
 def test_dead_peer_is_peer_failure_with_the_nccl_code() -> None:
     with SimCluster() as sim:
         be0, be1 = sim.backends(2)
         w = submit(be0, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
-        until(lambda: bool(sim.nccl.state(be0._comm).launches))
-        sim.nccl.kill(be1._comm)
+        until(lambda: bool(sim.nccl.state(be0.handle.communicator).launches))
+        sim.nccl.kill(be1.handle.communicator)
         with pytest.raises(ac.PeerFailure) as info:
             w.wait(WAIT)
         assert isinstance(info.value.__cause__, nccl.NcclError) and info.value.__cause__.status == nccl.REMOTE_ERROR
@@ -210,8 +219,8 @@ def test_dead_peer_is_peer_failure_with_the_nccl_code() -> None:
 def test_async_error_fails_later_ops_without_calling_nccl() -> None:
     with SimCluster() as sim:
         (be,) = sim.backends(1)
-        st = sim.nccl.state(be._comm)
-        sim.nccl.set_error(be._comm, nccl.INVALID_ARGUMENT)
+        st = sim.nccl.state(be.handle.communicator)
+        sim.nccl.set_error(be.handle.communicator, nccl.INVALID_ARGUMENT)
         w = submit(be, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
         with pytest.raises(ac.CommAborted):
             w.wait(WAIT)
@@ -224,29 +233,13 @@ def test_async_error_fails_later_ops_without_calling_nccl() -> None:
         assert st.aborted  # close() aborts a communicator that reported an error
 
 
-def test_a_failed_call_inside_a_group_is_never_launched_alone() -> None:
-    with SimCluster() as sim:
-        (be,) = sim.backends(1)
-        st = sim.nccl.state(be._comm)
-        sim.nccl.fail_call(be._comm, "broadcast", nc.NcclInvalid("boom"))
-        a, b = sim.gpu.tensor([1.0]), sim.gpu.tensor([2.0])
-        works = [Work("all_reduce", 1), Work("broadcast", 2)]
-        be.submit_batch([OpSpec(OpKind.ALL_REDUCE, a, timeout=10), OpSpec(OpKind.BROADCAST, b, peer=0, timeout=10)], works)
-        for w in works:
-            with pytest.raises(ac.CommAborted):
-                w.wait(WAIT)
-        assert st.launches == []  # the all_reduce already in the group was discarded too
-        assert sim.nccl.module.group_end.call_args.kwargs == {"simulate": True}
-        be.close()
-
-
 # ============================================================ groups, lifecycle
 def test_coalesced_ops_are_one_nccl_group() -> None:
     with SimCluster() as sim:
         gpu = sim.gpu
 
         async def body(comm: Any) -> list[Any]:
-            st = sim.nccl.state(comm._backends["cuda"]._comm)
+            st = sim.nccl.state(comm._backends["cuda"].handle.communicator)
             a, b = gpu.tensor([1.0 + comm.rank]), gpu.tensor([10.0 * (comm.rank + 1)])
             before = len(st.launches)
             async with comm.coalescing():
@@ -272,7 +265,8 @@ def test_init_close_cycles_leak_nothing() -> None:
         for _ in range(3):
             assert sim.run_comms(2, body) == [2.0, 2.0]
         assert sim.nccl.live() == [] and all(st.destroyed for st in sim.nccl.comms)
-        assert all(rt.closed is True for rt in sim.runtimes)
+        # every comm stream went back for reuse: 3 cycles made one per rank, no more
+        assert streams.own_streams().created == 2
         until(lambda: threading.active_count() <= before + 1)
         assert sim.gpu.errors == []
 
@@ -300,9 +294,9 @@ def test_two_communicators_on_one_device_use_their_own_streams() -> None:
         gpu = sim.gpu
         a0, a1 = sim.backends(2)
         b0, b1 = sim.backends(2)
-        streams_ = {id(be._rt.comm_stream) for be in (a0, a1, b0, b1)}
+        streams_ = {id(be.runtime.comm_stream) for be in (a0, a1, b0, b1)}
         assert len(streams_) == 4
-        ts = {be: gpu.tensor([float(i + 1)]) for i, be in enumerate((a0, a1, b0, b1))}
+        ts = {be: gpu.tensor([float(i + 1)], device=be.device) for i, be in enumerate((a0, a1, b0, b1))}
         works = []
         for _ in range(5):  # both launchers run concurrently
             for be in (a0, b0, a1, b1):
@@ -310,8 +304,8 @@ def test_two_communicators_on_one_device_use_their_own_streams() -> None:
         for w in works:
             w.wait(WAIT)
         for be in (a0, a1, b0, b1):
-            st = sim.nccl.state(be._comm)
-            assert {id(la.stream) for la in st.launches} == {id(be._rt.comm_stream)}
+            st = sim.nccl.state(be.handle.communicator)
+            assert {la.stream.handle for la in st.launches} == {be.runtime.comm_stream.cuda_stream}
         assert [gpu.host(ts[be]).item() for be in (a0, a1)] == [3.0 * 2**4] * 2
         assert [gpu.host(ts[be]).item() for be in (b0, b1)] == [7.0 * 2**4] * 2
         close_all(a0, a1, b0, b1)
@@ -354,10 +348,10 @@ def test_shrink_excludes_ranks_renumbers_and_passes_the_flag(abort_pending: bool
         assert [(new[r].rank, new[r].world_size) for r in (0, 2)] == [(0, 2), (1, 2)]
         flag = nc.CommShrinkFlag.ABORT if abort_pending else nc.CommShrinkFlag.DEFAULT
         for r in (0, 2):
-            args = sim.nccl.state(bes[r]._comm).mock.shrink.call_args.args
+            args = sim.nccl.state(bes[r].handle.communicator).mock.shrink.call_args.args
             assert list(args[0]) == [1] and args[1].blocking is False and args[2] is flag
-            assert new[r]._rt.comm_stream is not bes[r]._rt.comm_stream
-        ts = [gpu.tensor([1.0]), gpu.tensor([5.0])]
+            assert new[r].runtime.comm_stream is not bes[r].runtime.comm_stream
+        ts = [gpu.tensor([1.0], device=new[0].device), gpu.tensor([5.0], device=new[2].device)]
         ws = [submit(new[r], OpKind.ALL_REDUCE, t) for r, t in zip((0, 2), ts)]
         for w in ws:
             w.wait(WAIT)
@@ -372,9 +366,9 @@ def test_shrink_defaults_to_abort_when_ops_are_in_flight() -> None:
     with SimCluster() as sim:
         bes = sim.backends(2)
         submit(bes[0], OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))  # rank 1 never joins
-        until(lambda: bool(sim.nccl.state(bes[0]._comm).launches))
+        until(lambda: bool(sim.nccl.state(bes[0].handle.communicator).launches))
         solo = bes[0].shrink([1])
-        assert sim.nccl.state(bes[0]._comm).mock.shrink.call_args.args[2] is nc.CommShrinkFlag.ABORT
+        assert sim.nccl.state(bes[0].handle.communicator).mock.shrink.call_args.args[2] is nc.CommShrinkFlag.ABORT
         assert (solo.rank, solo.world_size) == (0, 1)
         bes[0].abort()
         close_all(solo, *bes)

@@ -2,7 +2,9 @@
 
 The CPU tests drive :class:`streams.EventWatcher` and :func:`streams.wait_event` with fake
 events (``query``/``synchronize`` on a :class:`threading.Event`), under asyncio and uvloop.
-The GPU tests at the end run only where torch sees a CUDA device.
+The GPU tests at the end run on the simulated GPU (``asynccoll.testing.simgpu``: doubles of
+``torch.cuda`` and ``cuda.bindings.driver``, streams unmodified) and, where torch sees a
+CUDA device, on it too.
 """
 
 from __future__ import annotations
@@ -508,6 +510,31 @@ def test_loop_waker_closed_loop() -> None:
     assert ran == [] and waker.pending() == 0
 
 
+def test_loop_waker_loop_closing_while_posting() -> None:
+    # The loop closes between post()'s is_closed() check and call_soon_threadsafe: the
+    # posted callable is dropped and post() says so, and the next post starts afresh.
+    class ClosingLoop(asyncio.SelectorEventLoop):
+        fail = True
+
+        def call_soon_threadsafe(self, *a: Any, **k: Any) -> Any:
+            if self.fail:
+                raise RuntimeError("Event loop is closed")
+            return super().call_soon_threadsafe(*a, **k)
+
+    loop = ClosingLoop()
+    try:
+        waker = streams.LoopWaker(loop)
+        assert waker.loop is loop and "pending=0" in repr(waker)
+        ran: list[int] = []
+        assert waker.post(ran.append, 1) is False and waker.pending() == 0
+        ClosingLoop.fail = False
+        assert waker.post(ran.append, 2) is True  # not stuck "scheduled"
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert ran == [2]
+    finally:
+        loop.close()
+
+
 # -- wait_event ---------------------------------------------------------------------------
 
 
@@ -637,17 +664,41 @@ async def test_wait_event_raises_watcher_failures() -> None:
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at typical GPU clocks
 
 
-@needs_cuda
-def test_gpu_comm_stream_is_dedicated_and_highest_priority() -> None:
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=needs_cuda)])
+def gpu(request: pytest.FixtureRequest) -> Any:
+    """The device of a GPU test: the simulated GPU, or the real one."""
+    if request.param == "cuda":
+        yield None
+        return
+    from asynccoll.testing.simgpu import SimGPU
+
+    sim = SimGPU()
+    yield sim
+    sim.close()
+    assert sim.errors == []
+
+
+def greatest_priority() -> int:
+    from cuda.bindings import driver as cu
+
+    torch.cuda.set_device(0)
+    err, _least, greatest = cu.cuCtxGetStreamPriorityRange()
+    assert int(err) == 0
+    return int(greatest)
+
+
+def test_gpu_comm_stream_is_dedicated_and_highest_priority(gpu: Any) -> None:
     s = streams.comm_stream(0)
     assert s is streams.comm_stream("cuda:0") is streams.comm_stream(torch.device("cuda", 0))
-    assert s.priority == min(torch.cuda.Stream.priority_range())
+    assert s.priority == greatest_priority() <= min(torch.cuda.Stream.priority_range())
+    assert streams.default_stream_set().priority == s.priority
+    pool = {torch.cuda.Stream(priority=p).cuda_stream for p in range(-3, 1) for _ in range(32)}
+    assert s.cuda_stream not in pool  # not one of torch's 32 pooled streams per priority
     assert s != torch.cuda.default_stream(0)
     assert s.device == torch.device("cuda", 0)
 
 
-@needs_cuda
-def test_gpu_event_pool_reuses_events() -> None:
+def test_gpu_event_pool_reuses_events(gpu: Any) -> None:
     pool = streams.EventPool(0)
     assert len(pool) == 0
     a = pool.acquire()
@@ -669,10 +720,9 @@ def test_gpu_event_pool_reuses_events() -> None:
     assert start.elapsed_time(end) >= 0.0
 
 
-@needs_cuda
 @pytest.mark.parametrize("loop_factory", LOOPS)
 def test_gpu_wait_event_resumes_after_kernel(
-    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop], gpu: Any,
 ) -> None:
     pool = streams.EventPool(0)
 
@@ -706,8 +756,7 @@ def test_gpu_wait_event_resumes_after_kernel(
     assert len(watcher_threads(0)) == 1  # the default watcher of cuda:0
 
 
-@needs_cuda
-def test_gpu_current_stream_of_tensor_and_device() -> None:
+def test_gpu_current_stream_of_tensor_and_device(gpu: Any) -> None:
     t = torch.ones(4, device="cuda:0")
     s = streams.comm_stream(0)
     with torch.cuda.stream(s):
@@ -723,6 +772,59 @@ def test_gpu_current_stream_of_tensor_and_device() -> None:
 
     assert streams.current_stream(Foreign()).cuda_stream == s.cuda_stream
     assert streams.as_torch_tensor(t) is t
+
+
+def test_gpu_current_stream_of_foreign_arrays(gpu: Any) -> None:
+    if gpu is None:
+        pytest.skip("the simulated GPU decides which devices exist here")
+    pytest.importorskip("cuda.bindings")
+    side = gpu.stream("side")
+
+    class Cai:  # CuPy-like, without CuPy: __cuda_array_interface__ v3 with its stream
+        def __init__(self, stream: int | None) -> None:
+            self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x10, False),
+                                             "version": 3, "stream": stream}
+
+    class OnDevice:  # DLPack device only (device type 2 = CUDA)
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, self.index)
+
+    class CupyLike:  # .device.id, as CuPy arrays have
+        __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "data": (0x10, False), "version": 3}
+
+        class device:  # noqa: N801 - CuPy's attribute name
+            id = 0
+
+    assert streams.current_stream(Cai(side.cuda_stream)) == side
+    assert streams.current_stream(Cai(None)) == torch.cuda.current_stream(0)
+    assert streams.current_stream(Cai(1)) == torch.cuda.default_stream(0)  # the legacy default stream
+    with torch.cuda.stream(side):
+        assert streams.current_stream(OnDevice(0)) == side
+        assert streams.current_stream(CupyLike()) == side
+    assert streams.current_stream(OnDevice(0)) == torch.cuda.current_stream(0)
+
+    class BadStream:
+        def __cuda_stream__(self) -> Any:
+            return "not a pair"
+
+    with pytest.raises(TypeError, match="version, ptr"):
+        streams.current_stream(BadStream())
+
+
+def test_gpu_own_streams_are_handed_out_once(gpu: Any) -> None:
+    own = streams.own_streams()
+    a, b = own.acquire(0), own.acquire(0)
+    assert a != b and a.priority == greatest_priority()
+    own.release(a)
+    assert own.acquire(0) is a
+    low = own.acquire(0, priority=0)
+    assert low.priority == 0 and low not in (a, b)
+    own.release(a)
+    own.release(b)
+    own.release(low)
 
 
 @needs_cuda

@@ -64,6 +64,16 @@ async def build_nccl(rdv: Rendezvous, prefix: str, device: Any, timeout: float) 
     return backend
 
 
+async def join_nccl(store: Any, rank: int, new_size: int, device: Any, timeout: float, *, lib: Any = None) -> Any:
+    from .._backends import nccl
+
+    # The device is resolved here, on the caller's thread (as nccl.create does); the
+    # blocking grow runs off the loop on a thread that knows nothing of it.
+    index = nccl.device_index(device, torch.cuda.device_count(), torch.cuda.current_device)
+    job = functools.partial(nccl.join_grown, store, rank, new_size, index, timeout, lib=lib)
+    return await off_loop(job, timeout + 5.0, "nccl grow")
+
+
 def nccl_missing() -> str | None:
     from .._backends.nccl import missing
 
@@ -78,6 +88,10 @@ class Factories:
     gloo: Callable[[Rendezvous, str, float], Awaitable[Backend]] = build_gloo
     #: ``await nccl(rdv, prefix, device, timeout)``: the NCCL backend.
     nccl: Callable[[Rendezvous, str, Any, float], Awaitable[Backend]] = build_nccl
+    #: ``await nccl_join(store, rank, new_size, device, timeout)``: a new rank's NCCL backend
+    #: of a group its members grow natively (``Backend.grow_agreed`` on the same store), or
+    #: None when they build a fresh one.
+    nccl_join: Callable[[Any, int, int, Any, float], Awaitable[Backend | None]] = join_nccl
     #: Why NCCL cannot run here (what to install), or None when it can.
     nccl_missing: Callable[[], str | None] = nccl_missing
 

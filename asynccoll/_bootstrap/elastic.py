@@ -20,6 +20,11 @@ A grow, on the members (every member calls ``grow`` at the same point):
    ``ok`` once every participant has built, or ``failed|<ranks>|<why>`` as soon as
    anyone sees a participant die or its build fail. Every participant follows the
    outcome, so they all end with the new communicator or all without it.
+   With NCCL, each participant first does its part of the native grow on the same
+   store (members: ``Backend.grow_agreed``, ``ncclCommGrow`` of the old communicator
+   where every member can; joiners: ``Factories.nccl_join`` with the grow's unique
+   id), and the new communicator takes that backend instead of a fresh NCCL init;
+   where a member cannot grow, everyone builds a fresh one.
 
 A member whose grow failed because another member died finds the old communicator
 aborted with ``PeerFailure`` (those ranks), ready for ``shrink()``; if only
@@ -35,11 +40,12 @@ import functools
 import os
 import threading
 import time
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 import anyio
 import anyio.to_thread
 import torch
+import torch.distributed as dist
 
 from .._base.aio import run_in_thread
 from .._base.errors import (
@@ -50,6 +56,7 @@ from .._base.errors import (
     PeerFailure,
 )
 from .._core import validate
+from .._core.backend import Backend
 from .._core.communicator import Communicator
 from .args import check_args, env_int
 from .assembly import assemble
@@ -141,10 +148,14 @@ class Group:
             raise CommClosed("cannot grow a closed communicator")
         if comm.state == "aborted":
             raise CommAborted(f"cannot grow an aborted communicator (shrink it first): {comm.error}")
-        g = await self._admission(comm, size, limit)
+        cuda = comm.backends.get("cuda")
+        g = await self._admission(comm, size, limit, cuda is not None)
         opts = self.options
 
-        build = functools.partial(_build_at, opts, self, comm.rank, size, opts.device, opts.trace_dir)
+        native = None
+        if cuda is not None:  # Backend.grow_agreed: ncclCommGrow where every member can, else None
+            native = functools.partial(_grow_native, cuda, size, limit)
+        build = functools.partial(_build_at, opts, self, comm.rank, size, opts.device, opts.trace_dir, native)
         try:
             joiners = await off_loop(functools.partial(self.room.joiners, g), limit, "grow")
             new = await assemble(self.room, g, comm.rank, size, joiners, opts.watch_interval(), limit, build)
@@ -161,10 +172,11 @@ class Group:
         await comm.close()
         return new
 
-    async def _admission(self, comm: Communicator, size: int, limit: float) -> int:
+    async def _admission(self, comm: Communicator, size: int, limit: float, cuda: bool) -> int:
         """Step 1 (see the module docstring): the number of the grow every member takes part in."""
         deadline = time.monotonic() + limit
-        plan = {"world_size": size, "old_size": comm.world_size, **self.options.shared()}
+        # "cuda": the members have an NCCL backend, so the joiners meet its native grow.
+        plan = {"world_size": size, "old_size": comm.world_size, "cuda": cuda, **self.options.shared()}
         k = size - comm.world_size
         while True:
             left = deadline - time.monotonic()
@@ -224,20 +236,45 @@ def _size(world_size: Any, old: int) -> int:
     return world_size
 
 
+#: Where a grow's native (NCCL) part meets, under the grown group's build store.
+_NATIVE = "native/"
+
+
+def _grow_native(cuda: Backend, size: int, limit: float, store: Any) -> Awaitable[Backend | None]:
+    """A member's part of the native grow (``Backend.grow_agreed``; None: build afresh)."""
+    job = functools.partial(cuda.grow_agreed, dist.PrefixStore(_NATIVE, store), size, limit)
+    return off_loop(job, limit + 5.0, "nccl grow")
+
+
+def _join_native(opts: Options, rank: int, size: int, store: Any) -> Awaitable[Backend | None]:
+    """A joiner's part of the native grow (``Factories.nccl_join``; None: build afresh)."""
+    return opts.factories.nccl_join(dist.PrefixStore(_NATIVE, store), rank, size, opts.device, opts.timeout)
+
+
 def _build_at(
-    opts: Options, group: Group, rank: int, size: int, device: Any, trace_dir: Any, store: Any
+    opts: Options, group: Group, rank: int, size: int, device: Any, trace_dir: Any,
+    native: Callable[[Any], Awaitable[Backend | None]] | None, store: Any,
 ) -> Awaitable[Communicator]:
-    return _build(opts, group, rank, size, store, device, trace_dir)
+    return _build(opts, group, rank, size, store, device, trace_dir, native)
 
 
 async def _build(
-    opts: Options, group: Group, rank: int, size: int, store: Any, device: Any, trace_dir: Any
+    opts: Options, group: Group, rank: int, size: int, store: Any, device: Any, trace_dir: Any,
+    native: Callable[[Any], Awaitable[Backend | None]] | None = None,
 ) -> Communicator:
-    return await build_communicator(
-        opts.backend, rank=rank, world_size=size, master_addr=None, master_port=None, store=store,
-        device=device, timeout=opts.timeout, check=opts.check, trace_dir=trace_dir,
-        heartbeat=opts.heartbeat, factories=opts.factories, group=group,
-    )
+    # native: the grow's native NCCL part, done first on the same store by every
+    # participant (members and joiners), so its backend replaces a fresh NCCL init.
+    grown = await native(store) if native is not None else None
+    try:
+        return await build_communicator(
+            opts.backend, rank=rank, world_size=size, master_addr=None, master_port=None, store=store,
+            device=device, timeout=opts.timeout, check=opts.check, trace_dir=trace_dir,
+            heartbeat=opts.heartbeat, nccl_backend=grown, factories=opts.factories, group=group,
+        )
+    except BaseException:
+        if grown is not None:
+            grown.release()  # bounded ncclCommAbort of the unused child
+        raise
 
 
 # --------------------------------------------------------------------------- join
@@ -279,7 +316,8 @@ async def _join(
         rank = int(plan["old_size"]) + plan["tickets"].index(ticket)
         size = int(plan["world_size"])
         mine = trace_dir if trace_dir is not None else opts.trace_dir
-        build = functools.partial(_build_at, opts, group, rank, size, device, mine)
+        native = functools.partial(_join_native, opts, rank, size) if plan.get("cuda") else None
+        build = functools.partial(_build_at, opts, group, rank, size, device, mine, native)
         try:
             joiners = {int(plan["old_size"]) + i: t for i, t in enumerate(plan["tickets"])}
             return await assemble(room, g, rank, size, joiners, opts.watch_interval(), opts.timeout, build)

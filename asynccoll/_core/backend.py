@@ -12,8 +12,8 @@ What a backend can do is declared on it, with the defaults below, never discover
 with ``hasattr``: :attr:`Backend.caps` (:class:`Capabilities`: the dtypes it moves
 and reduces, which ``validate.py`` asks), :attr:`Backend.device`, :attr:`Backend.census` (used by a
 backend whose transport errors do not name the failed peer) and
-:meth:`Backend.shrink_agreed` (a native shrink). A wrapper forwards each of them
-explicitly.
+:meth:`Backend.shrink_agreed` (a native shrink) and :meth:`Backend.grow_agreed` (a
+native grow). A wrapper forwards each of them explicitly.
 """
 
 from __future__ import annotations
@@ -163,4 +163,12 @@ class Backend(abc.ABC):
         """The survivors' backend made from this one by a native shrink (NCCL's
         ``ncclCommShrink``) when every survivor can, else None: the bootstrap builds a
         fresh one. Blocking; runs off the loop. Default: None (no native shrink)."""
+        return None
+
+    def grow_agreed(self, store: Any, new_size: int, timeout: float) -> Backend | None:
+        """Every member of a grow calls it: the grown group's backend of ``new_size`` ranks
+        made from this one by a native grow (NCCL's ``ncclCommGrow``; this rank keeps its
+        number) when every member can, else None: everyone builds a fresh one. The new
+        ranks meet it through ``Factories.nccl_join`` on the same ``store``. Blocking;
+        runs off the loop. Default: None (no native grow)."""
         return None

@@ -345,3 +345,6 @@ class CheckedBackend(Backend):
         timeout: float,
     ) -> Backend | None:
         return self._inner.shrink_agreed(store, new_rank, new_size, exclude, abort_pending, timeout)
+
+    def grow_agreed(self, store: Any, new_size: int, timeout: float) -> Backend | None:
+        return self._inner.grow_agreed(store, new_size, timeout)

@@ -1,22 +1,31 @@
 """NCCL backend through nccl4py (non-blocking communicator, CUDA-event completion).
 
-Modules: ``lib`` (nccl4py seam, result codes, ``missing``), ``cuda`` (CUDA seam:
-per-communicator comm stream, events, the ``wait_stream`` gate), ``encode``
-(OpSpec to nccl4py calls, dtype and reduce-op mapping), ``launcher`` (the
-backend: submit, launcher thread, completion, abort/close/shrink), ``lifecycle``
-(bootstrap, polled init, ``create``).
+Modules, by owner: ``lib`` (the nccl4py seam: result codes, ``missing``, version
+gates), ``caps`` (what NCCL can run: :data:`CAPS`, one table), ``cuda`` (a communicator's device, own stream, events),
+``handle`` (:class:`CommHandle`, the one owner of an NCCL communicator: its lock,
+state, abort/revoke/finalize/shrink/grow), ``lanes`` (one launch thread per device),
+``encode`` (OpSpecs to planned NCCL calls), ``launcher`` (:class:`NcclBackend`: jobs,
+launch, completion), ``agree`` (shrink/grow agreement through the store), ``creation``
+(device choice, polled init, joining a grown communicator).
 Importing this package imports neither nccl4py nor CUDA.
 """
 
+from .caps import CAPS as CAPS
+from .caps import COMPLEX as COMPLEX
+from .caps import NATIVE as NATIVE
+from .caps import NcclCaps as NcclCaps
+from .creation import abort_quietly as abort_quietly
+from .creation import create as create
+from .creation import device_index as device_index
+from .creation import join_grown as join_grown
+from .creation import wait_ready as wait_ready
 from .cuda import CudaRuntime as CudaRuntime
+from .handle import CommHandle as CommHandle
 from .launcher import NcclBackend as NcclBackend
 from .launcher import backend_class as backend_class
-from .lib import _COMPLEX as _COMPLEX
-from .lib import _NCCL_DTYPES as _NCCL_DTYPES
-from .lib import _PEER_ERRORS as _PEER_ERRORS
-from .lib import _REDUCING as _REDUCING
 from .lib import IN_PROGRESS as IN_PROGRESS
 from .lib import INVALID_ARGUMENT as INVALID_ARGUMENT
+from .lib import PEER_ERRORS as PEER_ERRORS
 from .lib import REMOTE_ERROR as REMOTE_ERROR
 from .lib import SUCCESS as SUCCESS
 from .lib import SYSTEM_ERROR as SYSTEM_ERROR
@@ -24,7 +33,3 @@ from .lib import NcclError as NcclError
 from .lib import NcclLib as NcclLib
 from .lib import library_problem as library_problem
 from .lib import missing as missing
-from .lifecycle import abort_quietly as abort_quietly
-from .lifecycle import create as create
-from .lifecycle import device_index as device_index
-from .lifecycle import wait_ready as wait_ready

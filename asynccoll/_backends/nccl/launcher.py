@@ -1,32 +1,38 @@
-"""The NCCL backend: one non-blocking nccl4py communicator, one launcher thread.
+"""The NCCL backend: jobs, their launch on the device's lane, and their completion.
 
-How one op travels (``submit`` runs on the caller's thread and stays cheap):
+How one op travels (``submit`` runs on the caller's thread):
 
-1. ``submit`` records a *ready* event on the caller's current stream (the op must
-   see everything the caller queued before the call), protects the tensors from
-   the caching allocator (``record_stream`` on the comm stream), numbers the job
-   (its *gate* number, see ``cuda.py``) and queues it.
-2. The launcher thread takes jobs in submit order: the communicator's own comm
-   stream waits for the ready event, the NCCL call(s) are enqueued (a batch or a
-   P2P op inside one ``ncclGroupStart/End``), then ``ncclCommGetAsyncError`` is
-   polled until the communicator leaves ``ncclInProgress``. Only then do the done
-   event and the gate signal go on the comm stream: a non-blocking communicator
-   may defer the kernel launch, and nothing may touch its stream before.
+1. ``submit`` plans the NCCL calls (``encode.plan``: every argument checked and
+   resolved, so nothing can fail inside an NCCL group), records a *ready* event on
+   the caller's current stream (the op must see everything the caller queued before
+   the call), protects the tensors from the caching allocator (``record_stream`` on
+   the comm stream) and queues the job on the device's lane (``lanes.py``: one launch
+   thread per device, shared by its communicators, in issue order).
+2. The lane launches it: the comm stream waits for the ready event, the NCCL
+   call(s) are made through the handle (a batch or a P2P op inside one
+   ``ncclGroupStart/End``), then ``ncclCommGetAsyncError`` is polled until the
+   communicator leaves ``ncclInProgress``. Only then does the done event go on the
+   comm stream: a non-blocking communicator may defer the kernel launch, and nothing
+   may touch its stream before.
 3. One :class:`streams.EventWatcher` thread waits for done events in order and
    settles the Works (then returns the events to the pool); never on the loop.
 
-``work.wait_stream(s)`` never blocks: it enqueues a gate wait on ``s`` at once.
-Outcomes go to the communicator's ledger (``self.sink``), never into Works directly.
+``work.wait_stream(s)`` makes ``s`` wait on the done event (``s.wait_event``, what
+CUDA sees). For an op the lane has not launched yet, it first waits on the host for
+the launch (microseconds; bounded by the op's deadline, ended by an abort): a
+device-side wait enqueued before its producer can deadlock the device (``cuda.py``).
+
+The communicator handle, its lock and its state belong to :class:`CommHandle`
+(``handle.py``). Outcomes go to the communicator's ledger (``self.sink``).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -34,10 +40,10 @@ from ..._base.errors import CollectiveTimeout, CommAborted, InvalidArgument, Pee
 from ..._base.ops import OpSpec
 from ..._core.backend import Backend
 from ..._core.work import Bundle, Work
-from . import encode, lifecycle
+from . import agree, encode, lanes
 from .caps import CAPS
-from .lib import _PEER_ERRORS, IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, poll_async_error
-from .lifecycle import STOP as _STOP
+from .handle import CommHandle
+from .lib import IN_PROGRESS, PEER_ERRORS, SUCCESS, status_of
 
 _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
 
@@ -45,16 +51,20 @@ _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
 class _Job:
     """One launch: a single op, or a coalesced batch run as one NCCL group."""
 
-    __slots__ = ("specs", "works", "ready", "done", "state", "n", "timeout")
+    __slots__ = ("plan", "works", "ready", "done", "state", "timeout", "settled")
 
-    def __init__(self, specs: Sequence[OpSpec], works: Sequence[Work], ready: Any, done: Any, n: int) -> None:
-        self.specs = specs
+    def __init__(self, plan: encode.Plan | None, works: Sequence[Work], ready: Any, done: Any, timeout: float) -> None:
+        self.plan = plan
         self.works = works
         self.ready = ready
-        self.done = done
+        self.done = done  # the done event, until it was returned to the pool
         self.state = _QUEUED
-        self.n = n
-        self.timeout = max((s.timeout for s in specs), default=0.0) or 60.0
+        self.timeout = timeout
+        self.settled = False  # launched, failed or dropped: wait_stream need not wait for the launch
+
+
+def _bind(index: int) -> None:
+    torch.cuda.set_device(index)
 
 
 class NcclBackend(Backend):
@@ -62,7 +72,7 @@ class NcclBackend(Backend):
 
     name = "nccl"
     device_type = "cuda"
-    caps = CAPS
+    caps = CAPS  # each instance: its device's table (fp8 reductions from sm_90)
     device: torch.device
 
     def __init__(
@@ -75,38 +85,47 @@ class NcclBackend(Backend):
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self._comm = comm
+        self.health_interval = health_interval
         self._lib = lib
         self._rt = runtime
-        self._watcher = watcher or streams.EventWatcher(f"nccl{device.index}")
-        self._health_interval = health_interval
-        self._abort_timeout = abort_timeout
-        self._close_timeout = close_timeout
-        # Serialises every NCCL call on the communicator against abort(): the
-        # launcher never starts a call on a communicator that abort() has freed.
-        self._nccl_lock = threading.Lock()
-        self._lock = threading.Lock()  # _inflight, _stuck, _closed, _aborted, job numbers
+        #: What this backend runs on its device (fp8 reductions from sm_90 only).
+        self.caps = CAPS.for_device(runtime.capability)
+        self._handle = CommHandle(
+            comm, lib, rank=rank, bind=runtime.bind_thread, abort_timeout=abort_timeout,
+            close_timeout=close_timeout, use_revoke=use_revoke)
+        self._watcher = watcher or streams.EventWatcher(f"nccl{device.index}", cuda_device=device.index)
+        self._lock = threading.Lock()  # _pending, _inflight, _stuck, _closed, job states
+        self._launches = threading.Condition(self._lock)  # a job settled (wait_stream waits on it)
+        self._waiting = 0  # wait_stream calls waiting for a launch
+        self._pending: collections.deque[_Job] = collections.deque()
         self._inflight: collections.deque[_Job] = collections.deque()
         # Jobs whose NCCL calls were issued but never completed (timeout, async error):
         # their tensors stay referenced until the communicator is aborted.
         self._stuck: list[_Job] = []
-        self._aborted = False
+        self._launching: _Job | None = None  # popped from _pending, not in _inflight yet
         self._closed = False
         self._broken = False  # an NCCL error was seen: close() aborts instead of finalizing
-        # abort() revokes (keeps the communicator shrinkable) where NCCL can; _revoked:
-        # it did, and the communicator awaits a shrink or its ncclCommAbort.
-        self._use_revoke = use_revoke
-        self._revoked = False
-        self._abort_done: threading.Event | None = None
-        self._barrier_buf: torch.Tensor | None = None
-        self._next = 0  # gate number of the last job submitted
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._launcher = threading.Thread(target=self._run, name=f"asynccoll-nccl-launcher-{device.index}", daemon=True)
-        self._launcher.start()
+        self._lane = lanes.join(device.index, self, _bind)
 
     def __repr__(self) -> str:
-        state = "revoked" if self._revoked and self._comm is not None else "aborted" if self._aborted else "closed" if self._closed else "ok"
+        state = "closed" if self._closed and self._handle.state == "ok" else self._handle.state
         return f"<NcclBackend rank={self.rank}/{self.world_size} {self.device} {state}>"
+
+    @property
+    def handle(self) -> CommHandle:
+        """The owner of this backend's NCCL communicator (its state, lock, abort/shrink/grow)."""
+        return self._handle
+
+    @property
+    def runtime(self) -> Any:
+        """The CUDA side: device, comm stream, events (``cuda.CudaRuntime``)."""
+        return self._rt
+
+    @property
+    def stuck(self) -> int:
+        """Jobs issued to NCCL that failed before completing: their tensors stay referenced
+        until the communicator is aborted."""
+        return len(self._stuck)
 
     # --------------------------------------------------------------- submit
     def submit(self, spec: OpSpec, work: Work | Bundle) -> None:
@@ -117,77 +136,70 @@ class NcclBackend(Backend):
         """Queue ``specs`` as one launch: one NCCL group, one completion event."""
         if not specs:
             return
-        if self._aborted or self._closed:
-            raise CommAborted(f"NCCL backend is {'aborted' if self._aborted else 'closed'}")
-        tensors: list[torch.Tensor] = []
-        for spec in specs:
-            encode.check(spec, self.device, tensors)
+        if self._handle.stopping or self._closed:
+            raise CommAborted(f"NCCL backend is {'aborted' if self._handle.stopping else 'closed'}")
         rt = self._rt
+        plan = encode.plan(specs, device=self.device, rank=self.rank, ws=self.world_size, caps=self.caps,
+                           lib=self._lib, scratch=rt.scratch)
+        tensors = plan.tensors
         ready = rt.events.acquire()
         ready.record(rt.caller_stream(tensors[0] if tensors else None))
         for t in tensors:
             rt.protect(t)
-        with self._lock:  # numbers follow queue order
-            self._next += 1
-            job = _Job(list(specs), list(works), ready, rt.events.acquire(), self._next)
-            self._queue.put(job)
+        timeout = (specs[0].timeout if len(specs) == 1 else max(s.timeout for s in specs)) or 60.0
+        job = _Job(plan, works, ready, rt.events.acquire(), timeout)
+        with self._lock:
+            self._pending.append(job)
+        self._lane.post(self)
         hook = functools.partial(self._wait_stream, job)
         for work in works:
             work.set_stream_hook(hook)
 
-    # --------------------------------------------------------------- launcher
-    def _run(self) -> None:
-        try:
-            self._rt.bind_thread()
-        except Exception:  # noqa: BLE001, S110 - a bad device shows up as the first op's error
-            pass
-        get = self._queue.get
-        while True:
-            try:
-                job = get(timeout=self._health_interval) if self._inflight else get()
-            except queue.Empty:
-                self._health_check()
-                continue
-            if job is _STOP or self._aborted:
+    # ---------------------------------------------------------- lane thread
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    def launch_next(self) -> None:
+        """Lane thread: launch the oldest queued job."""
+        with self._lock:
+            if not self._pending:
                 return
-            if self._broken:  # never call into a communicator that reported an error
+            job = self._launching = self._pending.popleft()
+        try:
+            if self._handle.stopping:
+                self._drop(job)
+            elif self._broken:  # never call into a communicator that reported an error
                 self._fail_job(job, CommAborted("the NCCL communicator failed earlier"), issued=False)
-                continue
-            try:
+            else:
                 self._launch(job)
-            except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
-                self._fail_job(job, self._translate(exc, job), issued=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
+            self._fail_job(job, self._translate(exc, job), issued=True)
+        finally:
+            self._launching = None
 
     def _launch(self, job: _Job) -> None:
         rt = self._rt
+        plan = job.plan
+        assert plan is not None
         rt.comm_stream.wait_event(job.ready)
         # A stream wait already enqueued is not affected by re-recording the event.
         rt.events.release(job.ready)
         job.ready = None
-        post: list[Callable[[], object]] = []
-        handle = rt.handle(rt.comm_stream)
-        grouped = encode.needs_group(job.specs)
-        with self._nccl_lock:
-            if self._aborted:
+        stream = rt.handle(rt.comm_stream)
+        with self._handle.use() as comm:
+            if comm is None:  # stopped meanwhile
+                self._drop(job)
                 return
-            try:
-                if grouped:
-                    self._lib.group_start()
-                for spec in job.specs:
-                    encode.enqueue(spec, self._comm, self._lib, handle, self.rank, self.world_size, post, self._scratch)
-            except Exception as exc:  # noqa: BLE001 - any failure here is reported, not raised (see the surrounding code)
-                if grouped:  # close the half-built group without launching it here alone
-                    self._discard_group()
-                self._fail_job(job, self._translate(exc, job), issued=False)
-                return
-            if grouped:
+            if not plan.grouped:
                 try:
-                    self._lib.group_end()
-                except Exception as exc:  # noqa: BLE001 - NCCL refused the group: nothing was launched
+                    plan.calls[0](comm, stream)
+                except Exception as exc:  # noqa: BLE001 - NCCL refused the call: nothing was launched
                     self._fail_job(job, self._translate(exc, job), issued=False)
                     return
-        status = self._poll(time.monotonic() + job.timeout)
-        if status is None:  # aborted meanwhile
+            elif not self._grouped(comm, stream, job):
+                return
+        status = self._handle.poll(time.monotonic() + job.timeout)
+        if status is None:  # stopped meanwhile
             return
         if status == IN_PROGRESS:
             w = job.works[0]
@@ -196,54 +208,63 @@ class NcclBackend(Backend):
                 issued=True)
             return
         if status != SUCCESS:
-            self._fail_job(job, self._async_failure(status), issued=True)
+            self._fail_job(job, self._handle.failure(status), issued=True)
             return
-        if post:  # local copies and integer-AVG fix-ups, after the NCCL kernels
+        if plan.post:  # local copies and integer-AVG fix-ups, after the NCCL kernels
             with rt.on_comm_stream():
-                for fn in post:
+                for fn in plan.post:
                     fn()
         job.done.record(rt.comm_stream)
-        rt.gate_signal(job.n)
         # _inflight keeps the job, hence its tensors, referenced until the done event
         # fires (CuPy memory is not covered by record_stream).
         with self._lock:
             self._inflight.append(job)
-        job.state = _LAUNCHED
+            job.state = _LAUNCHED
+            self._settled(job)
         try:
             self._watcher.watch(job.done, self._completed, job, on_fail=functools.partial(self._watch_failed, job))
         except Exception as exc:  # noqa: BLE001 - watcher closed by abort/close
             self._watch_failed(job, exc)
 
-    def _scratch(self) -> torch.Tensor:
-        buf = self._barrier_buf
-        if buf is None:
-            buf = self._barrier_buf = self._rt.scratch()
-        return buf
-
-    def _discard_group(self) -> None:
+    def _grouped(self, comm: Any, stream: int, job: _Job) -> bool:
+        """Make the calls of a group; False (job failed, nothing launched) if any failed."""
+        plan = job.plan
+        assert plan is not None
+        lib = self._lib
         try:
-            self._lib.group_discard()
-        except Exception:  # noqa: BLE001 - the group state is lost anyway; the comm is marked broken
-            self._broken = True
+            lib.group_start()
+        except Exception as exc:  # noqa: BLE001 - NCCL refused to open the group
+            self._fail_job(job, self._translate(exc, job), issued=False)
+            return False
+        failed: BaseException | None = None
+        try:
+            for call in plan.calls:
+                call(comm, stream)
+        except Exception as exc:  # noqa: BLE001 - the group must still be ended, see below
+            failed = exc
+            if status_of(exc) is None:
+                # nccl4py refused before NCCL saw the call: NCCL has no group error, and
+                # ncclGroupEnd would launch the rest on this rank alone. Give it one.
+                lib.poison_group(comm, self._rt.scratch, stream, self.world_size)
+        try:
+            lib.group_end()
+        except Exception as exc:  # noqa: BLE001 - the group error: NCCL launched nothing
+            failed = failed or exc
+        if failed is not None:
+            self._broken = True  # a non-blocking communicator keeps the error (async error)
+            self._fail_job(job, self._translate(failed, job), issued=False)
+            return False
+        return True
 
-    def _poll(self, deadline: float) -> int | None:
-        """Poll ``get_async_error`` until it leaves InProgress; None once aborted."""
-        return poll_async_error(self._nccl_lock, lambda: None if self._aborted else self._comm, deadline)
-
-    def _health_check(self) -> None:
-        with self._nccl_lock:
-            if self._aborted:
-                return
-            try:
-                status = int(self._comm.get_async_error())
-            except Exception:  # noqa: BLE001 - NcclInvalid: the communicator is unusable
-                status = INTERNAL_ERROR
-        if status not in (SUCCESS, IN_PROGRESS):
-            with self._lock:
-                jobs = list(self._inflight)
-                self._inflight.clear()
-            for job in jobs:
-                self._fail_job(job, self._async_failure(status), issued=True)
+    def health_check(self) -> None:
+        status = self._handle.status()
+        if status is None or status in (SUCCESS, IN_PROGRESS):
+            return
+        with self._lock:
+            jobs = list(self._inflight)
+            self._inflight.clear()
+        for job in jobs:
+            self._fail_job(job, self._handle.failure(status), issued=True)
 
     # ------------------------------------------------------------ completion
     def _completed(self, job: _Job) -> None:
@@ -253,68 +274,79 @@ class NcclBackend(Backend):
                 self._inflight.remove(job)
             except ValueError:
                 return  # already failed by the health check
-        job.specs = ()  # the Works' wait_stream hooks keep the job: drop its tensors
-        if self._aborted:  # never report success after abort (the op may have been cut short)
+            done, job.done = job.done, None
+        job.plan = None  # the Works' wait_stream hooks keep the job: drop its tensors
+        if self._handle.stopping:  # never report success after abort (the op may have been cut short)
             return
         self.sink.succeed_all(job.works)
-        self._rt.events.release(job.done)  # only now: nothing queries it any more
+        self._rt.events.release(done)  # only now: nothing queries it any more
 
     def _watch_failed(self, job: _Job, exc: BaseException) -> None:
         with self._lock:
             if job in self._inflight:
                 self._inflight.remove(job)
-        if self._aborted:
+        if self._handle.stopping:
             return
         err = CommAborted(f"waiting for NCCL completion failed: {exc}")
         err.__cause__ = exc
         self._fail_job(job, err, issued=True)
 
+    def _settled(self, job: _Job) -> None:
+        """``job`` launched, failed or dropped (``_lock`` held): wake wait_stream calls."""
+        job.settled = True
+        if self._waiting:
+            self._launches.notify_all()
+
+    def _drop(self, job: _Job) -> None:
+        """A job the communicator never ran (stopped first): forget its tensors."""
+        with self._lock:
+            job.plan = None
+            job.state = _FAILED
+            self._settled(job)
+
     def _fail_job(self, job: _Job, exc: BaseException, *, issued: bool) -> None:
         """Fail a launch; ``issued``: NCCL may still run its kernels, keep the tensors."""
         self._broken = True
-        job.state = _FAILED
         with self._lock:
-            if issued and not self._aborted:
+            job.state = _FAILED
+            if issued and not self._handle.stopping:
                 self._stuck.append(job)
             else:
-                job.specs = ()
-        if not issued:
-            try:  # let wait_stream waiters pass: the op will never run
-                self._rt.gate_signal(job.n)
-            except Exception:  # noqa: BLE001, S110 - abort() releases the gate from the host
-                pass
-        if not self._aborted:
+                job.plan = None
+            job.done = None
+            self._settled(job)
+        if not self._handle.stopping:
             works = list(job.works)
             self.sink.fail(works[0] if len(works) == 1 else Bundle(works, works[0].op), exc)
 
     def _wait_stream(self, job: _Job, stream: Any) -> None:
-        """``work.wait_stream``: make ``stream`` wait for the op, never blocking the host."""
-        if self._aborted or (job.works and job.works[0].done()):
-            return  # settled (or the gate was released by abort)
-        self._rt.gate_wait(self._rt.target_stream(stream), job.n)
-
-    # ------------------------------------------------------------------ errors
-    def _async_failure(self, status: int) -> CommAborted:
-        text = self._lib.error_string(status)
-        last = ""
-        with self._nccl_lock:
-            if not self._aborted:
+        """``work.wait_stream``: make ``stream`` wait for the op (see the module docstring)."""
+        if job.works and job.works[0].done():
+            return  # settled: the op's kernels are over (or it never ran)
+        target = self._rt.target_stream(stream)
+        with self._lock:
+            if not job.settled:
+                if threading.current_thread() is self._lane.thread:
+                    raise InvalidArgument("wait_stream cannot be called from the NCCL launch thread")
+                self._waiting += 1
                 try:
-                    last = str(self._comm.get_last_error() or "")
-                except Exception:  # noqa: BLE001, S110 - the status code alone is reported
-                    pass
-        msg = f"NCCL reported error {status} ({text}) on rank {self.rank}" + (f": {last}" if last else "")
-        exc: CommAborted = PeerFailure(msg) if status in _PEER_ERRORS else CommAborted(msg)
-        exc.__cause__ = NcclError(status, text)
-        return exc
+                    launched = self._launches.wait_for(lambda: job.settled, job.timeout)
+                finally:
+                    self._waiting -= 1
+                if not launched:
+                    w = job.works[0]
+                    raise CollectiveTimeout(f"{w.op} (seq {w.seq}): not launched within {job.timeout} s",
+                                            seq=w.seq, op=w.op)
+            if job.state == _LAUNCHED and job.done is not None:
+                target.wait_event(job.done)
 
     def _translate(self, exc: BaseException, job: _Job) -> BaseException:
         if isinstance(exc, (CommAborted, CollectiveTimeout, InvalidArgument)):
             return exc
-        status = getattr(exc, "status", None)
+        status = status_of(exc)
         w = job.works[0]
         new: CommAborted
-        if isinstance(status, int) and status in _PEER_ERRORS:
+        if status is not None and status in PEER_ERRORS:
             new = PeerFailure(f"{w.op} (seq {w.seq}): a peer failed: {exc}")
         else:
             new = CommAborted(f"{w.op} (seq {w.seq}) failed in NCCL: {exc}")
@@ -322,49 +354,146 @@ class NcclBackend(Backend):
         return new
 
     # ------------------------------------------------------------ lifecycle
+    def _forget(self) -> None:
+        """After the communicator stopped: drop every job (their kernels are over)."""
+        with self._lock:
+            jobs = list(self._pending) + list(self._inflight) + self._stuck
+            self._pending.clear()
+            self._inflight.clear()
+            self._stuck.clear()
+        for job in jobs:
+            self._drop(job)
+
     def abort(self) -> None:
         """Stop the backend: bounded (``abort_timeout``), idempotent.
 
         Revokes the NCCL communicator where NCCL has ``ncclCommRevoke`` (it stays
-        shrinkable until :meth:`close`/:meth:`release`), else aborts it; see
-        :func:`lifecycle.abort_backend`.
+        shrinkable until :meth:`close`/:meth:`release`), else aborts it.
         """
-        lifecycle.abort_backend(self)
+        with self._lock:  # queued jobs never run: drop them (and their tensors) now
+            queued = list(self._pending)
+            self._pending.clear()
+            launching = self._launching
+        first = not self._handle.stopping
+        for job in queued:
+            self._drop(job)
+        if launching is not None:  # never recorded now: nothing for wait_stream to wait for
+            with self._lock:
+                self._settled(launching)
+        if first:
+            self._watcher.close(timeout=0, drain=False)
+        self._handle.stop(after=self._forget)
 
     def release(self) -> None:
         """The communicator was garbage-collected: abort (bounded), nothing will shrink it."""
-        self._use_revoke = False
-        lifecycle.abort_backend(self)
-        lifecycle.discard_revoked(self)
+        self._handle.stop(revoke=False, after=self._forget)
+        self._handle.discard()
+        self._leave(reuse=False)
+
+    def _leave(self, reuse: bool) -> None:
+        with self._lock:
+            if self._lane is None:
+                return
+            lane, self._lane = self._lane, None  # type: ignore[assignment]
+        lanes.leave(lane, self)
+        self._rt.close(reuse)
 
     @property
     def can_shrink(self) -> bool:
         """Whether :meth:`shrink` can still use ``ncclCommShrink`` (not ncclCommAbort-ed)."""
-        return lifecycle.can_shrink(self)
+        return self._handle.can_shrink
+
+    def close(self) -> None:
+        """Finalize (polled, bounded) and destroy the communicator; leave the lane.
+
+        After an NCCL error, or if finalize does not complete within ``close_timeout``,
+        the communicator is aborted instead (NCCL's advice).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        lane = self._lane
+        if lane is not None and not self._handle.stopping:
+            lane.drained(5.0)  # jobs queued before close are launched first
+        self._watcher.close(timeout=5.0, drain=not self._handle.stopping)
+        clean = self._handle.close(broken=self._broken)
+        self._forget()
+        self._leave(reuse=clean)
+
+    # ------------------------------------------------------ shrink and grow
+    def discard(self) -> None:
+        """``ncclCommAbort`` a revoked communicator nobody will shrink (bounded, idempotent)."""
+        self._handle.discard()
+
+    def shrink(self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0) -> NcclBackend:
+        """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking, off the loop).
+
+        Every surviving rank calls it; excluded ranks must not. ``abort_pending`` (default:
+        ops queued or in flight here, or an error seen) shrinks with ``CommShrinkFlag.ABORT``
+        (the parent's ops are terminated first), else ``DEFAULT`` (they must be quiesced).
+        Survivors are renumbered in order; the new backend gets its own comm stream. Needs
+        the parent alive or revoked; after an ``ncclCommAbort``, ``create`` a new one.
+        """
+        if not self._handle.can_shrink:
+            raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")
+        drop = sorted(set(int(r) for r in exclude))
+        if self.rank in drop:
+            raise InvalidArgument(f"rank {self.rank} cannot shrink a communicator it is excluded from")
+        if not drop or any(not 0 <= r < self.world_size for r in drop) or len(drop) >= self.world_size:
+            raise InvalidArgument(f"cannot exclude {drop} from a communicator of {self.world_size} ranks "
+                                  "(ncclCommShrink needs at least one rank to exclude, and one to keep)")
+        if abort_pending is None:
+            abort_pending = bool(self._inflight or self._pending or self._launching) or self._broken
+        child = self._handle.shrink(drop, abort_pending, time.monotonic() + timeout)
+        rank = self.rank - sum(1 for r in drop if r < self.rank)
+        return self._successor(child, rank, self.world_size - len(drop))
 
     def shrink_agreed(
         self, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
         timeout: float,
     ) -> NcclBackend | None:
-        """:meth:`shrink` when every survivor can, else None; see :func:`lifecycle.shrink_agreed`."""
-        return lifecycle.shrink_agreed(self, store, new_rank, new_size, exclude, abort_pending, timeout)
+        """:meth:`shrink` when every survivor can, else None; see :func:`agree.shrink_agreed`."""
+        new: NcclBackend | None = agree.shrink_agreed(self, store, new_rank, new_size, exclude, abort_pending, timeout)
+        return new
 
-    def close(self) -> None:
-        """Finalize (polled, bounded) and destroy the communicator; stop the threads.
+    @property
+    def can_grow(self) -> bool:
+        """Whether :meth:`grow` can use ``ncclCommGrow`` (healthy, and NCCL has it)."""
+        return self._handle.can_grow and not self._broken
 
-        After an NCCL error, or if finalize does not complete within
-        ``close_timeout``, the communicator is aborted instead (NCCL's advice).
-        """
-        lifecycle.close_backend(self)
+    def grow_agreed(self, store: Any, new_size: int, timeout: float) -> NcclBackend | None:
+        """A backend of ``new_size`` ranks over ``ncclCommGrow`` when every member can grow,
+        else None (build a new one); see :func:`agree.grow_agreed`."""
+        new: NcclBackend | None = agree.grow_agreed(self, store, new_size, timeout)
+        return new
 
-    def shrink(self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0) -> NcclBackend:
-        """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking).
+    def grow(self, new_size: int, uid: bytes | None, *, timeout: float = 60.0) -> NcclBackend:
+        """A new backend of ``new_size`` ranks over ``ncclCommGrow`` (blocking): this rank keeps
+        its number; ``uid``: the root's id (:meth:`grow_id`), None on the other members."""
+        if new_size <= self.world_size:
+            raise InvalidArgument(f"grow needs more than {self.world_size} ranks, got {new_size}")
+        try:
+            child = self._handle.grow(new_size, uid, time.monotonic() + timeout)
+        except BaseException:
+            # A grow that did not complete leaves the parent in ncclInProgress with the job
+            # pending: no NCCL call may follow but ncclCommAbort (nccl4py get_async_error docs).
+            self._handle.stop(revoke=False, after=self._forget)
+            raise
+        return self._successor(child, self.rank, new_size)
 
-        See :func:`lifecycle.shrink_backend`. Every surviving rank calls it; run it
-        off the event loop.
-        """
-        new = lifecycle.shrink_backend(self, exclude, abort_pending, timeout)
+    def grow_id(self) -> bytes:
+        """The unique id new ranks join with (``ncclCommGetUniqueId``; the root only; one grow)."""
+        return self._handle.grow_id()
+
+    def _successor(self, child: Any, rank: int, world_size: int) -> NcclBackend:
+        h = self._handle
+        new = type(self)(
+            child, rank=rank, world_size=world_size, device=self.device, lib=self._lib, runtime=self._rt.sibling(),
+            health_interval=self.health_interval, abort_timeout=h.abort_timeout, close_timeout=h.close_timeout,
+            use_revoke=h.use_revoke)
         new.bind(self.sink)  # until the new communicator binds its own ledger
         return new
+
 
 backend_class = NcclBackend

@@ -1,4 +1,5 @@
-"""nccl4py access for the NCCL backend: result codes, ``missing()``, and :class:`NcclLib`.
+"""nccl4py access for the NCCL backend: result codes, ``missing()``, version gates, and
+:class:`NcclLib`. What NCCL can run is in ``caps.py``.
 
 ``NcclLib`` wraps every nccl4py entry point the backend uses. It takes the
 ``nccl.core`` module as an optional argument so the test kit can put its
@@ -13,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..._base.ops import OpKind, ReduceOp
+from ..._base.errors import CollectiveTimeout
+from ..._base.ops import ReduceOp
 
 # ncclResult_t values (nccl.h, stable ABI; the contract tests pin them to
 # ``nccl.bindings.nccl.Result``).
@@ -24,21 +26,14 @@ INVALID_ARGUMENT = 4
 INVALID_USAGE = 5
 REMOTE_ERROR = 6
 IN_PROGRESS = 7
-_PEER_ERRORS = (SYSTEM_ERROR, REMOTE_ERROR)
+TIMEOUT = 8  # ncclTimeout (nccl.h): a bootstrap or init that did not complete
+PEER_ERRORS = (SYSTEM_ERROR, REMOTE_ERROR)
 
-#: The first libnccl with ``ncclCommRevoke`` (NCCL 2.29; ``NCCL_REVOKE_DEFAULT``).
-REVOKE_SINCE = (2, 29)
+#: The first libnccl with ``ncclCommRevoke`` (NCCL 2.28.7-1 release; NVIDIA/nccl ae7aed19).
+REVOKE_SINCE = (2, 28, 7)
+#: The first libnccl with ``ncclCommGrow``/``ncclCommGetUniqueId`` (NCCL 2.29.2-1; ebd1e929).
+GROW_SINCE = (2, 29, 2)
 
-# Dtypes NCCL reduces natively (torch.bool travels as uint8; see encode.reducible).
-_NCCL_DTYPES = {
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
-}
-for _name in ("uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _name):
-        _NCCL_DTYPES.add(getattr(torch, _name))
-_COMPLEX = {torch.complex64, torch.complex128}
-_REDUCING = (OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER)
 
 _HOW = "pip install 'asynccoll[nccl]' (nccl4py[cu12]: nccl4py, cuda-bindings, nvidia-nccl-cu12)"
 
@@ -79,6 +74,22 @@ class NcclError(RuntimeError):
         self.status = status
 
 
+def status_of(exc: BaseException) -> int | None:
+    """The ``ncclResult_t`` of an nccl4py exception, by type: ``NCCLError.status``
+    (nccl.bindings.nccl), or None for anything else (``NcclInvalid``: nccl4py's own
+    argument checks, before NCCL is called)."""
+    status = getattr(exc, "status", None)
+    return int(status) if isinstance(status, int) else None
+
+
+def init_failure(exc: BaseException, what: str, timeout: float) -> BaseException:
+    """An exception of a failed NCCL init/shrink/grow, mapped by type: ``ncclTimeout`` or
+    our own deadline is CollectiveTimeout; the caller reports anything else."""
+    if isinstance(exc, (TimeoutError, CollectiveTimeout)) or status_of(exc) == TIMEOUT:
+        return CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s: {exc}")
+    return exc
+
+
 class NcclLib:
     """The nccl4py entry points the backend uses.
 
@@ -92,7 +103,7 @@ class NcclLib:
 
         nc = module
         self._nc = nc
-        self._revoke_ok: bool | None = None
+        self._version: tuple[int, int, int] | None = None
         self._ops = {
             ReduceOp.SUM: nc.NcclRedOp.SUM, ReduceOp.PROD: nc.NcclRedOp.PROD,
             ReduceOp.MIN: nc.NcclRedOp.MIN, ReduceOp.MAX: nc.NcclRedOp.MAX,
@@ -121,34 +132,30 @@ class NcclLib:
         # Returns normally on ncclInProgress (check_status lets 7 through): the caller polls.
         self._nc.group_end()
 
-    def group_discard(self) -> None:
-        """Close an open group *without launching* it (after a call inside it failed).
-
-        ``ncclGroupSimulateEnd`` ends the group and only estimates its time, so a
-        partly built group never runs on this rank alone.
-        """
-        self._nc.group_end(simulate=True)
-
     def error_string(self, status: int) -> str:
         try:
             return str(self._nc.get_error_string(status))
         except Exception:  # noqa: BLE001 - an unknown code or a broken library: the number is enough
             return "unknown NCCL error"
 
+    def version(self) -> tuple[int, int, int]:
+        """The loaded libnccl's version, (0, 0, 0) when nccl4py cannot say."""
+        if self._version is None:
+            try:
+                v = self._nc.get_version().libnccl.version
+                self._version = (int(v.major), int(v.minor), int(v.micro))
+            except (AttributeError, TypeError, ValueError, OSError, RuntimeError):
+                self._version = (0, 0, 0)  # no libnccl info: the features below are not used
+        return self._version
+
     def can_revoke(self, comm: Any) -> bool:
         """Whether ``comm`` can be revoked: nccl4py has ``Communicator.revoke`` and the
         loaded libnccl is at least :data:`REVOKE_SINCE` (an older one lacks the symbol)."""
-        if not hasattr(comm, "revoke"):
-            return False
-        ok = self._revoke_ok
-        if ok is None:
-            try:
-                v = self._nc.get_version().libnccl.version
-                ok = (int(v.major), int(v.minor)) >= REVOKE_SINCE
-            except Exception:  # noqa: BLE001 - an nccl4py without version info: try revoke, abort if it fails
-                ok = True
-            self._revoke_ok = ok
-        return ok
+        return hasattr(comm, "revoke") and self.version() >= REVOKE_SINCE
+
+    def can_grow(self, comm: Any) -> bool:
+        """Whether ``comm`` can grow (``Communicator.grow`` and libnccl >= :data:`GROW_SINCE`)."""
+        return hasattr(comm, "grow") and hasattr(comm, "get_unique_id") and self.version() >= GROW_SINCE
 
     def revoke(self, comm: Any) -> None:
         """Start ``ncclCommRevoke``: in-flight ops stop, the state is InProgress until quiescent."""
@@ -159,6 +166,30 @@ class NcclLib:
         nc = self._nc
         flag = nc.CommShrinkFlag.ABORT if abort_pending else nc.CommShrinkFlag.DEFAULT
         return comm.shrink(list(exclude), self.config(), flag)
+
+    def grow_id(self, comm: Any) -> bytes:
+        """``ncclCommGetUniqueId`` (the grow root only; consumed by one grow)."""
+        return bytes(comm.get_unique_id())
+
+    def grow(self, comm: Any, nranks: int, uid: bytes | None) -> Any:
+        """``ncclCommGrow`` of an existing rank (``uid``: the root's id; None elsewhere)."""
+        nc = self._nc
+        return comm.grow(nranks, None if uid is None else nc.UniqueId.from_bytes(uid), config=self.config())
+
+    def join_grow(self, nranks: int, rank: int, uid: bytes) -> Any:
+        """``ncclCommGrow`` of a new rank, on a null ``Communicator()``."""
+        nc = self._nc
+        return nc.Communicator().grow(nranks, nc.UniqueId.from_bytes(uid), rank=rank, config=self.config())
+
+    def poison_group(self, comm: Any, buf: torch.Tensor, stream: int, nranks: int) -> None:
+        """Make NCCL fail the open group: a send to a rank that does not exist fails
+        NCCL's argument check, which sets the group error (NCCL src/group.h
+        ``ncclGroupErrCheck``), so ``ncclGroupEnd`` launches nothing (group.cc ``goto
+        fail``). Used when a call inside a group failed before reaching NCCL."""
+        try:
+            comm.send(buf, nranks, stream=stream)
+        except Exception:  # noqa: BLE001, S110 - the expected NCCLError (ncclInvalidArgument): the group error is set
+            pass
 
 
 def poll_async_error(lock: Any, current: Any, deadline: float) -> int | None:

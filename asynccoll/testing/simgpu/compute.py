@@ -7,7 +7,7 @@ from typing import Any
 import nccl.core as _nc
 import torch
 
-from .device import _plain
+from .device import plain
 
 
 def _reduce(xs: list[torch.Tensor], op: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -29,23 +29,23 @@ def _reduce(xs: list[torch.Tensor], op: int, n: int, dtype: torch.dtype) -> torc
     return out.to(dtype)
 
 
-def _compute(ops: list[Any], n: int) -> None:
+def compute(ops: list[Any], n: int) -> None:
     kind, count = ops[0].kind, ops[0].count
     if kind in ("allreduce", "reduce"):
-        res = _reduce([_plain(o.send).reshape(-1)[:count] for o in ops], ops[0].op, n, ops[0].dtype)
+        res = _reduce([plain(o.send).reshape(-1)[:count] for o in ops], ops[0].op, n, ops[0].dtype)
         for rank, o in enumerate(ops):
             if kind == "allreduce" or rank == o.root:
-                _plain(o.recv).reshape(-1)[:count].copy_(res)
+                plain(o.recv).reshape(-1)[:count].copy_(res)
     elif kind == "broadcast":
-        src = _plain(ops[ops[0].root].send).reshape(-1).clone()
+        src = plain(ops[ops[0].root].send).reshape(-1).clone()
         for o in ops:
-            _plain(o.recv).reshape(-1).copy_(src)
+            plain(o.recv).reshape(-1).copy_(src)
     elif kind == "allgather":
-        res = torch.cat([_plain(o.send).reshape(-1)[:count] for o in ops])
+        res = torch.cat([plain(o.send).reshape(-1)[:count] for o in ops])
         for o in ops:
-            _plain(o.recv).reshape(-1)[: res.numel()].copy_(res)
+            plain(o.recv).reshape(-1)[: res.numel()].copy_(res)
     elif kind == "reduce_scatter":
-        res = _reduce([_plain(o.send).reshape(-1)[: count * n] for o in ops], ops[0].op, n, ops[0].dtype)
+        res = _reduce([plain(o.send).reshape(-1)[: count * n] for o in ops], ops[0].op, n, ops[0].dtype)
         for rank, o in enumerate(ops):
-            _plain(o.recv).reshape(-1).copy_(res[rank * count:(rank + 1) * count])
+            plain(o.recv).reshape(-1).copy_(res[rank * count:(rank + 1) * count])
 

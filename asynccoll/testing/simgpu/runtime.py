@@ -1,76 +1,19 @@
-"""The NCCL backend's CUDA seam on the simulated GPU, and helpers that build backends on it."""
+"""Building NCCL backends and communicators on the simulated GPU and NCCL."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import torch
 
-from .device import SimGPU, SimStream
+from .device import open_gpu
+from .gpu import SimGPU
 from .nccl import SimNccl
 
 if TYPE_CHECKING:
     from ..._bootstrap.build import Factories
-
-
-class SimCudaRuntime:
-    """``asynccoll._backends.nccl.CudaRuntime`` on a :class:`SimGPU` (same methods)."""
-
-    def __init__(self, gpu: SimGPU, index: int = 0) -> None:
-        import streams
-
-        self.gpu = gpu
-        self.index = index
-        self.comm_stream = gpu.stream(f"comm{len(gpu._streams)}")
-        # The real EventPool, creating simulated events.
-        self.events = streams.EventPool(index, factory=gpu.event)
-        self.gate = gpu.gate()
-        self.closed: bool | None = None
-
-    def sibling(self) -> SimCudaRuntime:
-        return SimCudaRuntime(self.gpu, self.index)
-
-    def bind_thread(self) -> None:
-        """Nothing to bind: one simulated device."""
-
-    def caller_stream(self, tensor: Any) -> SimStream:
-        return self.gpu.current_stream()
-
-    def target_stream(self, stream: Any) -> SimStream:
-        if stream is None:
-            return self.gpu.current_stream()
-        if isinstance(stream, SimStream):
-            return stream
-        if isinstance(stream, int) and not isinstance(stream, bool):
-            return self.gpu.stream_by_handle(stream)
-        raise TypeError(f"not a simulated stream: {stream!r}")
-
-    def handle(self, stream: SimStream) -> int:
-        return int(stream.cuda_stream)
-
-    def protect(self, tensor: torch.Tensor) -> None:
-        tensor.record_stream(self.comm_stream)  # type: ignore[arg-type]
-
-    def on_comm_stream(self) -> Any:
-        return self.gpu.use_stream(self.comm_stream)
-
-    def scratch(self) -> torch.Tensor:
-        return self.gpu.empty(1, stream=self.comm_stream)
-
-    def gate_wait(self, stream: SimStream, n: int) -> None:
-        self.gate.wait(stream, n)
-
-    def gate_signal(self, n: int) -> None:
-        self.gate.signal(self.comm_stream, n)
-
-    def release_gate(self, n: int) -> None:
-        self.gate.host_write(n + (1 << 30))
-
-    def close(self, clean: bool) -> None:
-        self.closed = clean
 
 
 class Rdv:
@@ -86,14 +29,22 @@ class Rdv:
 
 
 class SimCluster:
-    """A simulated GPU + NCCL, and ways to build NCCL backends/communicators on it."""
+    """A simulated GPU + NCCL, and ways to build NCCL backends/communicators on it.
+
+    Rank ``r`` uses ``cuda:r`` (mod ``devices``), as a torchrun worker with
+    ``LOCAL_RANK=r`` would; :func:`run_threads` makes that device current on the
+    rank's thread. The real ``CudaRuntime``, ``streams`` and ``NcclLib`` run on the
+    doubles of ``torch.cuda``, ``cuda.bindings.driver`` and ``nccl.core``.
+    """
 
     def __init__(
         self, *, inprogress_polls: int = 2, abort_drains: bool = True, sync_limit: float = 30.0, revoke: bool = True,
+        grow: bool = True, devices: int = 4, hw_queues: int | None = None, capability: tuple[int, int] = (9, 0),
+        stream_mem_ops: bool = True,
     ) -> None:
-        self.gpu = SimGPU(sync_limit=sync_limit, abort_drains=abort_drains)
-        self.nccl = SimNccl(self.gpu, inprogress_polls=inprogress_polls, revoke=revoke)
-        self.runtimes: list[SimCudaRuntime] = []
+        self.gpu = SimGPU(devices=devices, hw_queues=hw_queues, capability=capability, sync_limit=sync_limit,
+                          abort_drains=abort_drains, stream_mem_ops=stream_mem_ops)
+        self.nccl = SimNccl(self.gpu, inprogress_polls=inprogress_polls, revoke=revoke, grow=grow)
 
     def lib(self) -> Any:
         """The real :class:`NcclLib` over the simulated ``nccl.core``."""
@@ -101,19 +52,12 @@ class SimCluster:
 
         return NcclLib(self.nccl.module)
 
-    def runtime(self, index: int = 0) -> SimCudaRuntime:
-        rt = SimCudaRuntime(self.gpu, index)
-        self.runtimes.append(rt)
-        return rt
-
     async def create(self, rdv: Any, prefix: str = "nccl/", timeout: float = 10.0, **kw: Any) -> Any:
-        """``asynccoll._backends.nccl.create`` wired to the simulator."""
+        """``asynccoll._backends.nccl.create`` on the simulator; rank ``r`` on ``cuda:r``."""
         from ..._backends import nccl
 
-        return await nccl.create(
-            rdv, prefix, 0, timeout, lib=self.lib(), runtime_factory=self.runtime,
-            device_count=lambda: 1, device_guard=lambda i: contextlib.nullcontext(), **kw,
-        )
+        device = kw.pop("device", rdv.rank % self.gpu.devices)
+        return await nccl.create(rdv, prefix, device, timeout, lib=self.lib(), **kw)
 
     def backends(self, world_size: int, timeout: float = 10.0) -> list[Any]:
         """One NCCL backend per rank over a shared HashStore (built concurrently)."""
@@ -150,12 +94,15 @@ class SimCluster:
     def factories(self) -> Factories:
         """The bootstrap's backend factories (``_bootstrap.build.Factories``) with CUDA and
         nccl4py seen as present and NCCL built on this simulator; Gloo is the real one."""
-        from ..._bootstrap.build import Factories
+        from ..._bootstrap.build import Factories, join_nccl
 
         async def nccl(rdv: Any, prefix: str, device: Any, timeout: float) -> Any:
             return await self.create(rdv, prefix + "nccl/", timeout)
 
-        return Factories(nccl=nccl, nccl_missing=lambda: None)
+        async def nccl_join(store: Any, rank: int, new_size: int, device: Any, timeout: float) -> Any:
+            return await join_nccl(store, rank, new_size, device, timeout, lib=self.lib())
+
+        return Factories(nccl=nccl, nccl_join=nccl_join, nccl_missing=lambda: None)
 
     def close(self) -> None:
         self.gpu.close()
@@ -174,6 +121,7 @@ def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60
 
     def main(r: int) -> None:
         try:
+            _select_device(r)
             results[r] = asyncio.run(fn(r))  # type: ignore[arg-type]
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             errors[r] = exc
@@ -189,6 +137,15 @@ def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60
         if exc is not None:
             raise exc
     return results
+
+
+def _select_device(rank: int) -> None:
+    """On a simulated GPU, rank ``r``'s thread works on ``cuda:r`` (mod the device count)."""
+    try:
+        gpu = open_gpu()
+    except RuntimeError:
+        return
+    torch.cuda.set_device(rank % gpu.devices)
 
 
 def standalone_sink(rank: int) -> Any:

@@ -1,0 +1,172 @@
+"""Creating NCCL backends: device choice, the unique id through the store, the polled
+non-blocking init (:func:`create`), and joining a grown communicator (:func:`join_grown`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument
+from . import agree
+from .handle import abort_quietly, wait_ready
+from .launcher import NcclBackend
+from .lib import NcclLib, init_failure, missing
+
+
+def device_index(device: Any, count: int, current: Callable[[], int], env: Any = os.environ) -> int:
+    """The CUDA device index for ``device`` (None: ``$LOCAL_RANK``, else current)."""
+    if device is None:
+        local = env.get("LOCAL_RANK")
+        if local is None:
+            return current()
+        try:
+            index = int(local)
+        except ValueError:
+            raise InvalidArgument(f"$LOCAL_RANK={local!r} is not an integer") from None
+        if index >= count and count == 1:  # one GPU per process (CUDA_VISIBLE_DEVICES)
+            index = 0
+    elif isinstance(device, bool):
+        raise InvalidArgument(f"device must be a CUDA device, got {device!r}")
+    elif isinstance(device, int):
+        index = device
+    elif isinstance(device, (str, torch.device)):
+        try:
+            dev = torch.device(device)
+        except RuntimeError as exc:
+            raise InvalidArgument(f"bad device {device!r}: {exc}") from None
+        if dev.type != "cuda":
+            raise InvalidArgument(f"the NCCL backend needs a CUDA device, got {dev}")
+        index = current() if dev.index is None else dev.index
+    else:
+        raise InvalidArgument(f"device must be an int, 'cuda:N' or torch.device, got {type(device).__name__}")
+    if not 0 <= index < count:
+        raise InvalidArgument(f"CUDA device {index} is out of range: {count} device(s) visible")
+    return index
+
+
+def load_lib() -> Any:
+    """The real :class:`NcclLib`, or ``BackendUnavailable`` saying what is missing."""
+    reason = missing()
+    if reason is not None:
+        raise BackendUnavailable(reason)
+    try:
+        return NcclLib()
+    except (ImportError, OSError, RuntimeError) as exc:
+        raise BackendUnavailable(f"NCCL backend cannot load nccl4py: {exc}") from exc
+
+
+def _runtime(index: int) -> Any:
+    from .cuda import CudaRuntime
+
+    return CudaRuntime(index)
+
+
+def _backend(comm: Any, rank: int, ws: int, index: int, lib: Any, runtime: Any) -> NcclBackend:
+    return NcclBackend(comm, rank=rank, world_size=ws, device=torch.device("cuda", index), lib=lib, runtime=runtime)
+
+
+async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any = None) -> Any:
+    """Build the NCCL backend: unique id through the store, non-blocking init, polled.
+
+    Rank 0 publishes the NCCL unique id under ``prefix`` in ``rdv``'s store; the
+    others wait for it. The device is resolved here, on the caller's thread (its
+    current device, when ``device`` and ``$LOCAL_RANK`` say nothing); everything
+    blocking (store waits, CUDA setup, the polled ``ncclCommInitRankConfig``) runs
+    on an executor thread with that device current, bounded by ``timeout``
+    (``CollectiveTimeout``). ``lib`` is the test kit's seam (a simulated nccl4py).
+    """
+    if lib is None:
+        lib = load_lib()
+    index = device_index(device, torch.cuda.device_count(), torch.cuda.current_device)
+    store = rdv.prefixed(prefix)
+    rank, ws = rdv.rank, rdv.world_size
+    deadline = time.monotonic() + timeout
+    cancel = threading.Event()
+
+    def build() -> NcclBackend:
+        with torch.cuda.device(index):  # ncclCommInitRank binds to the calling thread's current device
+            return _build()
+
+    def _build() -> NcclBackend:
+        runtime = _runtime(index)
+        key = "unique_id"
+        if rank == 0:
+            store.set(key, lib.unique_id().hex())
+        else:
+            store.wait([key], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        uid = bytes.fromhex(bytes(store.get(key)).decode())
+        if cancel.is_set():
+            runtime.close(True)
+            raise CollectiveTimeout("NCCL init cancelled")
+        comm = lib.init(ws, rank, uid)
+        try:
+            wait_ready(comm, lib, deadline, f"NCCL init (rank {rank}/{ws}, cuda:{index})", cancel)
+        except BaseException:
+            runtime.close(True)
+            raise
+        backend = _backend(comm, rank, ws, index, lib, runtime)
+        if cancel.is_set():  # ready just as the caller gave up: nobody will use it
+            backend.release()
+            raise CollectiveTimeout("NCCL init cancelled")
+        return backend
+
+    def orphaned(f: asyncio.Future[Any]) -> None:
+        if not f.cancelled():
+            f.exception()  # retrieved: nobody awaits it after a timeout or a cancellation
+
+    loop = asyncio.get_running_loop()
+    fut = loop.run_in_executor(None, build)
+    fut.add_done_callback(orphaned)
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        cancel.set()  # the executor thread aborts the half-built communicator
+        raise CollectiveTimeout(f"NCCL init: peers did not arrive within {timeout} s") from None
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+    except (BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument):
+        raise
+    except Exception as exc:
+        mapped = init_failure(exc, "NCCL init", timeout)
+        if mapped is not exc:
+            raise mapped from exc
+        raise BackendUnavailable(f"NCCL init failed on rank {rank}: {exc}") from exc
+
+
+def join_grown(store: Any, rank: int, new_size: int, device: Any, timeout: float, *, lib: Any = None) -> Any:
+    """A new rank's backend of a communicator the members grow (``NcclBackend.grow_agreed``
+    with the same ``store``), or None when they build a new one instead (then join that
+    init with :func:`create`). Blocking: run it off the loop, on a thread whose current
+    device is the one to use (``device`` None)."""
+    if lib is None:
+        lib = load_lib()
+    index = device_index(device, torch.cuda.device_count(), torch.cuda.current_device)
+    deadline = time.monotonic() + timeout
+    if agree.joined_mode(store, deadline) != "grow":
+        return None
+    uid = agree.grow_uid(store)
+    with torch.cuda.device(index):  # ncclCommGrow of a new rank uses the current device
+        runtime = _runtime(index)
+        try:
+            comm = lib.join_grow(new_size, rank, uid)
+            wait_ready(comm, lib, deadline, f"NCCL grow (new rank {rank}/{new_size}, cuda:{index})")
+        except BaseException as exc:
+            runtime.close(True)
+            if isinstance(exc, (BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument)) or not \
+                    isinstance(exc, Exception):
+                raise
+            mapped = init_failure(exc, "NCCL grow", timeout)
+            if mapped is not exc:
+                raise mapped from exc
+            raise BackendUnavailable(f"NCCL grow failed on new rank {rank}: {exc}") from exc
+    return _backend(comm, rank, new_size, index, lib, runtime)
+
+
+__all__ = ["abort_quietly", "create", "device_index", "join_grown", "load_lib", "wait_ready"]

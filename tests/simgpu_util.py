@@ -1,0 +1,26 @@
+"""What the simulated-GPU backend tests share: polling for a condition and submitting one op."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from asynccoll._base.ops import OpKind, OpSpec
+from asynccoll._core.work import Work
+
+WAIT = 20.0
+
+
+def until(pred: Any, timeout: float = WAIT) -> None:
+    ev = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if pred():
+            return
+        ev.wait(0.01)
+    raise AssertionError("condition not reached")
+
+
+def submit(be: Any, kind: OpKind, t: Any, timeout: float = 30.0, **kw: Any) -> Work:
+    w = Work(kind.value, 1)
+    be.submit(OpSpec(kind, t, timeout=timeout, **kw), w)
+    return w
