@@ -21,9 +21,9 @@ After each recovery the ranks check the invariants and report violations:
 every result correct, no wait longer than its deadline + 1 s, the flight
 record bounded, no growth of threads or open files beyond what the
 communicators alive at the time explain. A generation ends when fewer than two
-ranks are left; the next one starts fresh. Where the elastic API exists
-(``ac.join``/``comm.grow``) replacements could join instead; it does not exist
-in this checkout, so recovery is by shrink only.
+ranks are left; the next one starts fresh. Recovery is by shrink only: the
+elastic API (``ac.join``/``comm.grow``, issue 21) exists now, but this soak
+does not start replacements with it yet.
 
 Reported: ops, faults injected (by kind), recoveries, the worst and median
 recovery time (fault to the slowest survivor's first op on the new
