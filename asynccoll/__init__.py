@@ -1,8 +1,8 @@
-"""asynccoll: async-first collectives for asyncio and uvloop.
+"""asynccoll: async-first collectives for asyncio, uvloop and trio.
 
 ``await comm.all_reduce(t)`` never blocks the event loop; every collective returns an
 awaitable :class:`Work`. CPU tensors run on torch's Gloo, CUDA tensors on NCCL
-(through nccl4py). See ``README.md`` and the contract in ``API.md``.
+(through nccl4py). See ``README.md`` and the documentation in ``docs/``.
 """
 
 from ._base.errors import AsyncCollError as AsyncCollError

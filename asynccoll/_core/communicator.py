@@ -386,7 +386,7 @@ class Communicator:
 
     # ---------------------------------------------------------- diagnostics
     def flight_record(self) -> list[dict[str, Any]]:
-        """The last operations (API.md §6), oldest first, as dicts: ``seq``, ``op``,
+        """The last operations, oldest first, as dicts: ``seq``, ``op``,
         ``dtype``, ``shape``, ``numel``, ``root`` or ``peer``, ``reduce_op``, ``batch``
         (first seq of its coalesced batch), ``state`` (``"issued"``, ``"done"``,
         ``"failed"``, ``"timed out"``, ``"aborted"``, ``"mismatch"``), ``issued_at`` and
@@ -396,7 +396,7 @@ class Communicator:
 
     # ----------------------------------------------------------- coalescing
     def coalescing(self, wait: bool = True) -> CoalescingGroup:
-        """Batch the ops this task issues inside ``async with`` into one group (API.md §4).
+        """Batch the ops this task issues inside ``async with`` into one group.
 
         ``async with comm.coalescing() as group:`` records this task's ops; on exit
         they are issued together (NCCL: one group; Gloo: flattened into one
@@ -410,7 +410,7 @@ class Communicator:
 
     # ----------------------------------------------------------- recovery
     async def shrink(self, exclude: Any = None) -> Communicator:
-        """A new communicator of the survivors; this one stays aborted (API.md §5).
+        """A new communicator of the survivors; this one stays aborted.
 
         ``exclude``: ranks to leave out (default: ``failed_ranks``). Every survivor
         must call it; they agree through the store on the excluded set (the union of
@@ -439,7 +439,7 @@ class Communicator:
         return self._group
 
     async def waiting(self, *, timeout: float | None = None) -> int:
-        """How many processes wait in ``ac.join`` for this group (API.md §5).
+        """How many processes wait in ``ac.join`` for this group.
 
         A collective: every member calls it at the same point of its op order and
         gets the same count (rank 0 reads the waiting room and broadcasts it).
@@ -447,7 +447,7 @@ class Communicator:
         return await self._named("waiting()").waiting(self, timeout)
 
     async def grow(self, world_size: int, timeout: float | None = None) -> Communicator:
-        """A communicator of ``world_size`` ranks: this group plus joiners (API.md §5).
+        """A communicator of ``world_size`` ranks: this group plus joiners.
 
         Every member calls it; it returns once ``world_size - self.world_size``
         processes waiting in ``ac.join`` are in (``timeout``: how long to wait for
@@ -463,7 +463,7 @@ class Communicator:
 
     async def broadcast_state(self, state: Any, src: int = 0, *, timeout: float | None = None) -> Any:
         """Send ``state`` (nested dicts/lists/tuples of tensors and picklable objects,
-        such as a ``state_dict()``) from ``src`` to every rank (API.md §5).
+        such as a ``state_dict()``) from ``src`` to every rank.
 
         Receivers pass None (what they pass is ignored) and get the whole structure
         back, with tensors on CPU or this communicator's CUDA device as on ``src``;
