@@ -5,7 +5,7 @@ VENV    ?= .venv
 TORCH   ?= torch==2.13.0
 BIN      = $(VENV)/bin
 
-.PHONY: demo test bench venv clean gpu-test docs dist-check coverage mutations
+.PHONY: demo test bench venv clean gpu-test docs dist-check coverage mutations flake-hunt chaos
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,17 @@ test: venv
 
 bench: venv
 	$(BIN)/python -m bench
+
+# The suite N times on a fresh clone of HEAD beside two CPU hogs; lists every test
+# that failed at least once (tools/flake_hunt.py).
+N ?= 5
+flake-hunt: venv
+	$(BIN)/python tools/flake_hunt.py --runs $(N)
+
+# Ranks run random op streams while they are killed, frozen and aborted (bench/chaos.py).
+MINUTES ?= 10
+chaos: venv
+	$(BIN)/python -m bench.chaos --minutes $(MINUTES)
 
 # The documentation (docs/), warnings as errors; and the sdist + wheel checked in a fresh venv.
 $(BIN)/.docs-installed: pyproject.toml $(BIN)/.installed

@@ -101,10 +101,21 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
             holders = [q for q, d in ranks.items() if d["error"] == data["error"]]
             problems.append({"kind": "error", "ranks": holders, "error_type": data["error_type"],
                              "text": f"{_ranks(holders)} recorded {data['error_type']}: {data['error']}"})
+    # An op a rank skipped (asynccoll.testing.skip_collective) never reached its peers:
+    # it counts as not issued there, and is reported as such.
+    for r, d in sorted(ranks.items()):
+        for rec in sorted(d["records"].values(), key=lambda x: x["seq"]):
+            if rec["state"] == "skipped":
+                problems.append({"kind": "skipped", "rank": r, "seq": rec["seq"], "op": rec["op"],
+                                 "text": f"rank {r} skipped {_op(rec)}: settled on rank {r} only, it never "
+                                         "reached the other ranks (asynccoll.testing.skip_collective)"})
     # Collectives line up across ranks by ``cseq`` (seq minus this rank's p2p ops):
     # ranks that exchanged point-to-point ops have moved their seqs on, the others not.
     recs = {
-        r: {rec.get("cseq", rec["seq"]): rec for rec in d["records"].values() if rec["op"] not in _P2P}
+        r: {
+            rec.get("cseq", rec["seq"]): rec for rec in d["records"].values()
+            if rec["op"] not in _P2P and rec["state"] != "skipped"
+        }
         for r, d in ranks.items()
     }
     present = [r for r in recs if recs[r]]
@@ -180,7 +191,7 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
                              "text": f"rank {r}: {_op(first_bad)} {first_bad['state']}"})
     # Most telling first: who is behind, who disagrees, how ops ended, then what
     # each rank recorded (a rank aborted by another's news last).
-    order = {"behind": 0, "disagree": 1, "outcome": 2, "failed": 3, "missing": 4, "error": 5}
+    order = {"skipped": 0, "behind": 0, "disagree": 1, "outcome": 2, "failed": 3, "missing": 4, "error": 5}
     problems.sort(key=lambda p: (order[p["kind"]], p.get("error_type") == "CommAborted"))
     return {"ok": not problems, "world_size": world, "problems": problems, "ranks": status}
 

@@ -197,6 +197,22 @@ def test_every_mismatch_raises_on_every_rank(world_size: int, loop: str) -> None
         assert len({tuple(results[r][name]["fields"]) for r in direct}) == 1
 
 
+def test_mismatch_text_is_the_same_whichever_rank_detects_it() -> None:
+    """Ranks that issued different ops at one seq say the same thing: a rank that
+    learns the mismatch from a peer's abort news reads the text that peer wrote
+    (the suite once failed at random on ``seq 2 broadcast`` vs ``seq 2 all_reduce``)."""
+    from asynccoll._diag.mismatch import fingerprint, mismatch
+
+    reduce = OpSpec(OpKind.ALL_REDUCE, torch.ones(4), reduce_op=ReduceOp.SUM)
+    bcast = OpSpec(OpKind.BROADCAST, torch.ones(4), peer=0)
+    seqs = {0: 2, 1: 2, 2: 2}
+    single = {0: fingerprint(reduce), 1: fingerprint(reduce), 2: fingerprint(bcast)}
+    texts = {str(mismatch(seqs, single, me=r)) for r in range(3)}
+    assert texts == {"seq 2 all_reduce: op all_reduce on ranks 0, 1, broadcast on rank 2"}, texts
+    batch = {r: "\x1e".join(single[(r + i) % 3] for i in range(2)) for r in range(3)}  # batches of 2, orders differ
+    assert len({str(mismatch(seqs, batch, me=r)) for r in range(3)}) == 1
+
+
 def test_mismatch_message_names_ranks_and_values() -> None:
     results = run_ranks(_size_message, world_size=2, backend=None, timeout=60)
     assert results[0] == results[1] == "seq 2 all_reduce: shape (4,) on rank 0, (6,) on rank 1"
@@ -344,11 +360,19 @@ def test_rank_that_never_issues_is_named(tmp_path: Path, check: str | None) -> N
 
 
 def test_rank_that_skips_is_named(tmp_path: Path) -> None:
+    """skip_collective records the skipped op as skipped, not done: diagnose blames the
+    rank that skipped it, not the one that timed out waiting (it said "ended
+    differently: timed out on rank 0, done on rank 1")."""
     results = run_ranks(never_issues, world_size=2, backend=None, timeout=60, args=(str(tmp_path), True))
     assert [r["state"] for r in results] == ["aborted", "aborted"]
+    assert results[1]["last"]["seq"] == 3 and results[1]["last"]["state"] == "skipped", results
     proc = _diagnose(tmp_path)
     assert proc.returncode == 1
-    assert "seq 3 all_reduce ended differently: timed out on rank 0, done on rank 1" in proc.stdout, proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert lines[0].startswith("PROBLEM: rank 1 skipped seq 3 all_reduce"), proc.stdout
+    assert "rank 1 never issued seq 3 all_reduce; issued by rank 0 at" in proc.stdout, proc.stdout
+    assert "ended differently" not in proc.stdout, proc.stdout
+    assert "rank 1: last completed seq 2 broadcast" in proc.stdout, proc.stdout
 
 
 async def mismatch_traced(ctx: Any, trace_dir: str) -> None:

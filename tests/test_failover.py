@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import asynccoll as ac
-from asynccoll._faults.liveness import _Service
+from asynccoll._faults.service import Service
 from asynccoll.testing import RankContext, crash, crash_later, freeze, run_ranks
 
 
@@ -169,7 +169,7 @@ def _service_threads() -> list[str]:
 
 
 async def dropped_comm_stops_beating(ctx: RankContext) -> dict:
-    """Two communicators share one beater and one answerer; a communicator dropped
+    """Two communicators share one beater and one pulse; a communicator dropped
     without close() stops beating once collected, and the threads end with the last."""
     before = _service_threads()
     kw = {"rank": ctx.rank, "world_size": ctx.world_size, "store": ctx.store, "timeout": 60, "heartbeat": 0.05}
@@ -193,14 +193,14 @@ async def dropped_comm_stops_beating(ctx: RankContext) -> dict:
     stopped.append(int(store.add(key, 0)))
     return {
         "before": before, "during": during, "after": _service_threads(),
-        "moving": moving[1] > moving[0], "stopped": stopped[1] == stopped[0], "services": _Service.threads(),
+        "moving": moving[1] > moving[0], "stopped": stopped[1] == stopped[0], "services": Service.threads(),
     }
 
 
 def test_dropped_communicator_stops_beating_and_threads_end() -> None:
     for res in run_ranks(dropped_comm_stops_beating, world_size=2, backend=None, timeout=60):
         assert res["before"] == [], res
-        assert res["during"] == ["asynccoll-liveness", "asynccoll-liveness-answerer"], res
+        assert res["during"] == ["asynccoll-liveness", "asynccoll-liveness-pulse"], res
         assert res["moving"] and res["stopped"], res
         assert res["after"] == [] and res["services"] == 0, res
 

@@ -12,6 +12,7 @@ import gc
 import socket
 from typing import Any, Awaitable, Callable
 
+import anyio
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from backends import LOOPS, gather
 
 import asynccoll as ac
 from asynccoll._bootstrap import rendezvous, stores
+from asynccoll._faults.service import Service
 from asynccoll.testing import RankContext, run_ranks
 
 
@@ -235,3 +237,73 @@ def test_creation_errors_are_typed(loop: str) -> None:
             await rendezvous.off_loop(invalid, 5, "gloo init")
 
     _run(loop, main)
+
+
+async def crossed_creations(ctx: RankContext) -> list[str]:
+    """Two tasks create communicators with different options at once, in opposite
+    orders on the two ranks: the n-th creation of each rank pairs with the other's
+    n-th, so the pairs cross. Where their options differ, every rank says so."""
+    kw: dict[str, Any] = dict(rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=20)
+    beat, checked = dict(kw, heartbeat=0.5), dict(kw, check="fingerprint")
+    first, second = (beat, checked) if ctx.rank == 0 else (checked, beat)
+    out: list[str] = []
+
+    async def make(opts: dict[str, Any], delay: float) -> None:
+        await anyio.sleep(delay)
+        try:
+            comm = await ac.init("gloo", **opts)
+        except ac.CollectiveMismatch as exc:
+            out.append(f"mismatch {sorted(exc.fields)} {sorted(exc.details)}")
+        else:
+            out.append("made")
+            await comm.close()
+
+    await gather(lambda: make(first, 0.0), lambda: make(second, 0.3))
+    return out
+
+
+def test_crossed_creations_with_different_options_are_a_mismatch() -> None:
+    results = run_ranks(crossed_creations, world_size=2, backend=None, timeout=90)
+    for res in results:
+        assert res == ["mismatch ['check', 'heartbeat'] [0, 1]"] * 2, results
+
+
+async def keys_after_close(ctx: RankContext) -> list[int]:
+    """The store holds no more keys after every rank closed a communicator than
+    before it was created (heartbeats, fingerprints and objects used)."""
+    store = ctx.store
+
+    async def both(name: str) -> None:  # a barrier on the run's store
+        store.add(name, 1)
+        while int(store.add(name, 0)) < ctx.world_size:
+            await anyio.sleep(0.01)
+
+    async def services_ended() -> None:  # this process's liveness service unlists itself as it ends
+        for _ in range(200):
+            if Service.threads() == 0:
+                return
+            await anyio.sleep(0.025)
+
+    kw: dict[str, Any] = dict(rank=ctx.rank, world_size=ctx.world_size, store=store, timeout=30)
+    warm = await ac.init("gloo", **kw)  # once-per-store keys (creation counters) exist from here on
+    await warm.close()
+    await services_ended()
+    for name in ("b1", "b2", "b3"):
+        store.add(name, 0)
+    await both("b1")
+    before = store.num_keys()
+    await both("b2")  # everyone counted before anyone creates a key
+    comm = await ac.init("gloo", heartbeat=0.1, check="fingerprint", **kw)
+    await comm.all_reduce(torch.ones(2))
+    assert await comm.all_gather_object(ctx.rank) == list(range(ctx.world_size))
+    await anyio.sleep(0.3)  # a few heartbeats
+    await comm.close()
+    await services_ended()
+    await both("b3")
+    return [before, store.num_keys()]
+
+
+def test_closed_communicators_leave_no_keys() -> None:
+    results = run_ranks(keys_after_close, world_size=2, backend=None, timeout=90)
+    for before, after in results:
+        assert after == before, results  # was 8 more per 2-rank communicator, forever

@@ -8,12 +8,15 @@ stays usable and that no key is left behind.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 from backends import LOOPS
 
 import asynccoll as ac
 from asynccoll._core import objects
-from asynccoll.testing import RankContext, run_ranks
+from asynccoll.testing import RankContext, crash, run_ranks
 
 BIG = 100_000_000
 
@@ -70,3 +73,38 @@ def test_chunk_sizes_stay_below_the_store_limit() -> None:
     assert objects.CHUNK + 1 < limit
     assert objects.INLINE < objects.CHUNK
     assert objects._HEADER_BATCH * (objects.INLINE + 1) < limit
+
+
+# ------------------------------------------------------------------ a peer dies meanwhile
+async def object_peer_dies(comm: ac.Communicator, kind: str) -> dict[str, Any]:
+    """Rank 2 is SIGKILLed while the others wait for its part of a 10 MB object
+    collective (op deadline 20 s): they get ``PeerFailure`` naming it well before the
+    deadline, as during a tensor op, and shrink at once (the census recorded it)."""
+    await comm.barrier()
+    if comm.rank == 2:
+        crash("sigkill")  # never publishes its part
+    payload = b"x" * 10_000_000
+    t0 = time.monotonic()
+    with pytest.raises(ac.PeerFailure) as info:
+        if kind == "all_gather":
+            await comm.all_gather_object(payload, timeout=20)
+        else:
+            await comm.broadcast_object(None, src=2, timeout=20)
+    detected = time.monotonic() - t0
+    assert isinstance(comm.error, ac.PeerFailure) and comm.state == "aborted"
+    t1 = time.monotonic()
+    new = await comm.shrink()
+    shrunk = time.monotonic() - t1
+    got = await new.all_gather_object(comm.rank)
+    await new.close()
+    return {"ranks": list(info.value.ranks), "detected": detected, "shrunk": shrunk, "got": got}
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "broadcast"])
+def test_a_peer_that_dies_during_an_object_collective_is_named_at_once(kind: str) -> None:
+    results = run_ranks(object_peer_dies, world_size=3, backend="gloo", timeout=90, args=(kind,), lost=(2,))
+    for res in results[:2]:
+        assert res["ranks"] == [2], res
+        assert res["detected"] < 5.0, res  # the issue: the whole 30 s deadline; a tensor op: ~10 ms
+        assert res["shrunk"] < 5.0, res  # the issue: 10 s (half the timeout, no census record)
+        assert res["got"] == [0, 1], res

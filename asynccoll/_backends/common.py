@@ -13,17 +13,14 @@ each event loop one wake-up.
 
 from __future__ import annotations
 
-import atexit
 import collections
-import os
 import queue
-import sys
 import threading
-import weakref
 from typing import Any, Callable
 
 import torch
 
+from .._base import shutdown
 from .._base.errors import CollectiveTimeout, CommAborted, PeerFailure
 from .._base.ops import ReduceOp
 from .._core.backend import Sink
@@ -339,31 +336,8 @@ class Completer:
 # finalizes: CPython then ends it with pthread_exit, whose forced unwind through
 # torch's C++ frames aborts the whole process ("terminate called without an
 # active exception", SIGABRT; seen here with torch 2.13 on Ctrl-C). If such a
-# thread is still alive at exit, the process leaves with os._exit instead.
-_stranded: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-_guard_lock = threading.Lock()
-_guard_registered = False
-
-
+# thread is still alive at exit, the process leaves with os._exit instead
+# (``_base/shutdown.py``).
 def strand(thread: threading.Thread | None) -> None:
     """``thread`` may stay blocked in native code after an abort (see above)."""
-    global _guard_registered
-    if thread is None or not thread.is_alive():
-        return
-    with _guard_lock:
-        _stranded.add(thread)
-        if not _guard_registered:
-            atexit.register(_exit_if_stranded)
-            _guard_registered = True
-
-
-def _exit_if_stranded() -> None:
-    if not any(t.is_alive() for t in list(_stranded)):
-        return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed or broken: nothing more can be written
-            pass
-    last = getattr(sys, "last_value", None)
-    os._exit(130 if isinstance(last, KeyboardInterrupt) else (1 if last is not None else 0))
+    shutdown.native(thread)

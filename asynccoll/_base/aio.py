@@ -4,8 +4,8 @@ Everything here works under asyncio, uvloop and trio (directly or through anyio)
 The hot path — awaiting a :class:`~asynccoll.Work` and waking its waiters — lives
 in ``work.py`` and uses each library's own primitives (an asyncio future woken
 through the loop's batched waker; trio's ``wait_task_rescheduled`` woken through
-the run's token); the rest — running blocking set-up off the loop, bounded
-waits — goes through anyio, which is not on any per-op path.
+the run's token); the rest — running blocking set-up off the loop on daemon
+threads, bounded waits — uses anyio's cancel scopes, and no anyio worker thread.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import threading
 from typing import Any, Callable
 
 import anyio
-import anyio.to_thread
+
+from . import shutdown
 
 _get_running_loop = asyncio._get_running_loop
 
@@ -46,6 +47,9 @@ def current_task() -> object | None:
 
 def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
     result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    # Running from the start: a waiter that gives up (asyncio.wrap_future cancels the
+    # future it wraps) cannot cancel it, so fn's outcome still reaches ``on_late``.
+    result.set_running_or_notify_cancel()
 
     def job() -> None:
         try:
@@ -55,8 +59,36 @@ def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
         else:
             result.set_result(value)
 
-    threading.Thread(target=job, name=name, daemon=True).start()
+    thread = threading.Thread(target=job, name=name, daemon=True)
+    thread.start()
+    shutdown.native(thread)  # a torch constructor may still run in it at exit
     return result
+
+
+async def _result(future: concurrent.futures.Future[Any]) -> Any:
+    """The result of ``future`` (set by another thread), woken by that thread.
+
+    No thread of ours waits for it: anyio's worker threads are not daemons, and
+    one parked in ``future.result()`` while ``fn`` sits in a C++ call (a TCPStore
+    or Gloo constructor) held interpreter shutdown for tens of seconds after
+    Ctrl-C or a timeout.
+    """
+    if not trio_running():
+        return await asyncio.wrap_future(future)
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_: concurrent.futures.Future[Any]) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:  # the run ended meanwhile: nobody waits any more
+            pass
+
+    future.add_done_callback(wake)
+    await done.wait()
+    return future.result()
 
 
 async def run_in_thread(
@@ -76,7 +108,7 @@ async def run_in_thread(
     future = _start(fn, name)
     try:
         with anyio.fail_after(timeout):
-            return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+            return await _result(future)
     except BaseException:
         if on_late is not None:
             def late(f: concurrent.futures.Future[Any]) -> None:

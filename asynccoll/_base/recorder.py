@@ -116,7 +116,9 @@ class FlightRecorder:
 
     def ended(self, seq: int, state: str, t: float, error: str | None = None) -> None:
         """Record the outcome of op ``seq`` (``"done"``, ``"failed"``, ``"timed out"``,
-        ``"aborted"`` or ``"mismatch"``) at wall time ``t``."""
+        ``"aborted"``, ``"mismatch"``, or ``"skipped"``: settled on this rank without
+        reaching the peers, ``asynccoll.testing.skip_collective``) at wall time ``t``.
+        The first outcome recorded stays."""
         rec = self._open.pop(seq, None)
         if rec is not None:
             rec[_STATE] = state

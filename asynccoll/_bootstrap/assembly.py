@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from .._base.errors import CommAborted, PeerFailure
 from .._core.communicator import Communicator
-from .._faults.liveness import Liveness, decode_ranks, encode_ranks
+from .._faults.census import decode_ranks, encode_ranks
+from .._faults.liveness import Liveness
 from .rendezvous import off_loop
 from .room import Room, gone
 

@@ -30,15 +30,26 @@ from .._diag.diagnostics import Diagnostics
 from .._faults.liveness import Liveness
 from .._faults.shrink import shrink
 from .args import check_args
-from .rendezvous import Rendezvous, comm_prefix, off_loop, rendezvous
+from .rendezvous import Rendezvous, agree_options, comm_prefix, forget, off_loop, rendezvous
 from .stores import STORES, exclusive
+
+#: Seconds Gloo's connect timeout outlasts ours.
+_GLOO_MARGIN = 30.0
 
 
 async def build_gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroupBackend:
     store = rdv.prefixed(prefix + "gloo/")
 
     def build() -> Any:
-        return dist.ProcessGroupGloo(store, rdv.rank, rdv.world_size, timedelta(seconds=timeout))
+        # Gloo's own connect timeout outlasts ours: when we give up (CollectiveTimeout,
+        # Ctrl-C) and the process exits, its wait is still quietly under way instead of
+        # printing C++ warnings on the way out. Its ops then get our timeout again
+        # (ProcessGroupGloo._set_default_timeout, torch >= 2.1).
+        pg = dist.ProcessGroupGloo(store, rdv.rank, rdv.world_size, timedelta(seconds=timeout + _GLOO_MARGIN))
+        set_default = getattr(pg, "_set_default_timeout", None)
+        if set_default is not None:
+            set_default(timedelta(seconds=timeout))
+        return pg
 
     pg = await off_loop(build, timeout, "gloo init")
     return TorchGroupBackend(
@@ -156,6 +167,10 @@ async def connect(
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous."""
     prefix = await comm_prefix(rdv, timeout)
+    await agree_options(rdv, prefix, {
+        "backend": backend, "nccl": use_nccl, "check": check, "heartbeat": heartbeat, "world_size": rdv.world_size,
+        "name": getattr(group, "name", None),
+    }, timeout)
     backends: dict[str | None, Backend] = {}
     if backend in ("gloo", "auto"):
         backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
@@ -216,6 +231,7 @@ async def connect(
         recover=shrink,
         diagnostics=diagnostics,
         group=group,
+        forget=functools.partial(forget, rdv, prefix),
     )
 
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from .._backends.common import kind_of
 from .._base.aio import run_in_thread
-from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, InvalidArgument, PeerFailure
+from .._base.errors import (
+    AsyncCollError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    CommAborted,
+    InvalidArgument,
+    PeerFailure,
+)
 from .args import env_int
 from .stores import tcp_store
 
@@ -86,3 +95,85 @@ async def comm_prefix(rdv: Rendezvous, timeout: float) -> str:
     return f"asynccoll/{n}/"
 
 
+
+
+def _until(store: Any, keys: list[str], deadline: float) -> None:
+    delay = 0.0005
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+async def agree_options(rdv: Rendezvous, prefix: str, options: dict[str, Any], timeout: float) -> None:
+    """Every rank states the options of the communicator it is creating; where they
+    differ, every rank raises ``CollectiveMismatch`` (before any backend is built).
+
+    The n-th communicator a rank creates on a store pairs with every other rank's
+    n-th: communicators created at the same time by several tasks pair up in the
+    order each rank happened to create them, which may differ between ranks. Where
+    their options differ, this says so instead of pairing them silently. Rank 0
+    reads every rank's options and publishes the verdict: O(n) requests in all.
+    """
+    if rdv.world_size == 1:
+        return
+    store = rdv.prefixed(prefix)
+    mine = json.dumps(options, sort_keys=True)
+
+    def exchange() -> str:
+        deadline = time.monotonic() + timeout
+        store.set(f"opts/{rdv.rank}", mine)
+        if rdv.rank != 0:
+            _until(store, ["opts/verdict"], deadline)
+            return bytes(store.get("opts/verdict")).decode()
+        keys = [f"opts/{r}" for r in range(rdv.world_size)]
+        _until(store, keys, deadline)
+        values = [bytes(v).decode() for i in range(0, len(keys), 512) for v in store.multi_get(keys[i : i + 512])]
+        verdict = "ok" if all(v == mine for v in values) else json.dumps(
+            {r: json.loads(v) for r, v in enumerate(values) if v != mine or r == 0}
+        )
+        store.set("opts/verdict", verdict)
+        return verdict
+
+    verdict = await off_loop(exchange, timeout, "creation")
+    if verdict == "ok":
+        return
+    details = {int(r): o for r, o in json.loads(verdict).items()}
+    fields = sorted({k for o in details.values() for k in o if len({json.dumps(d.get(k)) for d in details.values()}) > 1})
+    parts = []
+    for field in fields:
+        groups: dict[str, list[int]] = {}
+        for r in sorted(details):
+            groups.setdefault(str(details[r].get(field)), []).append(r)
+        parts.append(f"{field} " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}"
+                                             for v, rs in groups.items()))
+    raise CollectiveMismatch(
+        f"communicator {prefix!r}: its ranks were created with different options: {'; '.join(parts)} "
+        "(communicators created at the same time pair up by creation order on each rank, which may differ: "
+        "create them one after the other, in the same order on every rank)",
+        details=details, fields=tuple(fields),
+    )
+
+
+#: Keys a communicator leaves under its prefix (see ``forget``).
+_SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "closed")
+_RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final")
+
+
+def forget(rdv: Rendezvous, prefix: str) -> None:
+    """``close()``: the last rank of a communicator to close deletes its keys (blocking).
+
+    Only once every rank has closed: until then a peer may still read them. A
+    communicator some rank never closes (it died) leaves its keys behind.
+    """
+    store = rdv.prefixed(prefix)
+    if int(store.add("closed", 1)) < rdv.world_size:
+        return
+    n = rdv.world_size
+    for key in (*_SHARED_KEYS, *(f"{k}/{r}" for k in _RANK_KEYS for r in range(n))):
+        store.delete_key(key)
+    gloo = rdv.prefixed(prefix + "gloo/")
+    for r in range(n):
+        gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)
+    rdv.prefixed(prefix + "nccl/").delete_key("unique_id")

@@ -29,32 +29,31 @@ of them (a joiner may withdraw at the same moment); otherwise the plan says
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from typing import Any
 
 import torch.distributed as dist
 
-from .._faults.liveness import _MACHINE, _Peer, _start_time, encode_ranks
+from .._faults import procs
+from .._faults.census import encode_ranks
 
 WITHDRAWN, DEAD, REFUSED, CANCELLED = "withdrawn", "dead", "refused|", "cancelled"
 _POLL_MAX = 0.005
 
 
 def process_identity() -> dict[str, Any]:
-    """This process as a peer on this machine can check it (see ``liveness._Peer``)."""
-    pid = os.getpid()
-    start = _start_time(pid) or ""
-    return {"host": socket.gethostname(), "pid": pid, "machine": _MACHINE if start else "", "start": start}
+    """This process as a peer on this machine can check it (see ``procs.Peer``)."""
+    machine, pid, start = procs.this_process()
+    return {"host": socket.gethostname(), "pid": pid, "machine": machine, "start": start}
 
 
 def gone(record: dict[str, Any]) -> bool:
     """The joiner's process is known to be gone (only decidable on its own machine)."""
     machine = record.get("machine", "")
-    if not machine or machine != _MACHINE:
+    if not machine or machine != procs.MACHINE:
         return False
-    return _Peer("", 0, machine, int(record["pid"]), str(record["start"])).gone()
+    return procs.process_state(int(record["pid"]), str(record["start"])) == "gone"
 
 
 class Room:

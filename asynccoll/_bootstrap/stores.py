@@ -3,18 +3,22 @@ per-store creation lock that makes each rank build its communicators in order.""
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
 
+import anyio
 import torch.distributed as dist
 
 from .._backends.common import kind_of
 from .._base.aio import run_in_thread
 from .._base.errors import AsyncCollError, CollectiveTimeout, InvalidArgument
+from .._faults.service import Service, mark_host
 
 
 class _StoreCache:
@@ -24,15 +28,23 @@ class _StoreCache:
     "many communicators in one process" reuses the first store instead (each
     communicator still gets its own prefix). A store is dropped when no
     communicator built on it is alive.
+
+    A store whose server this process hosts (rank 0 without ``store=``) is
+    marked as such on the server (``mark_host``: peers name this rank if the
+    process dies), and before it is dropped, or at interpreter exit, the
+    liveness services of the other processes are told and acknowledge
+    (``Service.announce_leaving``): none of their requests meets a closed server.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._key_locks: dict[tuple[str, int], threading.Lock] = {}
-        self._stores: dict[tuple[str, int], list[Any]] = {}  # key -> [store, holders]
+        self._stores: dict[tuple[str, int], list[Any]] = {}  # key -> [store, holders, hosted here]
 
-    def acquire(self, key: tuple[str, int], create: Callable[[], Any]) -> Any:
-        """The store for ``key`` (made by ``create`` if none), with one hold taken. Blocking."""
+    def acquire(self, key: tuple[str, int], create: Callable[[], Any], hosted: bool = False) -> Any:
+        """The store for ``key`` (made by ``create`` if none), with one hold taken. Blocking.
+
+        ``hosted``: ``create`` makes the server, in this process."""
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:  # one creation per key; other keys proceed
@@ -42,8 +54,10 @@ class _StoreCache:
                     entry[1] += 1
                     return entry[0]
             store = create()
+            if hosted:
+                mark_host(store)
             with self._lock:
-                self._stores[key] = [store, 1]
+                self._stores[key] = [store, 1, hosted]
             return store
 
     def hold(self, key: tuple[str, int], owner: object) -> None:
@@ -58,10 +72,21 @@ class _StoreCache:
     def release(self, key: tuple[str, int]) -> None:
         with self._lock:
             entry = self._stores.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del self._stores[key]
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._stores[key]
+        if entry[2]:
+            Service.announce_leaving(entry[0])
+
+    def leave_all(self) -> None:
+        """At exit: tell the peers of every server this process still hosts."""
+        with self._lock:
+            hosted = [entry[0] for entry in self._stores.values() if entry[2]]
+        for store in hosted:
+            Service.announce_leaving(store)
 
     def __contains__(self, key: tuple[str, int]) -> bool:
         with self._lock:
@@ -69,6 +94,7 @@ class _StoreCache:
 
 
 STORES = _StoreCache()
+atexit.register(STORES.leave_all)
 
 # Creation of communicators on one store, per process, one at a time. Gloo's
 # constructor blocks inside the store client, which serves one request at a time:
@@ -117,6 +143,36 @@ def store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Exc
     )
 
 
+async def _server_listening(addr: str, port: int, timeout: float) -> None:
+    """Wait, on the loop, until something listens at ``addr:port``.
+
+    A TCPStore client constructor with no server retries inside C++ until its
+    timeout and prints a warning with a C++ stack trace per attempt, even when
+    the process has given up and is exiting; it is started only once the server
+    accepts connections (a bare connection, closed at once, leaves it silent).
+    """
+    try:
+        await anyio.getaddrinfo(addr, port)
+    except (OSError, UnicodeError) as exc:
+        raise InvalidArgument(f"master_addr {addr!r} does not resolve to an address: {exc}") from None
+    end = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        try:
+            with anyio.fail_after(max(0.001, min(1.0, end - time.monotonic()))):
+                stream = await anyio.connect_tcp(addr, port)
+            await stream.aclose()
+            return
+        except (OSError, TimeoutError):  # refused or unreachable: not up yet
+            if time.monotonic() >= end:
+                raise CollectiveTimeout(
+                    f"store at {addr}:{port}: the store server did not arrive within {timeout} s: nothing "
+                    "answered (is rank 0 running, and are master_addr/master_port right?)"
+                ) from None
+            await anyio.sleep(min(delay, max(0.0, end - time.monotonic())))
+            delay = min(delay * 2, 0.2)
+
+
 async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, tuple[str, int]]:
     """The process's TCPStore for ``addr:port`` (shared), with one hold taken for the caller."""
     # Under torchrun's agent the store already runs; every rank is a client.
@@ -137,10 +193,13 @@ async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: f
         except (dist.DistError, RuntimeError) as exc:  # DistNetworkError, DistStoreError
             raise store_error(exc, addr, port, timeout) from exc
 
+    end = time.monotonic() + timeout
+    if not is_server and key not in STORES:
+        await _server_listening(addr, port, timeout)
     try:
         # A hold the thread still takes after we stopped waiting is given back.
         store = await run_in_thread(
-            lambda: STORES.acquire(key, create), timeout, on_late=lambda _: STORES.release(key)
+            lambda: STORES.acquire(key, create, is_server), max(0.001, end - time.monotonic()), on_late=lambda _: STORES.release(key)
         )
     except AsyncCollError:
         raise

@@ -50,6 +50,7 @@ class Communicator:
         recover: Recover | None = None,
         diagnostics: Diagnosis | None = None,
         group: Elastic | None = None,
+        forget: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -69,7 +70,8 @@ class Communicator:
         self._ledger = ledger = Ledger(
             rank, deadlines=deadline_service(), on_abort=weakly(self._after_abort), recorder=self._diag.recorder
         )
-        self._parts = parts = Parts(ledger, self._backends, self._objects, self._diag)
+        # forget: close() then deletes the store keys, on the last rank to close (``_bootstrap``).
+        self._parts = parts = Parts(ledger, self._backends, self._objects, self._diag, forget)
         self._liveness: Membership | None = None
         if liveness is not None:
             self._liveness = parts.start_liveness(liveness, weakly(self._abort))
@@ -336,6 +338,8 @@ class Communicator:
             def done(value: Any, exc: BaseException | None) -> None:
                 if exc is None:
                     ledger.succeed(work, value)
+                elif isinstance(exc, CommAborted):  # typed already (a PeerFailure keeps its ranks)
+                    ledger.fail(work, exc)
                 else:
                     err = CommAborted(f"{op} (seq {seq}) failed: {exc}")
                     err.__cause__ = exc

@@ -15,12 +15,13 @@ store value or reply ever nears TCPStore's payload limit.
 from __future__ import annotations
 
 import pickle
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from .._base.errors import InvalidArgument
+from .._base import shutdown
+from .._base.errors import CommAborted, InvalidArgument
 
 # TCPStore refuses a value over 8 MiB ("Invalid payload size ... max: 8388608") by
 # dropping the client's connection, which breaks every user of that client (every
@@ -32,6 +33,8 @@ CHUNK = 4 << 20
 INLINE = 64 << 10
 _HEADER_BATCH = CHUNK // (INLINE + 32)
 _INLINE, _CHUNKED = b"i", b"c"
+#: While an object collective waits: how often it asks ``watch`` whether a peer died.
+_WATCH_EVERY = 0.02
 
 
 def poll_keys(store: Any, keys: list[str], deadline: float) -> bool:
@@ -58,36 +61,52 @@ def dumps(obj: Any) -> bytes:
 
 
 class ObjectChannel:
-    """Runs object collectives over ``store`` (a per-communicator prefix store)."""
+    """Runs object collectives over ``store`` (a per-communicator prefix store).
+
+    ``watch(ranks)``, when set, is asked now and then while an operation waits for
+    ``ranks`` to publish: an exception it returns (a peer proven dead, the store
+    gone) fails the operation at once instead of at its deadline.
+    """
 
     def __init__(self, store: Any, rank: int, world_size: int) -> None:
         self._store = store
         self._rank = rank
         self._world_size = world_size
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] | None = None
+        self._stopped = threading.Event()
+        self.watch: Callable[[list[int]], BaseException | None] | None = None
 
     def run(self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> None:
         """Run ``fn`` on the channel's thread, after every earlier call; report to ``done``."""
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="asynccoll-objects")
-            pool = self._pool
 
         def job() -> None:
             try:
+                if self._stopped.is_set():
+                    raise CommAborted("the communicator aborted before this object collective ran")
                 value = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the Work, raised where it is awaited
                 done(None, exc)
             else:
                 done(value, None)
 
-        pool.submit(job)
+        with self._lock:
+            if self._stopped.is_set():
+                done(None, CommAborted("the communicator aborted before this object collective ran"))
+                return
+            if self._jobs is None:
+                # A daemon thread of its own (a pool's worker would hold interpreter
+                # exit until a pending operation's deadline).
+                self._jobs = queue.SimpleQueue()
+                thread = threading.Thread(target=_serve, args=(self._jobs,), name="asynccoll-objects", daemon=True)
+                thread.start()
+                shutdown.native(thread)  # store calls
+            self._jobs.put(job)
 
     def all_gather(self, seq: int, payload: bytes, timeout: float) -> list[Any]:
         keys = [f"obj/{seq}/{r}" for r in range(self._world_size)]
         self._publish(keys[self._rank], payload)
-        self._wait(keys, timeout)
+        self._wait(keys, list(range(self._world_size)), timeout)
         headers: list[bytes] = []
         for i in range(0, len(keys), _HEADER_BATCH):
             headers += self._store.multi_get(keys[i : i + _HEADER_BATCH])
@@ -103,7 +122,7 @@ class ObjectChannel:
         if self._rank == src:
             assert payload is not None
             self._publish(key, payload)
-        self._wait([key], timeout)
+        self._wait([key], [src], timeout)
         header = self._store.get(key)
         value = self._fetch(key, header)
         self._release(seq, [key], [header])
@@ -126,10 +145,27 @@ class ObjectChannel:
             return header[1:]
         return b"".join(self._store.get(f"{key}/{i}") for i in range(_chunks(header)))
 
-    def _wait(self, keys: list[str], timeout: float) -> None:
-        if not poll_keys(self._store, keys, time.monotonic() + timeout):
-            missing = [k for k in keys if not self._store.check([k])]
-            raise TimeoutError(f"object collective: {missing} not published within {timeout} s")
+    def _wait(self, keys: list[str], ranks: list[int], timeout: float) -> None:
+        """Until every key exists (ranks[i] publishes keys[i]); polled like ``poll_keys``,
+        and between polls the communicator's abort and ``watch`` can end the wait."""
+        deadline = time.monotonic() + timeout
+        next_watch = time.monotonic() + _WATCH_EVERY
+        delay = 0.0005
+        while not self._store.check(keys):
+            if self._stopped.is_set():
+                raise CommAborted("the communicator aborted")
+            now = time.monotonic()
+            if now >= deadline:
+                missing = [k for k in keys if not self._store.check([k])]
+                raise TimeoutError(f"object collective: {missing} not published within {timeout} s")
+            watch = self.watch
+            if watch is not None and now >= next_watch:
+                next_watch = now + _WATCH_EVERY
+                error = watch([r for r, k in zip(ranks, keys) if not self._store.check([k])])
+                if error is not None:
+                    raise error
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
     def _release(self, seq: int, keys: list[str], headers: list[bytes]) -> None:
         """The last rank to have read the operation's keys deletes them all."""
@@ -142,11 +178,20 @@ class ObjectChannel:
             self._store.delete_key(f"obj/{seq}/read")
 
     def shutdown(self) -> None:
-        """Drop queued jobs; a job blocked in the store ends at its own timeout."""
+        """Fail queued jobs and the one waiting (at its next poll); the thread then ends."""
+        self._stopped.set()
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            jobs, self._jobs = self._jobs, None
+        if jobs is not None:
+            jobs.put(None)
+
+
+def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
 
 
 def _chunks(header: bytes) -> int:

@@ -44,13 +44,16 @@ class Parts:
     """The backends, liveness, object channel and diagnosis of one communicator."""
 
     def __init__(
-        self, ledger: Ledger, backends: dict[str | None, Backend], objects: ObjectChannel | None, diag: Diagnosis
+        self, ledger: Ledger, backends: dict[str | None, Backend], objects: ObjectChannel | None, diag: Diagnosis,
+        forget: Callable[[], None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.backends = backends
         self.objects = objects
         self.diag = diag
         self.liveness: Membership | None = None
+        #: ``close()``'s last step: the last rank to close deletes the communicator's store keys.
+        self.forget = forget
         for backend in backends.values():
             backend.bind(ledger)
 
@@ -59,6 +62,8 @@ class Parts:
         liveness = self.liveness = factory(on_failure)
         for backend in self.backends.values():
             backend.census = liveness.census
+        if self.objects is not None:  # a peer that dies meanwhile fails an object collective at once
+            self.objects.watch = liveness.failure_among
         liveness.start()
         return liveness
 
@@ -83,13 +88,16 @@ class Parts:
 
     async def close(self) -> None:
         """The communicator closed (every op settled): stop and release everything, off the loop."""
-        if self.liveness is not None:
-            self.liveness.stop()
+        liveness = self.liveness
+        if liveness is not None:
+            await run_in_thread(liveness.goodbye, None, name="asynccoll-close")
         if self.objects is not None:
             self.objects.shutdown()
         for backend in self.backends.values():
             await run_in_thread(backend.close, None, name="asynccoll-close")
         await run_in_thread(self.diag.closed, None, name="asynccoll-close")  # the timeline to trace_dir
+        if self.forget is not None and (liveness is None or liveness.failure() is None):  # (a store still there)
+            await run_in_thread(self.forget, None, name="asynccoll-close")
 
     def collected(self) -> None:
         """The communicator was dropped without ``close()``: stop everything, never block.

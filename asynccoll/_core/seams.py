@@ -64,7 +64,11 @@ class Membership(Protocol):
 
     def start(self) -> None: ...
 
-    def stop(self) -> None: ...
+    def stop(self) -> None:
+        """Leave (never blocks): the goodbye is written by the service."""
+
+    def goodbye(self) -> None:
+        """``close()``: say goodbye now (blocking, bounded), then leave."""
 
     def publish_abort(self, error: BaseException) -> None:
         """Tell the other ranks this communicator aborted (never blocks)."""
@@ -72,8 +76,15 @@ class Membership(Protocol):
     def record(self) -> tuple[int, ...] | None:
         """The failed set every survivor agreed on, or None (blocking: store reads)."""
 
-    def probe(self, ranks: list[int], *, eliminate: bool) -> tuple[int, ...]:
-        """Which of ``ranks`` failed (blocking, bounded)."""
+    def probe(self, ranks: list[int]) -> tuple[int, ...]:
+        """Which of ``ranks`` failed, on proof (blocking, bounded)."""
+
+    def failure(self) -> BaseException | None:
+        """The error for an operation that needs the store when the store is gone, else None."""
+
+    def failure_among(self, ranks: list[int]) -> BaseException | None:
+        """For an operation waiting on ``ranks`` through the store: the error to fail it with
+        once one of them is proven dead or the store is gone; None while they may still come."""
 
     def hold(self) -> None:
         """Keep answering the peers' census while the communicator is rebuilt."""

@@ -84,7 +84,9 @@ def mismatch(seqs: dict[int, int], fps: dict[int, str], *, me: int, what: str | 
     """The error for one unit whose fingerprints differ (``seqs``/``fps`` by rank)."""
     decoded = {r: decode(fp) for r, fp in fps.items()}
     seq = seqs[me]
-    mine = decoded[me]
+    # Named after the lowest rank's op, not this rank's: every rank writes the same
+    # text (a rank may learn the mismatch from a peer's abort news instead).
+    mine = decoded[min(decoded)]
     name = what or (mine[0]["op"] if len(mine) == 1 else f"coalesced batch of {len(mine)}")
     counts = {r: len(d) for r, d in decoded.items()}
     fields: list[str] = []

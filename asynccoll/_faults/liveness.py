@@ -1,320 +1,79 @@
-"""Liveness through the rendezvous store: heartbeats, naming failed ranks, abort news.
+"""Liveness of one communicator's ranks: heartbeats, naming failed ranks, abort news.
 
-One process-wide service per store server (not one thread per communicator)
-serves every communicator of the process with two threads:
-
-* the **beater** bumps each communicator's counter ``hb/<rank>`` every
-  ``interval`` seconds, runs heartbeat detection and publishes abort news;
-* the **answerer** sits in a blocking ``queue_pop`` on the process's inbox, on a
-  store connection of its own, and answers census requests the moment they
-  arrive (it does nothing else, so an answer never waits for a beat, a user
-  thread or a busy store client); pushed abort news is handed to the beater.
-
-The service holds its communicators through weak references: a communicator
-dropped without ``close()`` stops beating once it is collected, and the threads
-end when no communicator uses them.
-
-What it is for:
+Each communicator has one :class:`Liveness` member in its process's
+:class:`~.service.Service` (one per store server, shared by the process's
+communicators). What it is for:
 
 * **census** — when a backend reports that *a* peer failed (Gloo: a closed
-  connection) without saying which, ``census()`` names it. A peer on this
-  machine (same kernel and pid namespace, published under ``proc/<rank>``) whose
-  process is gone from the process table is dead: exact, at once. Every peer
-  also gets a census request in its inbox; live peers answer within
-  milliseconds. When no process is known gone, every peer but one has answered,
-  and that one runs on another machine with the request still unread in its
-  inbox for ``ELIMINATE_AFTER`` (a live process's answerer takes it at once,
-  inside one C++ store call that needs no GIL), that peer is the one that died:
-  the transport error proved that someone did. Otherwise the census waits the
-  full ``misses`` x ``interval`` bound, where any sign of life (an answer, a
-  taken request, a moving heartbeat) keeps a rank alive. The first census result is
-  recorded under ``failure`` (first writer wins), so every survivor names the
-  same ranks and ``shrink()`` can build on them without another agreement round.
+  connection) without saying which, ``census()`` names it, from proof of death
+  only (see ``procs``): a peer on this machine whose process is gone from the
+  process table, or a peer elsewhere whose kernel refuses a TCP connection to
+  its pulse socket (or, when its machine does not answer at all, for the
+  ``misses`` x ``interval`` bound). A live process is never named, whether or
+  not it gets the CPU or the GIL. The first census result is recorded under
+  ``failure`` (first writer wins), so every survivor names the same ranks and
+  ``shrink()`` can build on them without another agreement round.
 * **detection** (``detect=True``; the default for NCCL, which hangs on a dead
-  peer instead of failing) — a rank whose counter has not moved for ``misses``
-  intervals, and that then shows no sign of life to a census probe (at once
-  for a gone or stopped process on this machine, else for as long again), is
-  declared failed, and ``on_failure`` receives a ``PeerFailure``;
+  peer instead of failing) — each rank beats a counter ``hb/<rank>`` and watches
+  a few other ranks' counters (``watched``: at most ``WATCH``, spread over the
+  ring), so a beat costs every rank two store requests whatever the world size.
+  A watched rank whose counter has not moved for ``misses`` of the watcher's own
+  beats (and for ``misses`` x ``interval``), that has not said goodbye, and
+  whose process then shows proof of death (or, on this machine, is stopped) is
+  declared failed; the census then names every failed rank, and ``on_failure``
+  receives a ``PeerFailure``.
 * **abort news** — ``publish_abort()`` writes the reason under ``aborted`` and
-  pushes it into every peer's inbox; their services turn it into a local abort at
-  once (the ``aborted`` key is also read at each beat, as a fallback).
+  sends it to every peer's pulse socket; their services turn it into a local
+  abort at once (``aborted`` is also read at each beat, as a fallback).
 
-A frozen (SIGSTOPped) peer looks dead to heartbeats and, once frozen longer than
-the bound, to the census too; one that resumes within the bound is not named.
-Without detection (Gloo's default) it is caught by the operation deadline, as
+A frozen (SIGSTOPped) peer on this machine counts as failed to detection (it
+would hang NCCL), never to the census; elsewhere a frozen process cannot be
+told from a busy one and is caught by the operation deadline, as
 ``CollectiveTimeout``.
 
-Store calls made by user-facing threads never use a blocking ``wait``: a torch
-store client serialises its requests, so one long wait would stall every other
-thread using it. Only the answerer blocks, on its own connection.
+When the store server goes away (its host died, or closed it after telling the
+service), the members stop using it; a host that died while it was a rank of
+this communicator is a ``PeerFailure`` naming that rank.
 """
 
 from __future__ import annotations
 
-import atexit
-import collections
 import itertools
-import os
-import socket
 import threading
 import time
-import uuid
 import weakref
-from datetime import timedelta
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
+from .._base import shutdown
 from .._base.errors import CommAborted, PeerFailure
+from . import procs
+from .census import Roster, decode_ranks, encode_ranks
+from .service import Service, StoreHost, root_of
 
-#: Peers on another machine (no process table to read): how long the one
-#: silent peer's request must stay unread before elimination names it. A live
-#: process's answerer is parked in ``queue_pop`` (a C++ store call that waits and
-#: pops without the GIL) except for the few hundred microseconds it takes to
-#: answer one message, so its inbox empties within a scheduler wake-up (answers
-#: take 0.2-2 ms here). Measured on this 2-core machine at a load average of 17
-#: (two CPU hogs and the test suite of six engineers), 0.3 % of back-to-back
-#: probes still saw a live peer's request unread after 20 ms: this is the one
-#: verdict that rests on timing, hence 50 ms, and only for remote peers.
-ELIMINATE_AFTER = 0.05
-_POLL = 0.002
+#: How many ranks each rank watches with heartbeat detection.
+WATCH = 3
 _COUNT = itertools.count(1)
+#: How often a blocked object collective knocks on silent peers elsewhere.
+_KNOCK_EVERY = 0.25
+#: Without heartbeat detection, how often the store is read for abort news (the
+#: pulse brings it at once; this only backs it up). Few requests in flight means
+#: few that a store host dying at that instant would fail (each prints a C++ trace).
+_FALLBACK_EVERY = 2.0
+#: The host rank writes ``host`` as it starts; after this the others stop looking.
+_HOST_KNOWN_AFTER = 5.0
+#: Store errors: torch raises DistError subclasses (or RuntimeError) for a broken store.
+_STORE_ERRORS = (RuntimeError, ValueError)
 
 
-def encode_ranks(ranks: Any) -> str:
-    """``"1,3"``; ``"none"`` for an empty set (a census that found everyone alive)."""
-    text = ",".join(str(r) for r in sorted(set(ranks)))
-    return text or "none"
-
-
-def decode_ranks(raw: bytes | str) -> tuple[int, ...]:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    if text in ("", "none"):
-        return ()
-    return tuple(sorted({int(x) for x in text.split(",")}))
-
-
-def _root(store: Any) -> Any:
-    """The store under every ``PrefixStore`` layer (the connection to the server)."""
-    while True:
-        under = getattr(store, "underlying_store", None)
-        if under is None:
-            return store
-        store = under
-
-
-def _root_key(root: Any) -> Any:
-    host, port = getattr(root, "host", None), getattr(root, "port", None)
-    return (host, port) if host is not None and port is not None else ("id", id(root))
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:  # no such file: not Linux, or the process is gone
-        return None
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time (``/proc/<pid>/stat`` field 22), None if unreadable."""
-    stat = _read_text(f"/proc/{pid}/stat")
-    if stat is None:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _machine() -> str:
-    """Who can read this process's entry in the process table: kernel boot and pid namespace.
-
-    Two ranks with the same value run on one kernel in one pid namespace, so each
-    can tell whether the other's process still exists. Empty where unknown.
-    """
-    boot = _read_text("/proc/sys/kernel/random/boot_id")
-    try:
-        ns = os.readlink("/proc/self/ns/pid")
-    except OSError:  # no /proc: no process checks
-        return ""
-    return f"{boot.strip()}/{ns}" if boot else ""
-
-
-_MACHINE = _machine()
-
-
-class _Peer(NamedTuple):
-    """What a rank published about its process under ``proc/<rank>``."""
-
-    inbox: str
-    mid: int
-    machine: str
-    pid: int
-    start: str
-
-    def state(self) -> str:
-        """``"gone"`` (exited, killed, a zombie, or its pid reused), ``"stopped"``
-        (SIGSTOP), or ``"running"``. Only meaningful for a peer on this machine
-        (``machine == _MACHINE``)."""
-        stat = _read_text(f"/proc/{self.pid}/stat")
-        if stat is None:
-            return "gone"
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] in ("Z", "X", "x") or fields[19] != self.start:
-            return "gone"
-        return "stopped" if fields[0] == "T" else "running"
-
-    def gone(self) -> bool:
-        return self.state() == "gone"
-
-
-class _Service:
-    """The liveness threads of this process for one store server (see the module docstring)."""
-
-    _lock = threading.Lock()
-    _services: dict[Any, _Service] = {}
-
-    @classmethod
-    def join(cls, member: Liveness) -> _Service:
-        key = _root_key(member._root)
-        with cls._lock:
-            svc = cls._services.get(key)
-            if svc is None or svc._closing:
-                svc = cls._services[key] = _Service(key, member._root)
-            svc._members[member._id] = weakref.ref(member)
-            svc._wake.set()
-            return svc
-
-    @classmethod
-    def threads(cls) -> int:
-        """Live service threads of this process (for tests)."""
-        with cls._lock:
-            services = list(cls._services.values())
-        return sum(t.is_alive() for s in services for t in (s._beater, s._answerer) if t is not None)
-
-    def __init__(self, key: Any, root: Any) -> None:
-        self._key = key
-        self._root = root
-        self._members: dict[int, weakref.ref[Liveness]] = {}
-        #: Members with abort news not yet published: held strongly until it is out,
-        #: so a communicator dropped right after its abort still tells its peers.
-        self._publishing: set[Liveness] = set()
-        self._holds = 0
-        self._closing = False
-        self._wake = threading.Event()
-        self._news: collections.deque[tuple[int, str]] = collections.deque()
-        self.uid = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.inbox: str | None = f"asynccoll/inbox/{self.uid}"
-        self._answerer: threading.Thread | None = None
-        try:
-            conn = root.clone()
-            conn.set_timeout(timedelta(days=1))
-        except Exception:  # noqa: BLE001 - a store without clone/timeouts: census falls back to heartbeats
-            self.inbox = None
-        else:
-            self._answerer = threading.Thread(
-                target=self._answer, args=(conn,), name="asynccoll-liveness-answerer", daemon=True
-            )
-            self._answerer.start()
-        self._beater = threading.Thread(target=self._beat_loop, name="asynccoll-liveness", daemon=True)
-        self._beater.start()
-
-    def hold(self) -> None:
-        """Keep the service (and this process's census answers) up without a member."""
-        with _Service._lock:
-            self._holds += 1
-
-    def release(self) -> None:
-        with _Service._lock:
-            self._holds -= 1
-        self._wake.set()
-
-    # ------------------------------------------------------------ answerer
-    def _answer(self, conn: Any) -> None:
-        inbox = self.inbox
-        assert inbox is not None
-        while True:
-            try:
-                text = conn.queue_pop(inbox).decode(errors="replace")
-                kind, _, rest = text.partition("|")
-                if kind == "c":  # census: say "alive" to the requester's reply queue
-                    conn.queue_push(rest, inbox)
-                elif kind == "a":  # abort news for one member: the beater delivers it
-                    mid, _, raw = rest.partition("|")
-                    self._news.append((int(mid), raw))
-                    self._wake.set()
-                elif kind == "s":
-                    return
-            except Exception:  # noqa: BLE001 - the store server is gone (its host died) or the inbox broke
-                return
-
-    # -------------------------------------------------------------- beater
-    def _live_members(self) -> list[Liveness]:
-        out = []
-        for mid, ref in list(self._members.items()):
-            m = ref()
-            if m is None:
-                self._members.pop(mid, None)
-            else:
-                out.append(m)
-        return out
-
-    def _beat_loop(self) -> None:
-        while True:
-            self._wake.wait(self._next_wait())
-            self._wake.clear()
-            if not self._round():
-                self._shutdown()
-                return
-
-    def _round(self) -> bool:
-        """Deliver news and beat for every member that is due. False: the service ends.
-
-        A method of its own so that no member outlives it in a local variable of
-        the loop (a dropped communicator's membership must end when it is collected).
-        """
-        with _Service._lock:
-            members = self._live_members()
-            if not members and self._holds <= 0 and not self._news:
-                self._closing = True
-                if _Service._services.get(self._key) is self:
-                    del _Service._services[self._key]
-                return False
-        while self._news:
-            mid, raw = self._news.popleft()
-            ref = self._members.get(mid)
-            member = ref() if ref is not None else None
-            if member is not None:
-                member._deliver(raw)
-        now = time.monotonic()
-        for m in members:
-            if m._due <= now or m._urgent:
-                m._due = now + m.interval
-                if not m._tick():
-                    self._members.pop(m._id, None)
-        return True
-
-    def _next_wait(self) -> float:
-        dues = [m._due for m in self._live_members()]
-        if not dues:
-            return 0.05
-        return max(0.0, min(dues) - time.monotonic())
-
-    def _shutdown(self) -> None:
-        if self._answerer is not None and self.inbox is not None:
-            try:
-                self._root.queue_push(self.inbox, "s")
-            except Exception:  # noqa: BLE001 - the server is gone: the answerer has ended already
-                return
-
-    @classmethod
-    def _stop_all(cls) -> None:
-        """At exit: end the answerers while the interpreter can still run them."""
-        with cls._lock:
-            services = list(cls._services.values())
-        for svc in services:
-            svc._shutdown()
-            if svc._answerer is not None:
-                svc._answerer.join(0.5)
-
-
-atexit.register(_Service._stop_all)
+def watched(rank: int, world_size: int) -> list[int]:
+    """The ranks ``rank`` watches: its successor and two more a third of the ring apart
+    (a block of consecutive ranks that dies together, one node, is still watched)."""
+    out: list[int] = []
+    for offset in (1, 1 + world_size // 3, 1 + (2 * world_size) // 3):
+        r = (rank + offset) % world_size
+        if r != rank and r not in out:
+            out.append(r)
+    return out[:WATCH]
 
 
 class Liveness:
@@ -332,54 +91,100 @@ class Liveness:
         misses: int = 3,
     ) -> None:
         self._store = store
-        self._root = _root(store)
+        self.root = root_of(store)
         self._rank = rank
         self._world_size = world_size
         self.interval = interval
         self.detect = detect
         self._misses = misses
         self._on_failure = on_failure
-        self._id = next(_COUNT)
+        self.id = next(_COUNT)
         self._closed = False  # close(): say goodbye, leave the service
-        self._aborted = False  # no more news or detection; still beats and answers
-        self._urgent = False
-        self._due = 0.0
-        self._abort_reason: str | None = None
+        self._aborted = False  # no more news or detection; still beats until closed
+        self.urgent = False
+        self.due = 0.0
         self._lock = threading.Lock()
-        self._last: dict[int, tuple[int, float]] = {}
+        self._abort_reason: str | None = None
+        self._left_service = False
+        self._said_bye = False
         self._dead: set[int] = set()
         self._census_lock = threading.Lock()
         self._census: tuple[int, ...] | None = None
-        self._peers: dict[int, _Peer] | None = None
-        self._service: _Service | None = None
+        self._roster = Roster(store, rank, world_size, self._store_usable)
+        self._service: Service | None = None
+        self._watch = watched(rank, world_size) if detect else []
+        self._seen: dict[int, tuple[bytes, float, int]] = {}
+        self._last_tick = 0.0
+        #: Why the store can no longer be used, or None.
+        self.store_gone: str | None = None
+        self._host_rank: int | None = None
+        self._knocked = 0.0
+        self._started = time.monotonic()
+        self._next_read = 0.0
 
     @property
     def bound(self) -> float:
         """Seconds of silence after which a rank counts as failed."""
         return self._misses * self.interval
 
+    @property
+    def dead(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(sorted(self._dead))
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self._world_size) if r != self._rank]
+
+    # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Beat once, join the process's service, and publish this rank's inbox."""
-        now = time.monotonic()
-        others = self._others()
-        try:
-            self._last = {r: (self._read(r), now) for r in others}
-        except Exception:  # noqa: BLE001 - counted from the next beat on
-            self._last = {r: (-1, now) for r in others}
-        self._beat()
-        self._due = now + self.interval
-        svc = _Service.join(self)
+        """Join the process's service, create this rank's keys and publish its process."""
+        self.due = time.monotonic() + 3600.0  # not beaten before its keys exist (a read would wait for them)
+        svc = Service.join(self)
         self._service = svc
-        if svc.inbox is not None:
-            pid = os.getpid()  # (not at import: a forked process inherits the module)
-            started = _start_time(pid) or ""
-            machine = _MACHINE if started else ""
-            self._store.set(f"proc/{self._rank}", f"{svc.inbox}|{self._id}|{machine}|{pid}|{started}")
+        store = self._store
+        if self.detect:
+            store.add(f"hb/{self._rank}", 1)
+            for r in self._watch:
+                store.add(f"hb/{r}", 0)  # exists from now on: a beat reads them in one request
+        store.compare_set("aborted", "", "")  # empty: no news; read at every beat
+        store.compare_set("host", "", "")
+        machine, pid, started = procs.this_process()
+        host, port = svc.pulse.address if svc.pulse is not None else ("", 0)
+        store.set(f"proc/{self._rank}", procs.Peer(self.id, machine, pid, started, host, port).encode())
+        if svc.host.here:
+            store.set("host", str(self._rank))  # this process hosts the store: peers name it if it dies
+        self._last_tick = time.monotonic()
+        self.due = self._last_tick + self.interval
+        svc.wake()
 
     def stop(self) -> None:
-        """Stop beating (the service says goodbye for this rank). Never blocks."""
+        """Stop beating: the service says goodbye for this rank, then drops it. Never blocks."""
         self._closed = True
-        self._wake()
+        self._keep()
+
+    def goodbye(self) -> None:
+        """``close()``: say goodbye now (blocking, one store request), then leave the service."""
+        self._closed = True
+        if self._store_usable() and not shutdown.exiting():
+            try:
+                self._store.set(f"bye/{self._rank}", "1")
+            except _STORE_ERRORS:  # the store failed meanwhile: the service notices
+                pass
+        with self._lock:
+            self._said_bye = True
+        self._keep()
+
+    def hold(self) -> None:
+        """Keep this process's service (its pulse, which the peers' census knocks on) up, even
+        once this member has stopped, until :meth:`release`: ``shrink`` holds it while the
+        survivors rebuild."""
+        if self._service is not None:
+            self._service.hold()
+
+    def release(self) -> None:
+        """Undo one :meth:`hold`."""
+        if self._service is not None:
+            self._service.release()
 
     def publish_abort(self, error: BaseException) -> None:
         """Tell the other ranks this communicator aborted (done by the service, not the caller).
@@ -388,87 +193,216 @@ class Liveness:
         which ranks to leave out when it shrinks.
         """
         ranks = ",".join(map(str, error.ranks)) if isinstance(error, PeerFailure) else "-"
-        self._abort_reason = f"{self._rank}|{ranks}|{error}"
-        self._aborted = True
-        svc = self._service
-        if svc is not None:
-            with _Service._lock:
-                svc._publishing.add(self)
-        self._wake()
-
-    def hold(self) -> None:
-        """Keep this process's service (its census answers) up, even once this member has
-        stopped, until :meth:`release`: ``shrink`` holds it while the survivors rebuild."""
-        svc = self._service
-        if svc is not None:
-            svc.hold()
-
-    def release(self) -> None:
-        """Undo one :meth:`hold`."""
-        svc = self._service
-        if svc is not None:
-            svc.release()
-
-    @property
-    def dead(self) -> tuple[int, ...]:
         with self._lock:
-            return tuple(sorted(self._dead))
+            self._abort_reason = f"{self._rank}|{ranks}|{error}"
+            self._aborted = True
+        self._keep()
 
-    def _wake(self) -> None:
-        self._urgent = True
+    def _keep(self) -> None:
+        """Have the service run this member until its news and goodbye are out, even
+        after it left the service (a close may have raced ahead of the abort)."""
+        if shutdown.exiting():
+            return  # the interpreter exits: no thread starts, no goodbye is written
+        with self._lock:
+            rejoin = self._left_service or self._service is None
+            self._left_service = False
+            svc = Service.join(self) if rejoin else self._service
+            assert svc is not None
+            self._service = svc
+            self.urgent = True
+            svc.keep(self)
+
+    # ------------------------------------------------------------- the beat
+    def tick(self, store_gone: bool) -> bool:
+        """One beat (service thread). False when this member leaves the service.
+
+        An aborted communicator keeps beating (its process is alive) until it is
+        closed or collected.
+        """
+        self.urgent = False
+        if shutdown.exiting():
+            return True  # no store call while the interpreter exits
+        with self._lock:
+            reason, self._abort_reason = self._abort_reason, None
+        try:
+            if reason is not None:
+                self._publish(reason, store_gone)
+            if self._closed:
+                if not store_gone and not self._said_bye:
+                    self._store.set(f"bye/{self._rank}", "1")
+                    self._said_bye = True
+                with self._lock:
+                    if self._abort_reason is not None:
+                        return True  # news arrived meanwhile: out at the next round
+                    self._left_service = True
+                    if self._service is not None:
+                        self._service.leave(self)
+                return False
+            if store_gone:
+                return True
+            now = time.monotonic()
+            starved = now - self._last_tick > 2 * self.interval + 0.5
+            self._last_tick = now
+            if not self.detect and self._host_rank is not None and now < self._next_read:
+                return True  # abort news comes to the pulse; the store is read now and then only
+            self._next_read = now + _FALLBACK_EVERY
+            if self.detect:
+                self._store.add(f"hb/{self._rank}", 1)
+            values = self._store.multi_get(["aborted", "host"] + [f"hb/{r}" for r in self._watch])
+            if values[1]:
+                self._host_rank = int(values[1])
+            elif now - self._started > _HOST_KNOWN_AFTER:
+                self._host_rank = -1  # not hosted by a rank of this communicator
+            if values[0] and not self._aborted:
+                self.deliver(values[0].decode(errors="replace"))
+            elif self.detect and not self._aborted:
+                self._check(values[2:], now, starved)
+        except _STORE_ERRORS as exc:  # the store server is gone or broken
+            svc = self._service
+            if svc is not None and self.store_gone is None:
+                svc.lose_store(f"the rendezvous store failed: {exc}", died=True)
+            return not self._closed
+        return True
+
+    def _check(self, values: list[bytes], now: float, starved: bool) -> None:
+        """Heartbeat detection over the watched ranks (service thread)."""
+        stale = []
+        for r, value in zip(self._watch, values):
+            seen = self._seen.get(r)
+            if seen is None or value != seen[0] or starved:
+                # A move, or this process did not run for a while: count afresh.
+                self._seen[r] = (value, now, 0)
+                continue
+            old, since, count = seen
+            self._seen[r] = (old, since, count + 1)
+            if count + 1 >= self._misses and now - since > self.bound:
+                stale.append(r)
+        stale = [r for r in stale if not self._left(r)]
+        if not stale:
+            return
+        dead = self.probe(stale, stopped_failed=True)
+        if not dead:
+            for r in stale:  # alive (busy, starved of CPU, holding its GIL): count afresh
+                self._seen[r] = (self._seen[r][0], time.monotonic(), 0)
+            return
+        with self._lock:
+            self._dead.update(dead)
+        ranks = self._census_once() or dead
+        self._declare(PeerFailure(
+            f"no heartbeat from rank(s) {list(dead)} for {self._misses} x {self.interval:g} s", ranks
+        ))
+
+    def _declare(self, failure: BaseException) -> None:
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            if isinstance(failure, PeerFailure):
+                self._dead.update(failure.ranks)
+        self._on_failure(failure)
+
+    def deliver(self, raw: str) -> None:
+        """A peer's abort news (service thread)."""
+        if self._aborted:
+            return
+        news = _abort_news(raw)
+        self._declare(news)
+
+    def _publish(self, reason: str, store_gone: bool) -> None:
+        if not store_gone:
+            if self._store.compare_set("aborted", "", reason).decode(errors="replace") != reason:
+                return  # a peer's abort came first: every rank has that news already
+        peers = self._roster.cache if store_gone else self.peers()
+        by_process: dict[tuple[str, int], list[int]] = {}  # one message per peer process
+        for p in peers.values():
+            if p.address is not None and not (p.local and p.state() == "gone"):
+                by_process.setdefault(p.address, []).append(p.mid)
+        targets = {
+            i: (address, f"a|{','.join(map(str, mids))}|{reason}")
+            for i, (address, mids) in enumerate(by_process.items())
+        }
+        procs.deliver_all(targets, 1.0, ack=False)
+
+    # --------------------------------------------------------- the store lost
+    def store_lost(self, why: str, died: bool, host: StoreHost) -> None:
+        """The store can no longer be used (service thread). ``died``: its host
+        process is gone without closing it: a failure of the rank it was, if any."""
+        self.store_gone = why
+        if self._closed or self._aborted or not died:
+            return
+        rank = self._host_of(host)
+        if rank is not None:
+            self._declare(PeerFailure(f"rank {rank} hosted the rendezvous store and is gone: {why}", (rank,)))
+        else:
+            self._declare(CommAborted(why))
+
+    def _host_of(self, host: StoreHost) -> int | None:
+        if self._host_rank is not None:
+            return self._host_rank if self._host_rank >= 0 else None
+        for r, p in self._roster.cache.items():
+            if host.pid and p.same_process(host.machine, host.pid, host.start):
+                return r
+        return None
+
+    def _store_usable(self) -> bool:
         svc = self._service
         if svc is not None:
-            svc._wake.set()
+            svc.check_host()
+        return self.store_gone is None
 
-    # ---------------------------------------------------------------- store
-    def _beat(self) -> None:
-        self._store.add(f"hb/{self._rank}", 1)
+    def failure(self) -> BaseException | None:
+        """The error for an operation that needs the store when it is gone, else None."""
+        self._store_usable()
+        why = self.store_gone
+        if why is None:
+            return None
+        svc = self._service
+        rank = self._host_of(svc.host) if svc is not None else None
+        if rank is not None and svc is not None and not svc.host_left:
+            return PeerFailure(f"rank {rank} hosted the rendezvous store and is gone: {why}", (rank,))
+        return CommAborted(
+            f"{why}: the store must outlive the ranks that use it (host it apart: python -m asynccoll.store, "
+            "or torchrun's agent)"
+        )
 
-    def _read(self, rank: int) -> int:
-        return int(self._store.add(f"hb/{rank}", 0))
-
-    def _others(self) -> list[int]:
-        return [r for r in range(self._world_size) if r != self._rank]
+    # ---------------------------------------------------------------- peers
+    def peers(self, ranks: list[int] | None = None) -> dict[int, procs.Peer]:
+        """What each peer (of ``ranks``, default all) published about its process."""
+        return self._roster.peers(ranks)
 
     def _left(self, rank: int) -> bool:
-        """``rank`` closed or aborted on its own: alive, not failed (its sockets may close)."""
-        store = self._store
-        if store.check([f"bye/{rank}"]):
-            return True
-        return bool(store.check(["aborted"])) and store.get("aborted").split(b"|", 1)[0] == str(rank).encode()
+        return self._roster.left(rank)
 
-    def peers(self) -> dict[int, _Peer]:
-        """What each peer that published one said about its process (see ``start``)."""
-        if self._peers is not None:
-            return self._peers
-        found: dict[int, _Peer] = {}
-        for r in self._others():
-            key = f"proc/{r}"
-            if self._store.check([key]):
-                inbox, mid, machine, pid, start = self._store.get(key).decode().split("|")
-                found[r] = _Peer(inbox, int(mid), machine, int(pid), start)
-        if len(found) == self._world_size - 1:
-            self._peers = found
-        return found
+    def probe(
+        self, ranks: list[int], *, bound: float | None = None, stopped_failed: bool = False,
+        eliminate: bool = False,
+    ) -> tuple[int, ...]:
+        """Which of ``ranks`` failed, on proof only (``Roster.probe``; at most about ``bound``
+        seconds, default the detection bound)."""
+        return self._roster.probe(
+            ranks, bound=self.bound if bound is None else bound, stopped_failed=stopped_failed, eliminate=eliminate
+        )
 
     # ---------------------------------------------------------------- census
     def record(self) -> tuple[int, ...] | None:
         """The failed set every survivor agreed on (first census result), or None."""
-        if not self._store.check(["failure"]):
+        if self.store_gone is not None or not self._store.check(["failure"]):
             return None
         return decode_ranks(self._store.get("failure"))
 
     def _agree(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
         """Record ``ranks`` as the failure unless a census recorded one first; the record."""
+        if self.store_gone is not None:
+            return ranks
         return decode_ranks(self._store.compare_set("failure", "", encode_ranks(ranks)))
 
     @property
     def census(self) -> Callable[[], tuple[int, ...]]:
         """``census()``: the ranks that failed, as every survivor names them.
 
-        Called after a transport error proved that some peer failed (see the module
-        docstring). Only the first call works; later ones (another thread, the same
-        failure) reuse the answer. Store errors make it return what is known so far.
+        Called after a transport error proved that some peer failed. Only the
+        first call works; later ones (another thread, the same failure) reuse the
+        answer. Store errors make it return what is known so far.
 
         The callable holds this object weakly: a backend keeps it, and must not keep
         a dropped communicator's membership (and its heartbeats) alive.
@@ -491,6 +425,16 @@ class Liveness:
 
     def _take_census(self) -> tuple[int, ...]:
         known = self.dead
+        if self._closed:
+            # A transport error after close() (an aborted op that Gloo ended only now):
+            # nobody needs the answer, and the keys may be gone (``forget``), so that a
+            # read would wait for them and block the process's store client.
+            return known
+        if not self._store_usable():
+            svc = self._service
+            host = self._host_of(svc.host) if svc is not None and not svc.host_left else None
+            gone = procs.gone_among(self._roster.cache.items())
+            return tuple(sorted(set(known) | set(gone) | ({host} if host is not None else set())))
         try:
             recorded = self.record()
             if recorded is not None:
@@ -502,168 +446,39 @@ class Liveness:
                 # Another survivor is counting: wait for its record (it may die too,
                 # then count ourselves).
                 end = time.monotonic() + self.bound + 1.0
+                delay = 0.002
                 while time.monotonic() < end:
                     recorded = self.record()
                     if recorded is not None:
                         return recorded
-                    time.sleep(_POLL)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
             return self._agree(self.probe(self._others(), eliminate=True))
-        except Exception:  # noqa: BLE001 - the store is unreachable: say what is known
+        except _STORE_ERRORS:  # the store is unreachable: say what is known
             return known
 
-    def probe(
-        self, ranks: list[int], *, eliminate: bool, bound: float | None = None, stopped_failed: bool = False
-    ) -> tuple[int, ...]:
-        """Which of ``ranks`` failed (blocking; at most ``bound`` seconds).
-
-        Proof of death: the rank's process is gone from this machine's process
-        table (a peer on the same kernel and pid namespace; exact, at once). Signs
-        of life: an answer to the census request, the request taken from the
-        rank's inbox by its answerer, a moving heartbeat, a goodbye; a rank with
-        none of them for ``bound`` seconds counts as failed. ``eliminate``: some
-        peer is known to have failed (a transport error), so when no process is
-        known gone, every rank but one answered, and that one is on another
-        machine with its request unread for ``ELIMINATE_AFTER`` seconds, it is
-        named at once; a rank that closed or aborted on its own (its sockets close
-        too) is then not a failure either. Without it (shrink watching its
-        survivors) only the process's own signs count. ``stopped_failed``: a peer
-        on this machine that is stopped (SIGSTOP) counts as failed at once
-        (heartbeat detection, which already saw it silent for a bound).
-        """
-        bound = self.bound if bound is None else bound
-        left = self._left if eliminate else (lambda r: False)
-        root, svc = self._root, self._service
-        peers = self.peers() if svc is not None and svc.inbox is not None else {}
-        reply = f"asynccoll/reply/{svc.uid if svc else os.getpid()}/{next(_COUNT)}"
-        owner_of = {}
-        for r in ranks:
-            if r in peers:
-                root.queue_push(peers[r].inbox, f"c|{reply}")
-                owner_of[peers[r].inbox] = r
-        local = {r: peers[r] for r in ranks if r in peers and peers[r].machine and peers[r].machine == _MACHINE}
-        start = time.monotonic()
-        hb = {r: self._read(r) for r in ranks}
-        alive: set[int] = set()
-        gone: set[int] = set()
-        alone_since: float | None = None
-        next_hb = start + self.interval / 2
-        while True:
-            while owner_of and root.queue_len(reply) > 0:
-                who = owner_of.get(root.queue_pop(reply, False).decode())
-                if who is not None:
-                    alive.add(who)
-            dead_states = ("gone", "stopped") if stopped_failed else ("gone",)
-            gone.update(r for r, peer in local.items() if r not in alive and peer.state() in dead_states)
-            silent = [r for r in ranks if r not in alive and r not in gone]
-            if not silent:
-                return tuple(sorted(gone))
-            now = time.monotonic()
-            if now >= next_hb:
-                for r in silent:
-                    if self._read(r) != hb[r] or left(r):
-                        alive.add(r)
-                next_hb = now + self.interval / 2
-                continue
-            x = silent[0]
-            if eliminate and not gone and len(silent) == 1 and x in peers and x not in local:
-                if root.queue_len(peers[x].inbox) > 0 and not left(x):
-                    alone_since = alone_since if alone_since is not None else now
-                    if now - alone_since >= ELIMINATE_AFTER:
-                        return (x,)
-                else:
-                    alone_since = None
-            if now - start >= bound:
-                return tuple(sorted(gone.union(
-                    r for r in silent
-                    if not (r in peers and root.queue_len(peers[r].inbox) == 0)
-                    and self._read(r) == hb[r] and not left(r)
-                )))
-            time.sleep(_POLL)
-
-    # ------------------------------------------------------- service side
-    def _tick(self) -> bool:
-        """One beat (service thread). False when this member leaves the service.
-
-        An aborted communicator keeps beating (its process is alive, and its
-        peers' census must not take it for dead) until it is closed or collected.
-        """
-        self._urgent = False
-        try:
-            reason, self._abort_reason = self._abort_reason, None
-            if reason is not None:
-                try:
-                    self._publish(reason)
-                finally:
-                    svc = self._service
-                    if svc is not None:
-                        with _Service._lock:
-                            svc._publishing.discard(self)
-            if self._closed:
-                self._store.set(f"bye/{self._rank}", "1")
-                return False
-            self._beat()
-            if not self._aborted:
-                if self._store.check(["aborted"]):
-                    self._deliver(self._store.get("aborted").decode(errors="replace"))
-                elif self.detect:
-                    self._check_peers()
-        except Exception as exc:  # noqa: BLE001 - the store is gone: its host rank died
-            if self.detect and not self._aborted:
-                failure = PeerFailure(f"rendezvous store unreachable: {exc}")
-                failure.__cause__ = exc
-                self._aborted = True
-                self._on_failure(failure)
-            return not self._closed
-        return True
-
-    def _publish(self, reason: str) -> None:
-        if self._store.compare_set("aborted", "", reason).decode(errors="replace") != reason:
-            return  # a peer's abort came first: every rank has that news already
-        for peer in self.peers().values():
-            self._root.queue_push(peer.inbox, f"a|{peer.mid}|{reason}")
-
-    def _deliver(self, raw: str) -> None:
-        """A peer's abort news (service thread)."""
-        if self._aborted:
-            return
-        self._aborted = True
-        news = _abort_news(raw)
-        if isinstance(news, PeerFailure):
-            with self._lock:
-                self._dead.update(news.ranks)
-        self._on_failure(news)
-
-    def _check_peers(self) -> bool:
+    def failure_among(self, ranks: list[int]) -> BaseException | None:
+        """For an operation waiting on ``ranks`` through the store (an object
+        collective): the error to fail it with once one of them is proven dead or
+        the store is gone; None while they may still come. Cheap: reads the process
+        table of peers on this machine, and knocks on the others a few times a second."""
+        error = self.failure()
+        if error is not None:
+            return error
+        peers = self.peers(ranks)
+        dead = procs.gone_among((r, peers[r]) for r in ranks if r in peers)
         now = time.monotonic()
-        stale = []
-        for r in self._others():
-            value = self._read(r)
-            old, since = self._last[r]
-            if value != old:
-                self._last[r] = (value, now)
-            elif now - since > self.bound and not self._left(r):
-                stale.append(r)
-        if not stale:
-            return False
-        # Confirm through the census before declaring: a live process whose beats
-        # were late (CPU starvation, the GIL held by user code) still takes the
-        # request at once in its answerer's C++ store call. A dead or stopped
-        # process on this machine is failed at once; elsewhere it stays silent
-        # for another bound.
-        suspects = stale
-        stale = list(self.probe(suspects, eliminate=False, stopped_failed=True))
-        if not stale:
-            for r in suspects:  # alive: count its silence afresh
-                self._last[r] = (self._last[r][0], time.monotonic())
-            return False
-        ranks = self._agree(tuple(stale)) or tuple(stale)
+        remote = {r: p.address for r, p in peers.items() if not p.local and p.address is not None}
+        if not dead and remote and now - self._knocked >= _KNOCK_EVERY:
+            self._knocked = now
+            answers = procs.knock(remote, min(self.bound, 1.0))
+            dead = [r for r, ok in answers.items() if ok is False]
+        if not dead:
+            return None
         with self._lock:
-            self._dead.update(ranks)
-        self._aborted = True
-        self._on_failure(
-            PeerFailure(f"no heartbeat from rank(s) {stale} for {self._misses} x {self.interval:g} s", ranks)
-        )
-        return True
+            self._dead.update(dead)
+        named = self._census_once() or tuple(dead)
+        return PeerFailure(f"rank(s) {list(named)} failed", named)
 
 
 def _abort_news(raw: str) -> CommAborted:
@@ -673,3 +488,5 @@ def _abort_news(raw: str) -> CommAborted:
         failed = [int(r) for r in ranks.split(",") if r]
         return PeerFailure(f"peer failure reported by rank {origin}: {message}", failed)
     return CommAborted(f"aborted by rank {origin}: {message}")
+
+

@@ -30,13 +30,14 @@ import time
 from typing import Any, Iterable, cast
 
 import anyio
-import anyio.to_thread
+import torch.distributed as dist
 
-from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommClosed, InvalidArgument
+from .._base.aio import run_in_thread
+from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommClosed, InvalidArgument
 from .._core.communicator import Communicator
 from .._core.objects import poll_keys
 from .._core.seams import Membership, Recovery
-from .liveness import decode_ranks, encode_ranks
+from .census import decode_ranks, encode_ranks
 
 
 def _encode(ranks: Iterable[int]) -> str:
@@ -99,16 +100,22 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
         raise InvalidArgument(f"exclude: ranks {bad} out of range for world_size {comm.world_size}")
     if comm.rank in excluded:
         raise InvalidArgument(f"rank {comm.rank} cannot shrink a communicator that excludes itself")
+    liveness = comm.liveness
+    gone = liveness.failure() if liveness is not None else None
+    if gone is not None:  # the store died with its host (or was closed): nothing to meet on
+        raise gone
     comm.claim()
     failed = comm.state == "aborted"  # after a failure (or a user's abort), not a planned shrink
     if comm.state == "ok":
         comm.abort("shrinking the communicator")
-    liveness = comm.liveness
     if liveness is not None:
         liveness.hold()  # keep answering the survivors' census while this rank rebuilds
     try:
-        agreed = await anyio.to_thread.run_sync(_settle, comm, excluded, abandon_on_cancel=True)
+        agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
         return await _build(comm, rebuild, agreed, failed)
+    except dist.DistError as exc:  # the store failed under the agreement (torch's type for it)
+        error = liveness.failure() if liveness is not None else None
+        raise (error or CommAborted(f"shrink: the rendezvous store failed: {exc}")) from exc
     finally:
         if liveness is not None:
             liveness.release()
@@ -169,20 +176,21 @@ async def _watch(store: Any, key: str, liveness: Membership, others: list[int]) 
     next_probe = start + _WATCH_AFTER
     while True:
         await anyio.sleep(0.02)
-        if await anyio.to_thread.run_sync(store.check, [key], abandon_on_cancel=True):
-            return decode_ranks(await anyio.to_thread.run_sync(store.get, key, abandon_on_cancel=True))
+        if await run_in_thread(lambda: store.check([key]), None, name="asynccoll-shrink"):
+            return decode_ranks(await run_in_thread(lambda: store.get(key), None, name="asynccoll-shrink"))
         if anyio.current_time() >= next_probe:
-            dead = await anyio.to_thread.run_sync(_probe, liveness, others, abandon_on_cancel=True)
+            dead = await run_in_thread(lambda: _probe(liveness, others), None, name="asynccoll-shrink")
             if dead:
-                raw = await anyio.to_thread.run_sync(
-                    store.compare_set, key, "", encode_ranks(dead), abandon_on_cancel=True
+                proposal = encode_ranks(dead)
+                raw = await run_in_thread(
+                    lambda: store.compare_set(key, "", proposal), None, name="asynccoll-shrink"  # noqa: B023 - awaited here, within this iteration
                 )
                 return decode_ranks(raw)
             next_probe = anyio.current_time() + _WATCH_EVERY
 
 
 def _probe(liveness: Membership, ranks: list[int]) -> tuple[int, ...]:
-    return tuple(liveness.probe(ranks, eliminate=False))
+    return tuple(liveness.probe(ranks))
 
 
 def _settle(comm: Recovery, excluded: set[int]) -> set[int]:

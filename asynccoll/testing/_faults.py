@@ -75,12 +75,15 @@ def skip_collective(comm: Any, n: int = 1) -> None:
     """Make the next ``n`` operations issued on ``comm`` skip the backend.
 
     They are settled as successes locally (their tensors untouched) and never reach
-    the peers, which are left waiting on a collective this rank did not join. After
-    ``n`` operations the backends are used again.
+    the peers, which are left waiting on a collective this rank did not join. The
+    flight record marks them ``"skipped"`` (so ``python -m asynccoll.diagnose``
+    names this rank as the one that never took part). After ``n`` operations the
+    backends are used again.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     backends = list(comm.backends.values())
+    recorder = comm.ledger.recorder
     lock = threading.Lock()
     left = [n]
     saved: list[tuple[Any, bool, Any]] = []
@@ -108,7 +111,10 @@ def skip_collective(comm: Any, n: int = 1) -> None:
             if not skip:
                 original(spec, work)
                 return None
-            backend.sink.succeed(work)  # pretend it ran: the peers' op is left waiting
+            # Recorded as skipped, not done (diagnose then names this rank), then settled
+            # as a success here: the peers' op is left waiting.
+            recorder.ended(work.seq, "skipped", time.time(), "skipped by asynccoll.testing.skip_collective")
+            backend.sink.succeed(work)
             return None
 
         return submit

@@ -9,190 +9,33 @@ aborted) replaces every worker before the next run.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import multiprocessing
 import multiprocessing.connection
-import os
 import pickle
 import signal
 import sys
-import tempfile
 import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .._base.errors import CommAborted
-from . import _worker
 from ._errors import RanksTimedOut, RemoteTraceback
-
-_HOST = "127.0.0.1"
-_LOOPS = ("asyncio", "uvloop", "trio")
-#: Once a rank has failed, how long the others get to finish before they are killed.
-_FAILURE_GRACE = 3.0
-#: How long the parent waits for stack dumps from stuck ranks.
-_DUMP_WAIT = 1.0
-_START_TIMEOUT = 120.0
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        return f"killed by {_signal_name(-code)}"
-    return f"exited with code {code}"
-
-
-@contextlib.contextmanager
-def _main_without_missing_file() -> Iterator[None]:
-    """Hide ``__main__.__file__`` from spawn when it names no file (``python - <<EOF``).
-
-    Spawn re-runs the parent's main script in each child; for a main read from stdin
-    that path does not exist and the child would die before running anything.
-    """
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    hide = (
-        main is not None and getattr(main, "__spec__", None) is None
-        and isinstance(path, str) and not os.path.exists(path)
-    )
-    if hide:
-        del main.__file__  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        if hide:
-            main.__file__ = path  # type: ignore[union-attr]
-
-
-def _mp_context(method: str | None) -> Any:
-    """``forkserver`` by default: each worker is forked from a clean server process that
-    imported torch and asynccoll once (tens of ms instead of seconds per worker), never
-    from the caller's process. ``spawn`` where forkserver is unavailable."""
-    if method is None:
-        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    if method not in ("forkserver", "spawn"):
-        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {method!r}")
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["asynccoll.testing._worker", "asynccoll"])
-    return ctx
-
-
-class _Worker:
-    """One worker process, its pipe and its stack-dump file."""
-
-    def __init__(self, ctx: Any, rank: int, port: int) -> None:
-        self.rank = rank
-        fd, self.stack_path = tempfile.mkstemp(prefix=f"asynccoll-rank{rank}-", suffix=".stacks")
-        os.close(fd)
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(
-            target=_worker.main,
-            args=(rank, child, _HOST, port, os.getpid(), self.stack_path),
-            name=f"asynccoll-rank{rank}",
-            daemon=True,
-        )
-        with _main_without_missing_file():
-            self.proc.start()
-        child.close()
-        self.ready = False
-        self.start_time: float | None = None
-
-    @property
-    def pid(self) -> int:
-        pid = self.proc.pid
-        assert pid is not None  # started in __init__
-        return int(pid)
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.kill(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def stack_size(self) -> int:
-        try:
-            return os.path.getsize(self.stack_path)
-        except OSError:
-            return 0
-
-    def read_stacks(self, offset: int) -> str:
-        try:
-            with open(self.stack_path, "rb") as f:
-                f.seek(offset)
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGCONT + SIGKILL, reap, release the pipe and the stack file."""
-        if self.proc.exitcode is None:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGKILL)
-        self.proc.join(10)
-        self.conn.close()
-        try:
-            os.unlink(self.stack_path)
-        except OSError:
-            pass
-
-    def stop(self) -> None:
-        """Ask the worker to exit (closing the pipe is enough); kill it if it lingers."""
-        try:
-            self.conn.send(("exit",))
-        except OSError:  # the pipe is closed: the worker is gone already
-            pass
-        self.proc.join(2)
-        self.kill()
-
-
-class _Outcome:
-    __slots__ = ("kind", "value", "error", "text", "summary", "aborted")
-
-    def __init__(self, kind: str, value: Any = None, error: BaseException | None = None,
-                 text: str = "", summary: str = "", aborted: bool = False) -> None:
-        self.kind = kind  # "ok" | "err" | "died"
-        self.value = value
-        self.error = error
-        self.text = text
-        self.summary = summary
-        self.aborted = aborted
-
-
-def _outcome_from(msg: tuple[Any, ...]) -> _Outcome:
-    if msg[2] == "ok":
-        return _Outcome("ok", value=pickle.loads(msg[3]), aborted=msg[4])
-    _, _, _, blob, name, message, text, summary, aborted = msg
-    error: BaseException | None = None
-    if blob is not None:
-        try:
-            error = pickle.loads(blob)
-        except Exception:  # noqa: BLE001 - any unpickling failure: the message and traceback text remain
-            error = None
-    if not isinstance(error, BaseException):
-        error = RuntimeError(f"{name}: {message}")
-    return _Outcome("err", error=error, text=text, summary=summary, aborted=aborted)
-
-
-def _stop_workers(workers: list[_Worker]) -> None:
-    for w in workers:
-        try:
-            w.conn.send(("exit",))
-        except OSError:  # the pipe is closed: the worker is gone already
-            pass
-    for w in workers:
-        w.stop()
-    workers.clear()
+from ._process import (
+    DUMP_WAIT,
+    FAILURE_GRACE,
+    HOST,
+    LOOPS,
+    START_TIMEOUT,
+    Outcome,
+    Worker,
+    exit_text,
+    mp_context,
+    outcome_from,
+    stop_workers,
+)
 
 
 class RankPool:
@@ -214,18 +57,18 @@ class RankPool:
         import torch.distributed as dist
 
         self.world_size = world_size
-        self._ctx = _mp_context(start_method)
+        self._ctx = mp_context(start_method)
         self._server: dist.TCPStore | None = dist.TCPStore(
-            _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+            HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
         self._port = self._server.port
         self._lock = threading.RLock()
         self._runs = 0
         self._closed = False
         # Mutated in place only: the finalizer holds this very list.
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         # Stops the workers on close(), when the pool is garbage-collected, or at exit.
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._spawn()
 
     # ------------------------------------------------------------ processes
@@ -240,7 +83,7 @@ class RankPool:
         return self._closed
 
     def _spawn(self) -> None:
-        self._workers[:] = [_Worker(self._ctx, r, self._port) for r in range(self.world_size)]
+        self._workers[:] = [Worker(self._ctx, r, self._port) for r in range(self.world_size)]
 
     def _replace(self) -> None:
         for w in self._workers:
@@ -252,7 +95,7 @@ class RankPool:
     def _ensure_ready(self) -> None:
         if any(w.proc.exitcode is not None for w in self._workers):
             self._replace()
-        deadline = time.monotonic() + _START_TIMEOUT
+        deadline = time.monotonic() + START_TIMEOUT
         for w in self._workers:
             while not w.ready:
                 left = deadline - time.monotonic()
@@ -262,9 +105,9 @@ class RankPool:
                         msg = w.conn.recv()
                     except (EOFError, OSError):
                         w.proc.join(1)
-                        msg = ("failed", _exit_text(w.proc.exitcode))
+                        msg = ("failed", exit_text(w.proc.exitcode))
                 elif left <= 0 or w.proc.exitcode is not None:
-                    why = f"no answer within {_START_TIMEOUT:g} s" if left <= 0 else _exit_text(w.proc.exitcode)
+                    why = f"no answer within {START_TIMEOUT:g} s" if left <= 0 else exit_text(w.proc.exitcode)
                     msg = ("failed", why)
                 if msg is None:
                     continue
@@ -335,13 +178,13 @@ class RankPool:
 
     def _collect(
         self, run_id: int, timeout: float, lost: frozenset[int]
-    ) -> tuple[list[_Outcome | None], list[int]]:
+    ) -> tuple[list[Outcome | None], list[int]]:
         """Wait for every non-lost rank's outcome; returns the outcomes and the ranks still running.
 
         The timeout counts from when every rank has unpickled the task (importing
         ``fn``'s module is not the test's time), or from now for a rank that never does.
         """
-        outcomes: list[_Outcome | None] = [None] * self.world_size
+        outcomes: list[Outcome | None] = [None] * self.world_size
         pending = set(range(self.world_size))
         started: set[int] = set()
         limit = time.monotonic() + timeout
@@ -356,7 +199,7 @@ class RankPool:
                 all_started = True
                 limit = now + timeout
             if any(o is not None and o.kind != "ok" for r, o in enumerate(outcomes) if r not in lost):
-                limit = min(limit, now + _FAILURE_GRACE)
+                limit = min(limit, now + FAILURE_GRACE)
             if now >= limit:
                 break
             objs: list[Any] = []
@@ -366,7 +209,7 @@ class RankPool:
         return outcomes, sorted(r for r in pending if r not in lost)
 
     def _drain(
-        self, run_id: int, pending: set[int], outcomes: list[_Outcome | None], started: set[int]
+        self, run_id: int, pending: set[int], outcomes: list[Outcome | None], started: set[int]
     ) -> None:
         for r in sorted(pending):
             w = self._workers[r]
@@ -376,21 +219,21 @@ class RankPool:
                     if msg[0] == "started" and msg[1] == run_id:
                         started.add(r)
                     elif msg[0] == "result" and msg[1] == run_id:
-                        outcomes[r] = _outcome_from(msg)
+                        outcomes[r] = outcome_from(msg)
                         pending.discard(r)
                         break
             except (EOFError, OSError):
                 pass
             if r in pending and w.proc.exitcode is not None:
                 pending.discard(r)
-                outcomes[r] = _Outcome(
+                outcomes[r] = Outcome(
                     "died",
-                    error=RuntimeError(f"rank {r} (pid {w.pid}) died unexpectedly: {_exit_text(w.proc.exitcode)}"),
-                    summary=f"rank {r}: died ({_exit_text(w.proc.exitcode)})",
+                    error=RuntimeError(f"rank {r} (pid {w.pid}) died unexpectedly: {exit_text(w.proc.exitcode)}"),
+                    summary=f"rank {r}: died ({exit_text(w.proc.exitcode)})",
                 )
 
     def _conclude(
-        self, outcomes: list[_Outcome | None], stuck: list[int], lost: frozenset[int], timeout: float
+        self, outcomes: list[Outcome | None], stuck: list[int], lost: frozenset[int], timeout: float
     ) -> tuple[list[Any], bool]:
         failures = [
             (r, o) for r, o in enumerate(outcomes) if o is not None and o.kind != "ok" and r not in lost
@@ -439,7 +282,7 @@ class RankPool:
                 pass
             w.signal(signal.SIGUSR1)
         tasks: dict[int, str] = {}
-        end = time.monotonic() + _DUMP_WAIT
+        end = time.monotonic() + DUMP_WAIT
         while len(tasks) < len(ranks) and time.monotonic() < end:
             conns = {self._workers[r].conn: r for r in ranks if r not in tasks}
             for conn in multiprocessing.connection.wait(list(conns), timeout=end - time.monotonic()):
@@ -468,8 +311,8 @@ def _payload(
 ) -> bytes:
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"fn must be an async def function, got {fn!r}")
-    if loop not in _LOOPS:
-        raise ValueError(f"loop must be one of {_LOOPS}, got {loop!r}")
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if getattr(fn, "__module__", None) == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):

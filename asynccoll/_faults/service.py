@@ -1,0 +1,350 @@
+"""The process-wide liveness service: one per store server, shared by every communicator on it.
+
+It owns two threads and one socket:
+
+* the **beater** runs each member's beat (``Liveness.tick``) every ``interval``:
+  its heartbeat, a read of its watched neighbours' counters and of the abort
+  key, and publishing abort news and goodbyes;
+* the **pulse** (:class:`~.procs.Pulse`): a listening socket whose kernel
+  answers the census's knocks even while this process cannot run Python, and a
+  thread that takes the messages peers send to it (abort news; the store host
+  leaving).
+
+Nothing in this process blocks on the store server: when the server goes away,
+no request is in flight. Before each round the beater checks that the process
+hosting the server is alive (when it runs on this machine); a host that died
+fails every member whose rank it was, and the service stops using the store.
+A host that closes normally first tells every service registered on its store
+(``asynccoll/services``) and waits for their acknowledgement, so no request
+of theirs can meet a closed server (see :meth:`Service.announce_leaving`).
+
+Members are held through weak references (a dropped communicator stops
+beating once collected); a member with abort news or a goodbye still to write
+is held strongly until it is out. The threads end with the last member.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Any, Protocol
+
+from .._base import shutdown
+from . import procs
+
+
+class Member(Protocol):
+    """What the service needs of a member (``liveness.Liveness``)."""
+
+    id: int
+    root: Any
+    interval: float
+    due: float
+    urgent: bool
+
+    def tick(self, store_gone: bool) -> bool:
+        """One beat (the beater's thread); a member that leaves calls ``Service.leave``."""
+
+    def deliver(self, raw: str) -> None:
+        """A peer's abort news."""
+
+    def store_lost(self, why: str, died: bool, host: StoreHost) -> None:
+        """The store can no longer be used."""
+
+#: Root-store key of the process hosting the store server (``host_info``).
+HOST_KEY = "asynccoll/host"
+#: Services registered on a store: a counter, and ``<prefix>/<i>`` = pulse address.
+SERVICES_KEY = "asynccoll/services"
+#: How long a closing store host waits for the services' acknowledgements.
+LEAVE_WAIT = 2.0
+
+
+def root_of(store: Any) -> Any:
+    """The store under every ``PrefixStore`` layer (the connection to the server)."""
+    while True:
+        under = getattr(store, "underlying_store", None)
+        if under is None:
+            return store
+        store = under
+
+
+def root_key(root: Any) -> Any:
+    host, port = getattr(root, "host", None), getattr(root, "port", None)
+    return (host, port) if host is not None and port is not None else ("id", id(root))
+
+
+def mark_host(store: Any) -> None:
+    """Record, on a store server just created by this process, that this process hosts it."""
+    machine, pid, start = procs.this_process()
+    store.set(HOST_KEY, f"{machine}|{pid}|{start}")
+
+
+class StoreHost:
+    """The process that hosts a store server, when asynccoll created it (``mark_host``)."""
+
+    def __init__(self, root: Any) -> None:
+        self.machine, self.pid, self.start = "", 0, ""
+        try:
+            if root.check([HOST_KEY]):
+                self.machine, pid, self.start = root.get(HOST_KEY).decode().split("|")
+                self.pid = int(pid)
+        except (RuntimeError, ValueError):  # a store without the key's format: host unknown
+            self.pid = 0
+        me = procs.this_process()
+        self.here = self.pid != 0 and (self.machine, self.pid, self.start) == me
+        self.local = self.pid != 0 and bool(self.machine) and self.machine == procs.MACHINE
+
+    def gone(self) -> bool:
+        """True once the host process is gone (known only when it ran on this machine)."""
+        return self.local and not self.here and procs.process_state(self.pid, self.start) == "gone"
+
+
+class Service:
+    """The liveness threads of this process for one store server (see the module docstring)."""
+
+    _lock = threading.Lock()
+    _services: dict[Any, Service] = {}
+
+    @classmethod
+    def join(cls, member: Member) -> Service:
+        key = root_key(member.root)
+        with cls._lock:
+            svc = cls._services.get(key)
+            if svc is None or svc._closing:
+                svc = cls._services[key] = Service(key, member.root)
+            svc._members[member.id] = weakref.ref(member)
+            svc._wake.set()
+            return svc
+
+    @classmethod
+    def threads(cls) -> int:
+        """Live service threads of this process (for tests)."""
+        with cls._lock:
+            services = list(cls._services.values())
+        threads = [t for s in services for t in (s._beater, s.pulse.thread if s.pulse else None) if t is not None]
+        return sum(t.is_alive() for t in threads)
+
+    def __init__(self, key: Any, root: Any) -> None:
+        self._key = key
+        self.root = root
+        self._members: dict[int, weakref.ref[Member]] = {}
+        #: Members with news or a goodbye not yet written: held until it is out.
+        self._keep: set[Member] = set()
+        self._holds = 0
+        self._closing = False
+        self._wake = threading.Event()
+        self._news: collections.deque[tuple[int, str]] = collections.deque()
+        #: Why the store can no longer be used (its host died or left), or None.
+        self.store_gone: str | None = None
+        self.host_left = False
+        #: Held by the beater while its store requests are in flight (see ``_message``).
+        self._round_lock = threading.Lock()
+        self._slot: int | None = None
+        self.host = StoreHost(root)
+        try:
+            self.pulse: procs.Pulse | None = procs.Pulse(
+                self._message, getattr(root, "host", None), "asynccoll-liveness-pulse"
+            )
+        except OSError:  # no socket to listen on: the census falls back to heartbeats
+            self.pulse = None
+        self._register()
+        self._stopping = False
+        self._beater = threading.Thread(target=self._beat_loop, name="asynccoll-liveness", daemon=True)
+        self._beater.start()
+        shutdown.native(self._beater)  # store calls: stopped and joined when the interpreter exits
+
+    def _register(self) -> None:
+        """List this service on its store, for a store host that closes (``announce_leaving``)."""
+        if self.pulse is None or self.host.here:
+            return
+        try:
+            self._slot = int(self.root.add(SERVICES_KEY, 1))
+            host, port = self.pulse.address
+            self.root.set(f"{SERVICES_KEY}/{self._slot}", f"{host}|{port}")
+        except RuntimeError:  # the store failed already: the first round notices
+            self._slot = None
+
+    # -------------------------------------------------------------- members
+    def hold(self) -> None:
+        """Keep the service (and this process's pulse) up without a member."""
+        with Service._lock:
+            self._holds += 1
+
+    def release(self) -> None:
+        with Service._lock:
+            self._holds -= 1
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def keep(self, member: Member) -> None:
+        """Hold ``member`` until its news or goodbye is out (see ``Liveness.tick``)."""
+        with Service._lock:
+            self._keep.add(member)
+        self._wake.set()
+
+    def leave(self, member: Member) -> None:
+        """``member`` said goodbye (its tick, holding its own lock)."""
+        with Service._lock:
+            ref = self._members.get(member.id)
+            if ref is not None and ref() is member:
+                del self._members[member.id]
+            self._keep.discard(member)
+
+    def _live_members(self) -> list[Member]:
+        out = []
+        for mid, ref in list(self._members.items()):
+            m = ref()
+            if m is None:
+                self._members.pop(mid, None)
+            else:
+                out.append(m)
+        return out
+
+    def member(self, mid: int) -> Member | None:
+        ref = self._members.get(mid)
+        return ref() if ref is not None else None
+
+    # ------------------------------------------------------------- messages
+    def _message(self, text: str) -> bool:
+        """A message on the pulse (pulse thread); True: acknowledge it."""
+        kind, _, rest = text.partition("|")
+        if kind == "a":  # abort news for members of this process: the beater delivers it
+            mids, _, raw = rest.partition("|")
+            try:
+                self._news.extend((int(mid), raw) for mid in mids.split(","))
+            except ValueError:  # not one of ours
+                return False
+            self._wake.set()
+            return False
+        if kind == "h":  # the store host is closing its server
+            self.host_left = True
+            self.lose_store("the rendezvous store's host closed it", died=False)
+            with self._round_lock:  # no request of ours is in flight after this
+                pass
+            self._wake.set()
+            return True
+        return False
+
+    # --------------------------------------------------------------- beater
+    def _beat_loop(self) -> None:
+        while True:
+            self._wake.wait(self._next_wait())
+            self._wake.clear()
+            if not self._round():
+                self._shutdown()
+                return
+
+    def _round(self) -> bool:
+        """Deliver news and beat for every member that is due. False: the service ends.
+
+        A method of its own so that no member outlives it in a local variable of
+        the loop (a dropped communicator's membership must end when it is collected).
+        """
+        if self._stopping:
+            return False
+        with Service._lock:
+            members = self._live_members()
+            if not members and self._holds <= 0 and not self._news:
+                self._closing = True
+                if Service._services.get(self._key) is self:
+                    del Service._services[self._key]
+                return False
+        while self._news:
+            mid, raw = self._news.popleft()
+            target = self.member(mid)
+            if target is not None:
+                target.deliver(raw)
+        self.check_host()
+        now = time.monotonic()
+        with self._round_lock:
+            for m in members:
+                if m.due <= now or m.urgent:
+                    m.due = now + m.interval
+                    m.tick(self.store_gone is not None)  # a member that leaves calls leave()
+        return True
+
+    def check_host(self) -> bool:
+        """False (and every member told) once the store can no longer be used:
+        before a request, where the host runs on this machine, this looks at its process."""
+        if self.store_gone is None and self.host.gone():
+            self.lose_store(f"the rendezvous store's host (pid {self.host.pid}) is gone", died=True)
+        return self.store_gone is None
+
+    def lose_store(self, why: str, *, died: bool) -> None:
+        """The store can no longer be used: stop every request; tell the members.
+
+        ``died``: the host process is gone without closing (not after ``h``).
+        """
+        if self.store_gone is None:
+            self.store_gone = why
+        for m in self._live_members():
+            m.store_lost(why, died and not self.host_left, self.host)
+
+    def _next_wait(self) -> float:
+        dues = [m.due for m in self._live_members()]
+        if not dues:
+            return 0.05
+        return max(0.0, min(dues) - time.monotonic())
+
+    def _shutdown(self) -> None:
+        with Service._lock:
+            self._closing = True
+            if Service._services.get(self._key) is self:
+                del Service._services[self._key]
+        if self._slot is not None and self.store_gone is None and not self._stopping:
+            try:  # unlisted: a closing host need not wait for this process
+                self.root.delete_key(f"{SERVICES_KEY}/{self._slot}")
+            except RuntimeError:  # the store failed meanwhile: nothing more to say on it
+                pass
+        if self.pulse is not None:
+            self.pulse.close()
+
+    # ----------------------------------------------------------- the host
+    @classmethod
+    def announce_leaving(cls, store: Any, wait: float = LEAVE_WAIT) -> None:
+        """This process is about to close the store server ``store`` (it hosts it):
+        tell every service registered on it and wait (at most ``wait`` seconds) until
+        each has stopped using the store, so that none of their requests meets a closed
+        server. Blocking; never raises."""
+        try:
+            # A connection of its own: the process's client may be held by a blocked
+            # call (a Gloo constructor waiting for peers that never came).
+            store = store.clone()
+            store.set_timeout(timedelta(seconds=wait))
+            count = int(store.add(SERVICES_KEY, 0))
+            keys = [f"{SERVICES_KEY}/{i}" for i in range(1, count + 1)]
+            values = [store.get(k) if store.check([k]) else b"-" for k in keys]  # (unlisted ones are deleted)
+        except (AttributeError, RuntimeError):  # no clone, or the server is unusable already: nobody can be told
+            return
+        targets: dict[int, tuple[tuple[str, int], str]] = {}
+        for i, raw in enumerate(values):
+            text = raw.decode(errors="replace")
+            if text != "-" and "|" in text:
+                host, port = text.rsplit("|", 1)
+                targets[i] = ((host, int(port)), "h|")
+        if targets:
+            procs.deliver_all(targets, wait, ack=True)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """The interpreter exits: every beater ends after its current store call (no
+        thread of ours may be inside one when the interpreter finalizes), every pulse
+        closes."""
+        with cls._lock:
+            services = list(cls._services.values())
+        for svc in services:
+            svc._stopping = True
+            svc._wake.set()
+        for svc in services:
+            svc._beater.join(1.0)
+            if svc.pulse is not None:
+                svc.pulse.close(join=0.5)
+
+
+shutdown.on_exit(Service.stop_all)
+

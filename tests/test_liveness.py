@@ -1,0 +1,219 @@
+"""Liveness (issue 19): abort news never lost, a live rank never declared dead, O(1) store
+requests per rank per beat.
+
+The in-process tests run several members of one communicator in this process, on a
+real store; the run_ranks tests use real processes. No timing assertions beyond
+generous deadlines that catch a hang or a missed message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import asynccoll as ac
+from asynccoll._base.errors import CommAborted
+from asynccoll._faults.liveness import Liveness
+from asynccoll.testing import RankContext, run_ranks
+
+
+class CountingStore(dist.Store):  # type: ignore[misc]
+    """A real store (``inner``) that counts the requests made to it."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def _count(self) -> None:
+        with self._lock:
+            self.requests += 1
+
+    def set(self, key: str, value: Any) -> None:
+        self._count()
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._count()
+        return bytes(self.inner.get(key))
+
+    def add(self, key: str, value: int) -> int:
+        self._count()
+        return int(self.inner.add(key, value))
+
+    def check(self, keys: list[str]) -> bool:
+        self._count()
+        return bool(self.inner.check(keys))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._count()
+        return bytes(self.inner.compare_set(key, expected, desired))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._count()
+        return list(self.inner.multi_get(keys))
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._count()
+        self.inner.multi_set(keys, values)
+
+    def delete_key(self, key: str) -> bool:
+        self._count()
+        return bool(self.inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self.inner.num_keys())
+
+
+def _server() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
+    """A waiter woken by a timeout may close the communicator before the abort hook
+    tells the peers (the ledger wakes waiters first): the goodbye is then written,
+    and the abort news must still reach the other ranks."""
+    server = _server()
+    heard = threading.Event()
+    members = [
+        Liveness(dist.PrefixStore("c", server), r, 2, interval=0.05, detect=False,
+                 on_failure=(lambda e: heard.set()) if r == 1 else (lambda e: None))
+        for r in range(2)
+    ]
+    for m in members:
+        m.start()
+    try:
+        members[0].stop()  # close() ran first...
+        end = time.monotonic() + 10
+        while not server.check(["c/bye/0"]):
+            assert time.monotonic() < end, "rank 0 never said goodbye"
+            time.sleep(0.01)
+        members[0].publish_abort(CommAborted("all_reduce (seq 3) timed out"))  # ...then the abort hook
+        assert heard.wait(10), "rank 1 never heard rank 0's abort"
+    finally:
+        for m in members:
+            m.stop()
+
+
+@pytest.mark.parametrize("world_size", [8, 32])
+def test_a_beat_costs_a_few_store_requests_whatever_the_world_size(world_size: int) -> None:
+    """Heartbeat detection watches a few neighbours: the store requests per rank and
+    per beat do not grow with the number of ranks (O(n) in total, not O(n^2))."""
+    store = CountingStore(dist.HashStore())
+    prefix = dist.PrefixStore("c", store)
+    members = [
+        Liveness(prefix, r, world_size, interval=0.05, detect=True, on_failure=lambda e: None)
+        for r in range(world_size)
+    ]
+    for m in members:
+        m.start()
+    try:
+        time.sleep(0.5)  # past the start-up requests
+        beats0 = sum(int(prefix.add(f"hb/{r}", 0)) for r in range(world_size))
+        before = store.requests
+        time.sleep(1.0)
+        after = store.requests
+        beats1 = sum(int(prefix.add(f"hb/{r}", 0)) for r in range(world_size))
+    finally:
+        for m in members:
+            m.stop()
+    beats = beats1 - beats0
+    assert beats >= world_size * 5, beats  # the members did beat
+    per_beat = (after - before - world_size) / beats  # (the world_size reads of this test)
+    assert per_beat <= 3.0, per_beat
+
+
+# ------------------------------------------------------------------ a rank that holds the GIL
+def _hold_gil(seconds: float) -> float:
+    """Hold the GIL for about ``seconds``: one C call (``sum`` over a ``range``) that never
+    lets another thread of this process run Python."""
+    per_item = 1.0
+    for _ in range(3):  # the fastest of three: the machine's load only ever adds time
+        t0 = time.perf_counter()
+        sum(range(2_000_000))
+        per_item = min(per_item, max((time.perf_counter() - t0) / 2_000_000, 1e-10))
+    t0 = time.perf_counter()
+    sum(range(int(seconds / per_item)))
+    return time.perf_counter() - t0
+
+
+async def gil_holder_beside_a_closer(ctx: RankContext) -> dict[str, Any]:
+    """Rank 0 closes and drops its communicator while rank 1 holds the GIL for longer
+    than the detection bound: rank 1 must not take rank 0 for dead."""
+    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60,
+                         heartbeat=0.2)
+    await comm.barrier()
+    if ctx.rank == 0:
+        await comm.close()
+        del comm
+        gc.collect()
+        await asyncio.sleep(4)
+        return {"state": "closed"}
+    held = _hold_gil(1.5)
+    await asyncio.sleep(2.5)  # detection has several beats to (wrongly) decide
+    state, error = comm.state, repr(comm.error)
+    await comm.close()
+    return {"state": state, "error": error, "held": held}
+
+
+def test_a_rank_holding_the_gil_does_not_declare_a_closed_peer_dead() -> None:
+    results = run_ranks(gil_holder_beside_a_closer, world_size=2, backend=None, timeout=60)
+    assert results[1]["held"] > 0.6, results  # longer than the bound (3 x 0.2 s)
+    assert results[1]["state"] == "ok", results
+
+
+async def gil_holder(ctx: RankContext) -> dict[str, Any]:
+    """Rank 1 holds the GIL three times for about a second, with moments between:
+    neither it nor its peer is declared dead."""
+    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60,
+                         heartbeat=0.2)
+    await comm.barrier()
+    held = []
+    if ctx.rank == 1:
+        for _ in range(3):
+            held.append(_hold_gil(1.2))
+            await asyncio.sleep(0.005)
+    else:
+        await asyncio.sleep(3.5)
+    await asyncio.sleep(1.5)
+    state, error = comm.state, repr(comm.error)
+    if state == "ok":
+        t = torch.ones(2)
+        await comm.all_reduce(t)
+    await comm.close()
+    return {"state": state, "error": error, "held": held}
+
+
+def test_a_live_rank_holding_the_gil_is_not_declared_dead() -> None:
+    results = run_ranks(gil_holder, world_size=2, backend=None, timeout=60)
+    assert all(h > 0.6 for h in results[1]["held"]), results
+    assert [r["state"] for r in results] == ["ok", "ok"], results
+
+
+# ------------------------------------------------------------------ the census never waits on a key
+def test_a_census_of_a_peer_that_neither_left_nor_aborted_does_not_wait_for_the_store() -> None:
+    """``Roster.left`` reads the abort news only where there is some: a store ``get`` of a
+    missing key blocks for the store's whole timeout (it held the process's store client
+    for it: every later creation on that store waited ~60 s behind it)."""
+    from asynccoll._faults.census import Roster
+
+    server = _server()
+    server.set_timeout(timedelta(seconds=5))
+    store = dist.PrefixStore("c/", server)
+    roster = Roster(store, 0, 2, lambda: True)
+    t0 = time.monotonic()
+    assert roster.left(1) is False
+    assert time.monotonic() - t0 < 2.5
+    store.set("aborted", "1|boom")
+    assert roster.left(1) is True and roster.left(0) is False
+    store.set("bye/0", "1")
+    assert roster.left(0) is True
