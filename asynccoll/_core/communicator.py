@@ -118,10 +118,7 @@ class Communicator:
         return self._ledger
 
     def __repr__(self) -> str:
-        return (
-            f"<asynccoll.Communicator rank={self.rank}/{self.world_size} "
-            f"backend={self.backend} state={self.state}>"
-        )
+        return f"<asynccoll.Communicator rank={self.rank}/{self.world_size} backend={self.backend} state={self.state}>"
 
     # ------------------------------------------------------------------ issue
     def _backend_for(self, tensor: torch.Tensor) -> Backend:
