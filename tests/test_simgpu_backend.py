@@ -83,8 +83,10 @@ def test_tensors_of_an_aborted_op_are_protected_by_record_stream() -> None:
         gpu = sim.gpu
         be0, be1 = sim.backends(2)
         t = gpu.tensor(torch.ones(8))
+        # rank 0's own simulator state, read now: the creation order of the ranks' comms (threads) varies
+        state0 = sim.nccl.state(be0.handle.communicator)
         w = submit(be0, OpKind.ALL_REDUCE, t)  # rank 1 never joins: stuck on the comm stream
-        until(lambda: any(st.launches for st in sim.nccl.comms))
+        until(lambda: bool(state0.launches))
         gpu.idle()
         assert not w.done()
         del t
@@ -93,7 +95,7 @@ def test_tensors_of_an_aborted_op_are_protected_by_record_stream() -> None:
         be0.abort()  # bounded: ncclCommAbort still waits for the kernel to leave the stream
         be0.close()  # bounded too: the backend drops its references; the kernel is still there
         gc.collect()
-        assert sim.nccl.state(be0.handle.communicator or sim.nccl.comms[0].mock).launches[0].pushed
+        assert state0.launches[0].pushed
         assert gpu.errors == []  # record_stream(comm stream): the allocator defers the reuse
         sim.nccl.drain_aborted()
         be1.close()
