@@ -4,6 +4,8 @@ PY      ?= python3
 VENV    ?= .venv
 TORCH   ?= torch==2.13.0
 BIN      = $(VENV)/bin
+# Two pytest workers: most tests wait on ranks, timers and process starts, not on a core.
+PYTEST_ARGS ?= -n 2
 
 .PHONY: demo test bench venv clean gpu-test docs dist-check coverage mutations flake-hunt chaos
 
@@ -22,7 +24,7 @@ demo: venv
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: venv
 	$(BIN)/python -m bench
@@ -31,7 +33,7 @@ bench: venv
 # that failed at least once (tools/flake_hunt.py).
 N ?= 5
 flake-hunt: venv
-	$(BIN)/python tools/flake_hunt.py --runs $(N)
+	$(BIN)/python tools/flake_hunt.py --runs $(N) -- $(PYTEST_ARGS)
 
 # Ranks run random op streams while they are killed, frozen and aborted (bench/chaos.py).
 MINUTES ?= 10
