@@ -21,7 +21,9 @@ Writes ``perf.json`` (every raw result, the machine's load and CPU count before 
 after each section), ``perf.md`` (the summary table: goal, measured, p10, floor,
 load, verdict), ``perf_summary.png`` (each figure against its goal) and the
 sections' own plots, under ``--out``. A verdict needs a quiet machine: a section
-that started or ended with a 1-minute load average above 1.5 gets "no verdict"
+that started with a 1-minute load average above 1.5 gets "no verdict" (each section
+first waits, up to 3 minutes, for the load the last one left to decay below 1.0; the
+load after a section counts its own ranks and is shown, not judged)
 unless ``--noisy`` is given; ``--readme`` then writes the table between the markers of
 README.md and docs/performance.md (refused for a loaded run). About 3 minutes on a quiet machine (``--quick``: about
 1; ``--smoke``: one round of each, for the test suite).
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -65,12 +68,21 @@ class Row:
         return self.measured <= float(value) if op == "<=" else self.measured >= float(value)
 
     def judge(self, noisy: bool) -> None:
-        calm = quiet(self.machine, self.machine_after)
+        # The load before the section is the machine's own; the load after includes the
+        # section's ranks (two busy processes on a 2-core machine read about 2).
+        calm = quiet(self.machine)
         if not calm and not noisy:
-            load = max(self.machine["loadavg"][0], self.machine_after["loadavg"][0])
+            load = self.machine["loadavg"][0]
             self.verdict = f"no verdict (load {load:.2f} > {QUIET_LOAD})"
             return
         self.verdict = ("met" if self.met() else "NOT met") + ("" if calm else " (noisy)")
+
+
+def settle(below: float = 1.0, limit: float = 180.0) -> None:
+    """Wait until the 1-minute load average is below ``below`` (at most ``limit`` s)."""
+    until = time.monotonic() + limit
+    while os.getloadavg()[0] >= below and time.monotonic() < until:
+        time.sleep(2.0)
 
 
 # --------------------------------------------------------------------------- sections
@@ -193,7 +205,7 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
         "# Issue 20: per-op cost (`python -m bench.perf`)",
         "",
         f"{header['when']}, {header['machine']['cpus']} CPUs, {header['size']} run. "
-        f"Load average (1 min) before/after each section in the table; a verdict needs <= {QUIET_LOAD}. "
+        f"Load average (1 min) before/after each section in the table; a verdict needs <= {QUIET_LOAD} before it (after: its own ranks included). "
         "Ratios are medians (p10: the same ratio of 10th percentiles); the floor is the thinnest version "
         "of the same thing, in the goal's unit.",
         "",
@@ -215,7 +227,7 @@ README_PATHS = ("README.md", "docs/performance.md")  # --readme's default: both 
 
 def update_readme(path: Path, rows: list[Row], header: dict[str, Any], noisy: bool) -> str:
     """Put this run's table between the README's markers; refuses a loaded run unless ``noisy``."""
-    loaded = [r for r in rows if not quiet(r.machine, r.machine_after)]
+    loaded = [r for r in rows if not quiet(r.machine)]
     if loaded and not noisy:
         return f"README not updated: {len(loaded)} figure(s) taken at load > {QUIET_LOAD} (--noisy to write them anyway)"
     text = path.read_text()
@@ -224,7 +236,8 @@ def update_readme(path: Path, rows: list[Row], header: dict[str, Any], noisy: bo
     head, rest = text.split(README_BEGIN, 1)
     _, tail = rest.split(README_END, 1)
     lines = [README_BEGIN, "", f"Measured {header['when']} ({header['size']} run, {header['machine']['cpus']} CPUs, "
-             f"load average at most {max(max(r.machine['loadavg'][0], r.machine_after['loadavg'][0]) for r in rows):.2f}"
+             f"load average before each section at most {max(r.machine['loadavg'][0] for r in rows):.2f}, after "
+             f"(its own ranks included) at most {max(r.machine_after['loadavg'][0] for r in rows):.2f}"
              f"{'; loaded: not a verdict' if loaded else ''}):", "",
              "| goal | target | measured | p10 | floor | verdict |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -289,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only:
+            if size != "smoke":
+                settle()
             progress(f"bench.perf: {name} (load {machine()['loadavg'][0]:.2f})")
             raw[name], got = RUNNERS[name](size, Path(tmp), out)
             rows += got
