@@ -189,7 +189,7 @@ async def _rank(gen: int, rank: int, world: int, port: int, seed: int, deadline:
     errors: list[str] = []
     failed_at: float | None = None
     last_report = time.monotonic()
-    while not stop.is_set():
+    while not stop.is_set() and comm.world_size >= 2:  # a lone survivor has nobody to talk to
         rng = random.Random(hash((seed, gen, shrinks, k, comm.world_size)))
         t0 = time.monotonic()
         try:
@@ -231,8 +231,6 @@ async def _rank(gen: int, rank: int, world: int, port: int, seed: int, deadline:
         if time.monotonic() - last_report > 0.5:
             send("ops", rank, ops)
             last_report = time.monotonic()
-        if comm.world_size < 2:
-            break
         await asyncio.sleep(0)
     send("ops", rank, ops)
     await comm.close()
