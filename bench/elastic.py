@@ -37,7 +37,7 @@ Figures, per run (median over ``--runs``):
 
 Goals (issue 21, CPU, Gloo): death -> survivors' next step <= 0.2 s; replacement
 start -> first joint step <= 3 s, of which asynccoll's own part (join + grow + state
-of a 100 MB model) <= 1 s. A figure taken at load average > 1.5 is not a verdict
+of a 100 MB model) <= 1 s. A figure taken at load average > 1.5 (before the bench) is not a verdict
 (``--noisy`` prints one anyway, marked as such).
 """
 
@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.strftime('%H:%M:%S')}] state transfer/{config}", file=sys.stderr, flush=True)
         transfer[config] = state_transfer(config, 3 if args.quick else 7)
     load = os.getloadavg()
-    quiet = max(load_before[0], load[0]) <= 1.5
+    # Judged on the load before: the load after counts this bench's own ranks and launchers
+    # (three busy ranks on a 2-core machine read 2 or more).
+    quiet = load_before[0] <= 1.5
     report = {
         "bench": "elastic",
         "loadavg_before": load_before,
