@@ -54,6 +54,27 @@ def test_peer_killed_mid_collective_raises_peer_failure(how: str) -> None:
         assert res["seconds"] < 10, res  # well before the 60 s op deadline
 
 
+async def p2p_after_a_peer_died(comm: ac.Communicator, kind: str) -> dict:
+    await comm.barrier()
+    if comm.rank == 1:
+        os._exit(0)  # gone: rank 0's Gloo pair to it is closed
+    await asyncio.sleep(1.0)  # Gloo's device loop sees the closed connection meanwhile
+    t = torch.zeros(4)
+    # The issue itself fails in Gloo ("Connection closed by peer"): a lost peer, not bad arguments.
+    work = comm.recv(t, 1) if kind == "recv" else comm.send(t, 1) if kind == "send" else comm.all_reduce(t)
+    with pytest.raises(ac.CommAborted) as info:
+        await work
+    return {"error": type(info.value).__name__, "state": comm.state}
+
+
+@pytest.mark.parametrize("kind", ["recv", "send", "all_reduce"])
+def test_an_op_issued_to_a_dead_peer_fails_as_a_peer_failure(kind: str) -> None:
+    """Found by the chaos soak: a recv issued after its peer died raised InvalidArgument at
+    the call ("gloo rejected the arguments: Connection closed by peer") and crashed the rank."""
+    results = run_ranks(p2p_after_a_peer_died, world_size=2, backend="gloo", timeout=60, args=(kind,), lost=(1,))
+    assert results[0] == {"error": "PeerFailure", "state": "aborted"}, results
+
+
 async def frozen_peer(comm: ac.Communicator, timeout: float) -> float:
     if comm.rank == 1:
         freeze()

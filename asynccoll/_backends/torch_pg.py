@@ -25,7 +25,7 @@ from .._base.errors import InvalidArgument, PeerFailure
 from .._base.ops import OpKind, OpSpec, ReduceOp
 from .._core.backend import ANY, Backend, Capabilities
 from .._core.work import Bundle, Work
-from .common import Completer, avg_fixup, strand, translate
+from .common import Completer, avg_fixup, kind_of, strand, translate
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -39,6 +39,29 @@ _TORCH_OPS = {
 # C-level callers (no Python frame per op): ``work.wait()``, ``work.is_completed()``.
 _wait = operator.methodcaller("wait")
 _is_done = operator.methodcaller("is_completed")
+
+
+class _Lost:
+    """An op whose issue already failed because the transport lost a peer (Gloo raises
+    "Connection closed by peer" from ``send``/``recv`` when the pair is gone). It is not
+    the caller's arguments: the op finishes, failed, the way any failed op does (the
+    completion thread translates the error and the communicator aborts)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self._exc = exc
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise self._exc
+
+
+def _rejected(what: str, name: str, exc: Exception) -> _Lost:
+    """``exc``, raised by torch at issue: a lost peer or timeout as a failed op, else bad arguments."""
+    if kind_of(exc) in ("peer", "timeout"):
+        return _Lost(exc)
+    raise InvalidArgument(f"{what}: {name} rejected the arguments: {exc}") from exc
 
 
 class TorchGroupBackend(Backend):
@@ -113,7 +136,7 @@ class TorchGroupBackend(Backend):
             try:  # the most common op, without the general dispatch below
                 tw = pg.allreduce([t], self._sum_opts)
             except (RuntimeError, TypeError, ValueError) as exc:
-                raise InvalidArgument(f"all_reduce: {self.name} rejected the arguments: {exc}") from exc
+                tw = _rejected("all_reduce", self.name, exc)
             self._waiter.watch(tw, work, None)
             return
         fixup = None
@@ -150,7 +173,7 @@ class TorchGroupBackend(Backend):
             else:  # pragma: no cover - OpKind is closed
                 raise InvalidArgument(f"unsupported op {kind}")
         except (RuntimeError, TypeError, ValueError) as exc:
-            raise InvalidArgument(f"{kind.value}: {self.name} rejected the arguments: {exc}") from exc
+            tw, fixup = _rejected(kind.value, self.name, exc), None
         waiter = self._p2p_waiter if kind is OpKind.SEND or kind is OpKind.RECV else self._waiter
         waiter.watch(tw, work, fixup)
 
