@@ -1,6 +1,6 @@
 """Coalesced batches for backends without a native group call (Gloo, wrapped groups).
 
-``submit_batch(backend, specs, works)`` runs a batch (API.md §4) as few collectives
+``submit_batch(backend, specs, works)`` runs a batch as few collectives
 as it can: members that share a *flat key* are packed into one contiguous buffer
 and run as ONE collective through ``backend.submit``; results are copied back
 into each member's output, then every member Work settles (or all fail together).

@@ -1,4 +1,4 @@
-"""The exception family of the public contract (API.md §5).
+"""The exception family of the public contract.
 
 Every error a user can see from asynccoll derives from :class:`AsyncCollError`, and
 each subclasses the builtin it resembles, so ``except TimeoutError`` and

@@ -239,7 +239,7 @@ async def build_diagnostics(
     rdv: Rendezvous, prefix: str, backends: dict[str | None, Backend], name: str,
     check: str | None, trace_dir: Any, timeout: float,
 ) -> Diagnostics:
-    """The communicator's diagnostics (API.md §6); with ``check``, wraps ``backends`` in place."""
+    """The communicator's diagnostics; with ``check``, wraps ``backends`` in place."""
     checker = None
     if check == "fingerprint" and rdv.world_size > 1:
         from .._diag.fingerprint import FingerprintChecker

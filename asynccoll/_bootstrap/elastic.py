@@ -1,4 +1,4 @@
-"""Elastic membership (API.md §5): ``ac.join``, ``comm.waiting()``, ``comm.grow(n)``.
+"""Elastic membership: ``ac.join``, ``comm.waiting()``, ``comm.grow(n)``.
 
 A communicator made with ``ac.init(..., name=)`` carries a :class:`Group`: the name,
 the store the group met on (joiners reach the same one), and the options its

@@ -1,4 +1,4 @@
-"""``init()`` and ``wrap()``: the public entry points (API.md §1).
+"""``init()`` and ``wrap()``: the public entry points.
 
 Nothing here blocks the event loop: creating or connecting to the store, and
 building each backend (Gloo's full-mesh connect, NCCL's polled init), run on

@@ -136,7 +136,7 @@ class Backend(abc.ABC):
         """
 
     def submit_batch(self, specs: Sequence[OpSpec], works: Sequence[Work]) -> None:
-        """Start a coalesced batch (API.md §4). Default: each op in order."""
+        """Start a coalesced batch. Default: each op in order."""
         for spec, work in zip(specs, works):
             self.submit(spec, work)
 

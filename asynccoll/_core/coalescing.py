@@ -1,4 +1,4 @@
-"""Task-scoped batches: ``async with comm.coalescing() as group`` (API.md §4).
+"""Task-scoped batches: ``async with comm.coalescing() as group``.
 
 While the body runs, the ops that *this task* issues on the communicator are
 recorded instead of submitted: each gets its seq and its pending Work at the call

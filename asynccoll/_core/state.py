@@ -1,5 +1,5 @@
 """``comm.broadcast_state(state, src)``: a nested structure of tensors and plain objects
-from one rank to every rank (API.md §5, elastic membership).
+from one rank to every rank.
 
 The source splits the structure in two: the tensors, and a *skeleton* in which each
 tensor is replaced by a :class:`_Slot` (its index, dtype, shape and device kind). The

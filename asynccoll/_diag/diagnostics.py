@@ -1,4 +1,4 @@
-"""What a communicator keeps for diagnosis (API.md §6), behind a few narrow hooks.
+"""What a communicator keeps for diagnosis, behind a few narrow hooks.
 
 :class:`Diagnostics` bundles the flight recorder (always on), the optional
 fingerprint checker (``check="fingerprint"``) and the optional ``trace_dir``. It

@@ -1,4 +1,4 @@
-"""Data-parallel training on top of the public collectives: :class:`GradSync` (API.md §9)."""
+"""Data-parallel training on top of the public collectives: :class:`GradSync`."""
 
 from .gradsync import GradSync as GradSync
 

@@ -1,6 +1,6 @@
 """GradSync: data-parallel gradient averaging that overlaps the all-reduces with backward.
 
-How a step runs (API.md §9)::
+How a step runs::
 
     loss.backward()      # hooks: each gradient is copied into its bucket as soon as it
                          # is accumulated; a bucket's all_reduce is issued once all of
@@ -340,7 +340,7 @@ class GradSync:
         self.steps += 1
 
     # ------------------------------------------------------------ join steps
-    # The steps of ``async with sync.join()`` (``join.py``, API.md §9), public so that
+    # The steps of ``async with sync.join()`` (``join.py``), public so that
     # the join protocol needs nothing private. Not meant to be called otherwise.
 
     def begin_join(self) -> None:
