@@ -19,6 +19,7 @@ from .._base.errors import (
     InvalidArgument,
     PeerFailure,
 )
+from .._core.objects import poll_keys
 from .args import env_int
 from .stores import tcp_store
 
@@ -98,12 +99,8 @@ async def comm_prefix(rdv: Rendezvous, timeout: float) -> str:
 
 
 def _until(store: Any, keys: list[str], deadline: float) -> None:
-    delay = 0.0005
-    while not store.check(keys):
-        if time.monotonic() >= deadline:
-            raise TimeoutError
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+    if not poll_keys(store, keys, deadline):
+        raise TimeoutError
 
 
 async def agree_options(rdv: Rendezvous, prefix: str, options: dict[str, Any], timeout: float) -> None:
