@@ -10,6 +10,7 @@ their deadlines — and it is the ONE sink through which backends report outcome
   the transport is then suspect and the communicator aborts;
 * ``abort(cause)`` — every pending Work fails with ``CommAborted``; an op that
   finished before the abort, unseen, keeps its outcome (``_settle_finished``).
+  ``fail`` fails the rest of what is pending: nothing after a failure succeeds.
 
 A target is a :class:`Work`, or a :class:`Bundle` of Works that one backend op
 stands for (a flattened coalesced batch). Backends never touch Work internals.
@@ -275,8 +276,6 @@ class Ledger:
     def fail(self, target: Target, exc: BaseException) -> None:
         """``target`` failed (any thread): it raises ``exc``; the communicator aborts."""
         works = [target] if isinstance(target, Work) else list(target.works)
-        if self.state is _OK:
-            self._settle_finished()
         with self.lock:
             first = self.state is _OK
             if first:
@@ -345,7 +344,9 @@ class Ledger:
     def _settle_finished(self) -> None:
         """Before an abort fails what is pending: let the ops that already finished,
         unseen (a backend settles a Work when someone asks, ``Work.set_poke``), settle
-        as they ended. One poke per backend queue: each settles its finished head."""
+        as they ended. One poke per backend queue: each settles its finished head, in
+        issue order, up to its first failure. Not for ``fail``: what a queue finished
+        after an op that failed is not trusted (the transport is suspect)."""
         with self.lock:
             pokes = {work._poke for work in self.pending.values()}
         for poke in pokes:
