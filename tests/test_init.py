@@ -307,3 +307,36 @@ def test_closed_communicators_leave_no_keys() -> None:
     results = run_ranks(keys_after_close, world_size=2, backend=None, timeout=90)
     for before, after in results:
         assert after == before, results  # was 8 more per 2-rank communicator, forever
+
+
+async def close_at_once(ctx: RankContext) -> dict[str, Any]:
+    # Rank 1 is slow to finish creating (its Gloo group is built, then 1 s more: a rank
+    # starved of CPU); rank 0 closes its communicator as soon as init returns. Init
+    # returns on no rank before every rank has built its backends, so rank 0's close
+    # cannot pull the connections from under a peer still inside Gloo's connectFullMesh
+    # (seen under CPU load: "Connection closed by peer" on the slow rank).
+    from asynccoll._bootstrap.build import Factories, build_gloo
+    from asynccoll._bootstrap.init import init_with
+
+    async def slow_gloo(rdv: Any, prefix: str, timeout: float) -> Any:
+        backend = await build_gloo(rdv, prefix, timeout)
+        if rdv.rank == 1:
+            await asyncio.sleep(1.0)
+        return backend
+
+    t0 = asyncio.get_running_loop().time()
+    comm = await init_with(Factories(gloo=slow_gloo), "gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=30)
+    took = asyncio.get_running_loop().time() - t0
+    if ctx.rank == 0:
+        await comm.close()
+        return {"took": took}
+    state = comm.state
+    comm.abort()  # its peer is gone: nothing to finish
+    await comm.close()
+    return {"took": took, "state": state}
+
+
+def test_init_returns_once_every_rank_has_built_its_backends() -> None:
+    results = run_ranks(close_at_once, world_size=2, backend=None, timeout=60)
+    assert results[0]["took"] >= 0.9, results  # rank 0 waited for rank 1's creation to end
+    assert results[1]["state"] == "ok", results

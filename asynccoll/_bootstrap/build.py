@@ -30,7 +30,7 @@ from .._diag.diagnostics import Diagnostics
 from .._faults.liveness import Liveness
 from .._faults.shrink import shrink
 from .args import check_args
-from .rendezvous import Rendezvous, agree_options, comm_prefix, forget, off_loop, rendezvous
+from .rendezvous import Rendezvous, agree_options, all_created, comm_prefix, forget, off_loop, rendezvous
 from .stores import STORES, exclusive
 
 #: Seconds Gloo's connect timeout outlasts ours.
@@ -179,6 +179,12 @@ async def connect(
     cuda = backends.get("cuda")
     dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
     diagnostics = await build_diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
+    try:
+        await all_created(rdv, prefix, timeout)
+    except BaseException:
+        for be in set(backends.values()):
+            be.release()
+        raise
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
     # for; otherwise a slower census-only beat that names ranks Gloo lost.
     detect = heartbeat is not None or use_nccl

@@ -153,8 +153,31 @@ async def agree_options(rdv: Rendezvous, prefix: str, options: dict[str, Any], t
     )
 
 
+async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
+    """Wait until every rank has built its backends (the end of creation).
+
+    Without it a rank whose Gloo mesh is up returns first and may close its
+    communicator at once, while a peer is still inside Gloo's connectFullMesh,
+    which then fails with "Connection closed by peer" (seen under CPU load).
+    torch's ``init_process_group`` ends the same way (``_store_based_barrier``).
+    The last rank to arrive says so: each rank sends one request and waits for one key.
+    """
+    if rdv.world_size == 1:
+        return
+    store = rdv.prefixed(prefix)
+
+    def arrive() -> None:
+        deadline = time.monotonic() + timeout
+        if int(store.add("created", 1)) >= rdv.world_size:
+            store.set("created/all", "1")
+            return
+        _until(store, ["created/all"], deadline)
+
+    await off_loop(arrive, timeout, "creation")
+
+
 #: Keys a communicator leaves under its prefix (see ``forget``).
-_SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "closed")
+_SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "created", "created/all", "closed")
 _RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final")
 
 
