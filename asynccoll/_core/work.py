@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import sys
 import threading
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 from .wakeups import Wakeups
 
@@ -476,7 +476,7 @@ class Bundle:
     __slots__ = ("works", "op", "seq", "finish", "keep")
 
     def __init__(
-        self, works: list[Work], op: str, finish: Callable[[], object] | None = None, keep: Any = None
+        self, works: Sequence[Work], op: str, finish: Callable[[], object] | None = None, keep: Any = None
     ) -> None:
         self.works = works
         self.op = op
