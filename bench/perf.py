@@ -105,6 +105,8 @@ def train(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
                 name = f"gradsync{style}{suffix}"
                 row = v[name]
                 local = v["local"]["median_ms"] / v[row["vs"]]["median_ms"]
+                if suffix and row.get("buckets_as_vs") is False:
+                    sizes += f" (NOT equal: {row['buckets_mb']} vs {v[row['vs']]['buckets_mb']})"
                 rows.append(Row(
                     "train", f"GradSync step / DDP, {what}, backward {'in a thread' if style else 'on the loop'}, "
                     f"{sizes}", "<= 0.90", row["ratio_vs_ddp"], row["ratio_vs_ddp_p10"], local,

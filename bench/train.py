@@ -10,8 +10,10 @@ variant (same initial weights, same batches):
 * ``gradsync``: ``loss.backward(); await sync.wait()`` with ``ac.GradSync``;
 * ``*_thread``: the same with ``await asyncio.to_thread(loss.backward)``
   (``ddp_thread``, ``gradsync_thread``);
-* ``*@MB``: another bucket size (DDP's ``bucket_cap_mb``, GradSync's
-  ``bucket_mb``), e.g. ``ddp@4`` and ``gradsync@4`` compare them at equal sizes;
+* ``*@MB``: every bucket of that size (DDP's ``bucket_cap_mb``, which in torch
+  2.13 sizes its first bucket too; GradSync's ``bucket_mb`` and
+  ``first_bucket_mb``), e.g. ``ddp@4`` and ``gradsync@4`` compare them at equal
+  sizes (each row's ``buckets_as_vs`` says whether the sizes really agree);
 * ``naive``: ``loss.backward()`` then every ``p.grad`` all-reduced (AVG) in one
   ``comm.coalescing()`` block, as a new user would write it;
 * ``local``: no communication at all (the floor of any synchronised step).
@@ -91,6 +93,13 @@ def _kind(name: str) -> tuple[str, bool, float | None]:
     return base.removesuffix("_thread"), thread, float(mb) if mb else None
 
 
+def _same_buckets(a: list[float] | None, b: list[float] | None) -> bool | None:
+    """Whether two variants reduce in buckets of the same sizes (order aside; None: unknown)."""
+    if a is None or b is None:
+        return None
+    return sorted(round(x, 2) for x in a) == sorted(round(x, 2) for x in b)
+
+
 def _reference(name: str, names: list[str]) -> str:
     """The DDP variant ``name`` is compared with: same backward style and bucket size, else ``ddp``."""
     _, thread, mb = _kind(name)
@@ -119,16 +128,22 @@ class _Variant:
         if self.kind == "ddp":
             self.forward = self.ddp = DDP(self.model, bucket_cap_mb=mb) if mb is not None else DDP(self.model)
         elif self.kind.startswith("gradsync"):
+            # At an explicit size both sides use it for every bucket: DDP given
+            # ``bucket_cap_mb`` makes its first bucket that size too (torch 2.13,
+            # ``nn/parallel/distributed.py``: ``first_bucket_bytes_cap = ... if
+            # is_using_default else bucket_bytes_cap``), so GradSync's first is as well.
             self.sync = ac.GradSync(
-                comm, self.model, bucket_mb=mb if mb is not None else bucket_mb, first_bucket_mb=first_bucket_mb
+                comm, self.model, bucket_mb=mb if mb is not None else bucket_mb,
+                first_bucket_mb=mb if mb is not None else first_bucket_mb,
             )
         self.params = list(self.model.parameters())
         self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9)
         self.times: list[float] = []
         self.cpu: list[float] = []  # this process's CPU time per step, every thread
 
-    def bucket_mb(self) -> list[float] | None:
-        """The bucket sizes in use (MiB), in reduction order where known."""
+    def bucket_mb(self, final: bool = False) -> list[float] | None:
+        """The bucket sizes in use (MiB), in reduction order where known (``final``:
+        None while DDP still has its construction-time buckets)."""
         if self.sync is not None:
             return [b / 2**20 for b in self.sync.bucket_sizes]
         if self.ddp is not None:
@@ -136,7 +151,7 @@ class _Variant:
             # After its first step DDP rebuilds its buckets in gradient-ready order;
             # "bucket_sizes" keeps the construction-time ones (measured: one 24 MiB
             # bucket for 6 x Linear(1024) at bucket_cap_mb=4, then six of 4 MiB).
-            sizes = data.get("rebuilt_bucket_sizes", data.get("bucket_sizes"))
+            sizes = data.get("rebuilt_bucket_sizes", None if final else data.get("bucket_sizes"))
             if isinstance(sizes, str):  # torch logs them as "a, b, ..." (bytes)
                 return [int(x) / 2**20 for x in sizes.split(",") if x.strip()]
         return None
@@ -214,6 +229,9 @@ async def _bench_model(comm: Any, dist: Any, model: str, args: argparse.Namespac
             "cpu_ratio_vs_ddp": statistics.median(v.cpu) / statistics.median(variants[names.index(ref_name)].cpu),
             "steps": len(v.times),
             "buckets_mb": v.bucket_mb(),
+            "buckets_as_vs": None if ref_name == v.name else _same_buckets(
+                v.bucket_mb(final=True), variants[names.index(ref_name)].bucket_mb(final=True)
+            ),
             "times_ms": [t * 1e3 for t in v.times],
         }
     sync = next((v.sync for v in variants if v.sync is not None), None)
@@ -314,7 +332,8 @@ def _table(res: dict[str, Any]) -> str:
             )
         for name, row in m["variants"].items():
             if row["buckets_mb"]:
-                lines.append(f"  buckets of {name} (MiB): " + ", ".join(f"{b:.1f}" for b in row["buckets_mb"]))
+                same = {True: f" (as {row['vs']})", False: f" (NOT as {row['vs']})"}.get(row.get("buckets_as_vs"), "")
+                lines.append(f"  buckets of {name} (MiB): " + ", ".join(f"{b:.1f}" for b in row["buckets_mb"]) + same)
         lines.append(f"  final parameters agree across variants (max |diff| {m['max_param_diff']:.1e})")
     return "\n".join(lines)
 

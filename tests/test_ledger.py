@@ -181,6 +181,36 @@ def test_abort_wakes_a_thousand_waiters_with_one_wakeup_per_loop(where: str) -> 
     assert posts == (1 if where == "thread" else 0)
 
 
+def test_abort_on_the_loop_hands_its_waiters_the_error_at_once_and_defers_callbacks() -> None:
+    """Aborting on the loop's own thread gives the awaiting futures their error during
+    the call (a future only schedules its task), so a waiter wakes on the very next
+    loop iteration; a cancelled wait is left alone; done callbacks never run inline."""
+
+    async def main() -> None:
+        ledger, _ = _ledger()
+        with ledger.lock:
+            a, b = ledger.reserve("all_reduce"), ledger.reserve("all_reduce")
+
+        async def waiter(w: ac.Work) -> None:
+            await w
+
+        ta, tb = asyncio.ensure_future(waiter(a)), asyncio.ensure_future(waiter(b))
+        await asyncio.sleep(0)  # both tasks are parked on their Works
+        tb.cancel()
+        await asyncio.sleep(0)
+        assert tb.cancelled() and not ta.done()
+        seen: list[str] = []
+        a.add_done_callback(lambda w: seen.append("callback"))
+        ledger.abort(ac.CommAborted("stop"))  # settling a cancelled wait must not raise here
+        assert seen == []  # never inline, even on the loop's own thread
+        await asyncio.sleep(0)  # one iteration: the waiter already ran
+        assert ta.done() and isinstance(ta.exception(), ac.CommAborted)
+        await asyncio.sleep(0)
+        assert seen == ["callback"]
+
+    asyncio.run(main())
+
+
 def test_no_success_is_reported_after_abort_and_state_leads_the_error() -> None:
     ledger, _ = _ledger()
     with ledger.lock:

@@ -104,6 +104,10 @@ def submit_batch(backend: Backend, specs: Sequence[OpSpec], works: Sequence[Work
     if len(specs) == 1:
         backend.submit(specs[0], works[0])
         return
+    if _alike(specs):  # the common batch: one flat all_reduce, with the caller's own lists
+        spec, bundle = _flatten(specs, works, rank, world_size)
+        backend.submit(spec, bundle)
+        return
     issue: list[tuple[OpSpec, Work | Bundle]] = []
     for idx in plan(specs):
         if len(idx) == 1:
@@ -121,24 +125,29 @@ def submit_batch(backend: Backend, specs: Sequence[OpSpec], works: Sequence[Work
 # ``split_with_sizes_copy``; 1-D members (the common case) need no views at all.
 
 
+def _flat_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as 1-D tensors: themselves when all are 1-D (no view made)."""
+    for t in tensors:
+        if t.ndim != 1:
+            return [t.view(-1) for t in tensors]
+    return tensors
+
+
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The members concatenated into one new 1-D buffer."""
-    if all(t.ndim == 1 for t in tensors):
-        return torch.cat(tensors)
-    return torch.cat([t.view(-1) for t in tensors])
+    return torch.cat(_flat_views(tensors))
 
 
 def _unpack_into(dsts: list[torch.Tensor], flat: torch.Tensor, numels: list[int]) -> Callable[[], None]:
     """A copy-back of consecutive pieces of 1-D ``flat`` into ``dsts``."""
 
     def copy() -> None:
-        outs = dsts if all(d.ndim == 1 for d in dsts) else [d.view(-1) for d in dsts]
-        torch.split_with_sizes_copy(flat, numels, out=outs)
+        torch.split_with_sizes_copy(flat, numels, out=_flat_views(dsts))
 
     return copy
 
 
-def _flatten(specs: list[OpSpec], works: list[Work], rank: int, ws: int) -> tuple[OpSpec, Bundle]:
+def _flatten(specs: Sequence[OpSpec], works: Sequence[Work], rank: int, ws: int) -> tuple[OpSpec, Bundle]:
     """One flat spec standing for ``specs``, and the Bundle of ``works`` it settles."""
     first = specs[0]
     kind = first.kind

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, PeerFailure
 from .ops import OpKind
@@ -124,6 +124,15 @@ class FlightRecorder:
             rec[_STATE] = state
             rec[_T1] = t
             rec[_ERROR] = error
+
+    def ended_all(self, seqs: Iterable[int], state: str, t: float) -> None:
+        """:meth:`ended` for each of ``seqs`` (a coalesced batch's members), error-free."""
+        pop = self._open.pop
+        for seq in seqs:
+            rec = pop(seq, None)
+            if rec is not None:
+                rec[_STATE] = state
+                rec[_T1] = t
 
     def failed(self, seq: int, error: BaseException, t: float) -> None:
         """Record that op ``seq`` failed with ``error`` (its state read from the error's type)."""

@@ -66,6 +66,8 @@ class Batch:
 
     Its members are light Works (``work.MemberWork``) over ONE pending entry,
     ``head`` (``work.BatchWork``): one deadline, one ledger entry, one settle.
+    ``works`` is the head's own list of members (the ledger appends to it), so a
+    backend handed ``works`` whole hands the ledger back the batch's own list.
     """
 
     __slots__ = ("task", "loop", "open", "backends", "specs", "works", "head")
@@ -93,10 +95,12 @@ class Batch:
         return _current_task() is self.task  # trio (None on a thread outside it)
 
     def record(self, backend: Backend, spec: OpSpec, work: MemberWork) -> None:
-        self.head = work._batch
+        """``work`` (already in its batch's members: ``Ledger.reserve_member``) runs ``spec``."""
+        if self.head is None:
+            head = self.head = work._batch
+            self.works = head.members
         self.backends.append(backend)
         self.specs.append(spec)
-        self.works.append(work)
 
 
 class CoalescingGroup:
@@ -208,7 +212,7 @@ class CoalescingGroup:
                 raise unusable
             # One deadline for the batch (its one pending entry): the shortest member
             # timeout; on expiry its first pending member times out, the rest abort.
-            ledger.commit_all(works, min(s.timeout for s in specs))
+            ledger.commit_all(works, min([s.timeout for s in specs]))
             try:
                 order = dict.fromkeys(backends)
                 if len(order) == 1:

@@ -255,7 +255,10 @@ class Ledger:
         target.keep = None
         works = target.works
         batch = getattr(works[0], "_batch", None)
-        if batch is not None and all(type(w) is MemberWork and w._batch is batch for w in works):
+        if batch is not None and (
+            works is batch.members  # a whole coalesced batch, handed on as is
+            or all(type(w) is MemberWork and w._batch is batch for w in works)
+        ):
             self._members_done(batch, len(works), wake)  # the common case: one count for all
             return
         for work in reversed(works):
@@ -269,9 +272,7 @@ class Ledger:
         if last:
             self.pending.pop(batch.seq, None)
             if batch._settle(_DONE, None, wake):
-                ended, t = self._recorder.ended, now()
-                for member in batch.members:
-                    ended(member.seq, "done", t)
+                self._recorder.ended_all([m.seq for m in batch.members], "done", now())
 
     def fail(self, target: Target, exc: BaseException) -> None:
         """``target`` failed (any thread): it raises ``exc``; the communicator aborts."""

@@ -18,12 +18,19 @@ class Wakeups:
     ``run_sync_soon``), so settling a thousand Works costs each loop one wake-up.
     (Measured against ``streams.LoopWaker``'s extra queue: the plain call is
     15-28 µs faster per small op, and the completion thread already batches.)
+
+    ``running`` is the settling thread's own running loop (None off a loop): an
+    asyncio future of THAT loop is resolved by the Work at once instead of through
+    ``add`` (``Future.set_result`` runs nothing inline, it schedules the waiting
+    task with ``call_soon``), which saves an abort of a thousand waiters a loop
+    iteration and three tuples per waiter.
     """
 
-    __slots__ = ("_by_loop",)
+    __slots__ = ("_by_loop", "running")
 
     def __init__(self) -> None:
         self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], Any], Any]]] = {}
+        self.running = _get_running_loop()
 
     def add(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:
         items = self._by_loop.get(loop)
@@ -35,7 +42,7 @@ class Wakeups:
     def deliver(self) -> None:
         if not self._by_loop:
             return
-        running = _get_running_loop()
+        running = self.running
         for loop, items in self._by_loop.items():
             if loop is running:
                 loop.call_soon(_run_all, items)

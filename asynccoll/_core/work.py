@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import sys
 import threading
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 from .wakeups import Wakeups
 
@@ -99,12 +99,22 @@ class Work:
         if event is not None:
             event.set()
         if waiters is not None:
-            resolve = (_fail, self._value) if state == _FAILED else (_succeed, self._value)
+            value, running, resolve = self._value, wake.running, None
             for fut in waiters:
                 if type(fut) is _TrioWaiter:
                     wake.add(fut.token, _TrioWaiter.wake, fut)
-                else:
-                    wake.add(fut.get_loop(), _resolve, (fut, resolve))
+                    continue
+                loop = fut.get_loop()
+                if loop is running:  # this thread's loop: the future only schedules its task
+                    if not fut.done():  # (a cancelled wait)
+                        if state == _FAILED:
+                            fut.set_exception(value)
+                        else:
+                            fut.set_result(value)
+                    continue
+                if resolve is None:
+                    resolve = (_fail, value) if state == _FAILED else (_succeed, value)
+                wake.add(loop, _resolve, (fut, resolve))
         if callbacks is not None:
             for loop, fn in callbacks:
                 if loop is None:
@@ -466,7 +476,7 @@ class Bundle:
     __slots__ = ("works", "op", "seq", "finish", "keep")
 
     def __init__(
-        self, works: list[Work], op: str, finish: Callable[[], object] | None = None, keep: Any = None
+        self, works: Sequence[Work], op: str, finish: Callable[[], object] | None = None, keep: Any = None
     ) -> None:
         self.works = works
         self.op = op
