@@ -93,6 +93,20 @@ def _start(script: Path, *args: object) -> subprocess.Popen[str]:
     )
 
 
+def _threads(pid: int) -> list[str]:
+    """Each thread of ``pid``: its name, state and the kernel function it sleeps in."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            name = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip()
+        except OSError:  # the thread or the process ended meanwhile
+            continue
+        out.append(f"{name}:{state}:{wchan}")
+    return out
+
+
 def _cpp_lines(err: str) -> list[str]:
     """Lines torch's C++ code printed (warnings, errors, stack frames)."""
     return [line for line in err.splitlines() if line.startswith(("[W", "[E", "frame #", "terminate called"))]
@@ -116,7 +130,11 @@ def test_init_that_waits_for_a_peer_exits_promptly_and_quietly(tmp_path: Path, r
         t0 = time.monotonic()
         if how == "sigint":
             proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired as exc:  # say where it hangs (seen once, at load 12-18)
+            raise AssertionError(f"still alive 60 s later; its threads: {_threads(proc.pid)}; "
+                                 f"stderr so far: {exc.stderr!r}") from None
         elapsed = time.monotonic() - t0
     finally:
         if proc.poll() is None:
