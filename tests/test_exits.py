@@ -89,8 +89,15 @@ def _start(script: Path, *args: object) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=os.getcwd(), PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         [sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
+        text=True, env=env, preexec_fn=_as_from_a_terminal,
     )
+
+
+def _as_from_a_terminal() -> None:
+    """Ctrl-C as in a user's terminal: a suite started in the background of a
+    non-interactive shell (``make flake-hunt &``) ignores SIGINT, and a child
+    inherits that, so the Ctrl-C tests saw no Ctrl-C at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _threads(pid: int) -> list[str]:
