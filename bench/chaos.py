@@ -1,34 +1,55 @@
-"""Chaos soak: ranks run random op streams while a driver kills, freezes and aborts them.
+"""Chaos soak: ranks run random op streams while a driver kills, freezes and aborts them,
+and starts replacements that join the group.
 
     python -m bench.chaos --minutes 10 [--world 4] [--seed 1] [--json bench/results/chaos.json]
 
 This process hosts the TCPStore (as torchrun's agent or ``python -m asynccoll.store``
-would), so the store outlives any rank. A *generation* is one group of ``--world``
-ranks started together (forkserver: torch is imported once). Every rank runs the
-same random stream of operations (every collective, coalesced batches, p2p in a
-ring, object collectives), each result checked against what it must be, each op
-bounded by ``--deadline``. Meanwhile the driver injects one fault at a time into a
-random live rank:
+would), so the store outlives any rank. A *generation* is one elastic group
+(``ac.init(..., name="chaos")``) started with ``--world`` ranks (forkserver: torch
+is imported once). Every member runs the same random stream of operations (every
+collective, coalesced batches, p2p in a ring, object collectives), each result
+checked against what it must be for the world size of the moment, each op
+bounded by ``--deadline``. Meanwhile the driver injects one fault at a time:
 
-* ``kill``: SIGKILL. The survivors get ``PeerFailure``, ``shrink()`` and go on.
-* ``stop``: SIGSTOP for a while, then SIGCONT. Shorter than the deadline it is
-  absorbed (the ops wait); longer, the others time out and abort, and everyone
-  (the frozen rank too, once resumed, unless the others left it out) shrinks.
-* ``abort``: the rank calls ``comm.abort()`` (SIGUSR1); the abort reaches every
+* ``kill``: SIGKILL of a member. The survivors get ``PeerFailure``, ``shrink()``
+  and go on.
+* ``stop``: SIGSTOP of a member for a while, then SIGCONT. Shorter than the
+  deadline it is absorbed (the ops wait); longer, the others time out and abort,
+  and everyone (the frozen rank too, once resumed, unless the others left it
+  out) shrinks.
+* ``abort``: a member calls ``comm.abort()`` (SIGUSR1); the abort reaches every
   rank as news and they all shrink, without excluding anyone.
+* ``joiner``: a replacement is hit before it is in (SIGKILL, or SIGSTOP longer
+  than the deadline): at its start, while it waits in ``ac.join``, in the grow's
+  assembly or in ``broadcast_state``. If none is waiting, a member is killed and
+  its replacement is the one hit.
 
-After each recovery the ranks check the invariants and report violations:
-every result correct, no wait longer than its deadline + 1 s, the flight
-record bounded, no growth of threads or open files beyond what the
-communicators alive at the time explain. A generation ends when fewer than two
-ranks are left; the next one starts fresh. Recovery is by shrink only: the
-elastic API (``ac.join``/``comm.grow``, issue 21) exists now, but this soak
-does not start replacements with it yet.
+The driver keeps ``--world`` processes: each one that ended (killed, or left out
+by a shrink) is replaced within a second by a new process that calls
+``ac.join``, as a per-rank launcher would restart it. Every ``WAIT_EVERY`` steps
+(every step when alone) the members call ``waiting()``, ``grow()`` back towards
+``--world`` and send the state (a stand-in for a model and its optimizer, a
+function of the membership epoch) with ``broadcast_state``; after every shrink
+too, so that all members hold the same state. A failed grow (a participant died
+or froze in it) is followed as the faults guide says: shrink if the old
+communicator aborted, else go on with it. A generation ends when no member is
+left (its waiting replacements are stopped); the next one starts fresh.
+
+After each recovery and each grow the ranks check the invariants and report
+violations: every result correct (at the new world size too), the state a
+joiner receives exactly the members' (and the members agree on it), no wait
+longer than its bound + 1 s (an op's deadline; a grow's two phases within its
+timeout each), the flight record bounded, no growth of threads or open files
+beyond what the communicators alive at the time explain, and no replacement
+left waiting in ``ac.join`` for 60 s.
 
 Reported: ops, faults injected (by kind), recoveries, the worst and median
-recovery time (fault to the slowest survivor's first op on the new
-communicator), violations (must be 0), store keys at each generation start,
-and the load average. A figure taken at load > 1.5 is not a verdict.
+recovery time (first failure seen to the slowest survivor's first op on the new
+communicator, the state sync included), replacements, joins, grows (and failed
+grows), the time from a replacement's start to its first op in the group
+(median and worst: all, and those with no fault meanwhile), violations (must be
+0), store keys at each generation start and before each fault, and the load
+average. A figure taken at load > 1.5 is not a verdict.
 """
 
 from __future__ import annotations
@@ -51,35 +72,73 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench._chaos_ranks import HOST, _rank_main  # noqa: E402 - after the path
 
-FAULTS = {"kill": 3, "stop": 3, "abort": 2}
+FAULTS = {"kill": 3, "stop": 3, "abort": 2, "joiner": 1}
+#: A replacement starts within this many seconds after a process ended (as its launcher restarts it).
+RESTART_DELAY = 1.0
 
 
 # ====================================================================== driver
 class Generation:
-    """One group of ranks started together, and the faults injected into it."""
+    """One group (named ``chaos``) started with ``world`` ranks, the replacements that join
+    it, and the faults injected into it. Processes are numbered in start order (``idx``)."""
 
-    def __init__(self, ctx: Any, gen: int, world: int, port: int, seed: int, deadline: float) -> None:
-        self.gen = gen
+    def __init__(self, ctx: Any, gen: int, world: int, port: int, seed: int, deadline: float,
+                 rng: random.Random) -> None:
+        self.ctx, self.gen, self.world, self.port, self.seed, self.deadline = ctx, gen, world, port, seed, deadline
+        self.rng = rng  # restart delays only (faults draw from their own)
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
         self.pids: dict[int, int] = {}
-        self.alive: set[int] = set()
+        self.alive: set[int] = set()  # processes running
+        self.members: set[int] = set()  # in the group (ready, or joined)
+        self.pending: set[int] = set()  # replacements not in the group yet
         self.ops: dict[int, int] = {}
         self.violations: list[str] = []
         self.messages: list[tuple[Any, ...]] = []
-        #: (rank, from, to): when a rank was frozen by the driver (wall clock).
+        #: (idx, from, to): when a process was frozen by the driver (wall clock).
         self.frozen: list[tuple[int, float, float]] = []
         self.excused = 0
+        self.started_at: dict[int, float] = {}  # replacements: wall clock at their start
+        self.joint_at: dict[int, float] = {}  # ...and at their first op in the group
+        self.joins = self.grows = 0
+        self.grow_failures: list[str] = []
+        self.restarts: list[float] = []  # monotonic times at which replacements are due
+        self.closing = False
         for r in range(world):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(gen, r, world, port, seed, deadline, child), daemon=True)
-            p.start()
-            child.close()
-            self.procs[r], self.conns[r] = p, parent
-            self.alive.add(r)
+            self.spawn(r, joiner=False)
+
+    def spawn(self, idx: int, joiner: bool) -> None:
+        parent, child = self.ctx.Pipe()
+        args = (self.gen, idx, self.world, self.port, self.seed, self.deadline, joiner, child)
+        p = self.ctx.Process(target=_rank_main, args=args, daemon=True)
+        if joiner:
+            self.started_at[idx] = time.time()
+            self.pending.add(idx)
+        p.start()
+        child.close()
+        self.procs[idx], self.conns[idx] = p, parent
+        self.alive.add(idx)
+
+    def replace(self) -> int | None:
+        """Start a replacement now; its idx (None once the group is gone)."""
+        if self.closing or not self.members:
+            return None
+        idx = len(self.procs)
+        self.spawn(idx, joiner=True)
+        return idx
+
+    def _tend(self) -> None:
+        """Keep ``world`` processes: each one that ended is replaced after a random delay."""
+        now = time.monotonic()
+        missing = self.world - len(self.alive) - len(self.restarts)
+        self.restarts += [now + self.rng.uniform(0.0, RESTART_DELAY) for _ in range(missing)]
+        for due in sorted(self.restarts):
+            if due <= now:
+                self.restarts.remove(due)
+                self.replace()
 
     def poll(self, timeout: float) -> list[tuple[Any, ...]]:
-        """Messages that arrived within ``timeout``; notices ranks that exited."""
+        """Messages that arrived within ``timeout``; notices processes that exited, starts replacements."""
         out = []
         conns = {c: r for r, c in self.conns.items() if r in self.alive}
         ready = mp.connection.wait(list(conns) + [self.procs[r].sentinel for r in self.alive], timeout)
@@ -95,31 +154,53 @@ class Generation:
                 pass
         for msg in out:
             kind, r = msg[0], msg[1]
-            if kind == "ready":
+            if kind in ("ready", "started"):
                 self.pids[r] = msg[2]
+                if kind == "ready":
+                    self.members.add(r)
+            elif kind == "joined":
+                self.members.add(r)
+                self.pending.discard(r)
+                self.joins += 1
+            elif kind == "joint":
+                self.joint_at[r] = msg[2]
+            elif kind == "grew":
+                self.grows += 1
+            elif kind == "grow_failed":
+                self.grow_failures.append(f"gen {self.gen} process {r}: {msg[2]}")
+            elif kind == "join_timeout":
+                self.violations.append(f"gen {self.gen} process {r}: not admitted: {msg[2]}")
             elif kind == "ops":
                 self.ops[r] = msg[2]
             elif kind == "violation":
-                self.violations += [f"gen {self.gen} rank {r}: {v}" for v in msg[2]]
+                self.violations += [f"gen {self.gen} process {r}: {v}" for v in msg[2]]
             elif kind == "long_wait":
-                # A wait longer than deadline + 1 s is a violation, unless this rank itself
+                # A wait longer than its bound + 1 s is a violation, unless this process itself
                 # was frozen meanwhile (its clock ran while it could not).
                 _, r, start, end, text = msg
                 if any(fr == r and f0 < end and start < f1 for fr, f0, f1 in self.frozen):
                     self.excused += 1
                 else:
-                    self.violations.append(f"gen {self.gen} rank {r}: a wait of {text} > deadline + 1 s")
+                    self.violations.append(f"gen {self.gen} process {r}: a wait of {text} > its bound + 1 s")
             elif kind == "crashed":
-                self.violations.append(f"gen {self.gen} rank {r} crashed:\n{msg[2]}")
-            elif kind in ("done", "left"):
-                self.alive.discard(r)
+                self.violations.append(f"gen {self.gen} process {r} crashed:\n{msg[2]}")
+            if kind in ("done", "left", "join_timeout", "crashed"):
+                self._gone(r)
         for r in list(self.alive):
             if not self.procs[r].is_alive():
-                self.alive.discard(r)
+                self._gone(r)
         self.messages += out
+        if not self.closing:
+            self._tend()
         return out
 
+    def _gone(self, r: int) -> None:
+        self.alive.discard(r)
+        self.members.discard(r)
+        self.pending.discard(r)
+
     def finish(self) -> None:
+        self.closing = True
         for r in list(self.alive):
             try:
                 self.conns[r].send("stop")
@@ -139,69 +220,110 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
+def _freeze(g: Generation, victim: int, pause: float, early: list[tuple[Any, ...]]) -> None:
+    """SIGSTOP ``victim`` for ``pause`` seconds (polling meanwhile into ``early``), then SIGCONT."""
+    pid = g.pids[victim]
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    resume_at = time.monotonic() + pause
+    g.frozen.append((victim, stopped_at, stopped_at + pause + 60.0))  # until resumed
+    while time.monotonic() < resume_at:
+        early += g.poll(0.05)
+    os.kill(pid, signal.SIGCONT)
+    g.frozen[-1] = (victim, stopped_at, time.time() + 0.5)
+
+
+def _inject(g: Generation, kind: str, rng: random.Random, deadline: float, early: list[tuple[Any, ...]]) -> str:
+    """One fault of ``kind`` into a random process of ``g``; what it hit."""
+    if kind == "joiner":
+        # A replacement is hit before it is in: at its start, while it waits in ac.join,
+        # in the grow's assembly or in broadcast_state. If none waits, a member is killed
+        # and its replacement (started at once) is the one hit.
+        waiting = sorted(g.pending)
+        if waiting:
+            victim = rng.choice(waiting)
+        else:
+            dead = rng.choice(sorted(r for r in g.members if r in g.pids))
+            os.kill(g.pids[dead], signal.SIGKILL)
+            started = g.replace()  # (it takes the dead one's place: no other replacement starts)
+            if started is None:
+                return f"member {dead} killed, no replacement (the group is gone)"
+            victim = started
+        hit_at = time.monotonic() + rng.uniform(0.0, 3.0)
+        while victim not in g.pids or time.monotonic() < hit_at:
+            if victim not in g.alive:
+                return f"replacement {victim} (ended before the hit)"
+            early += g.poll(0.02)
+        if rng.random() < 0.6:
+            os.kill(g.pids[victim], signal.SIGKILL)
+            return f"replacement {victim} killed"
+        _freeze(g, victim, rng.uniform(1.2 * deadline, 1.8 * deadline), early)
+        return f"replacement {victim} frozen"
+    victim = rng.choice(sorted(r for r in g.members if r in g.pids))
+    if kind == "kill":
+        os.kill(g.pids[victim], signal.SIGKILL)
+    elif kind == "abort":
+        os.kill(g.pids[victim], signal.SIGUSR1)
+    else:
+        _freeze(g, victim, rng.choice([rng.uniform(0.1, deadline * 0.6), rng.uniform(deadline * 1.2, deadline * 1.8)]),
+                early)
+    return f"member {victim}"
+
+
 def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any]:
     import torch.distributed as dist
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["asynccoll", "torch"])
     server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    rng = random.Random(seed)
+    # Separate streams, so the sequence of fault kinds is the same on every run of a seed
+    # (victims and delays depend on which processes are there at the time).
+    kinds, victims, timing = (random.Random(f"{seed}/{what}") for what in ("kinds", "victims", "timing"))
     end = time.monotonic() + minutes * 60
     res: dict[str, Any] = {
         "minutes": minutes, "world": world, "seed": seed, "deadline_s": deadline, "cpus": os.cpu_count(),
         "loadavg_start": os.getloadavg(), "faults": {k: 0 for k in FAULTS}, "recoveries": 0,
-        "absorbed": 0, "excused_waits": 0, "generations": 0, "ops": 0, "violations": [], "detect_s": [], "recovery_s": [], "keys": [],
+        "absorbed": 0, "excused_waits": 0, "generations": 0, "ops": 0, "violations": [], "detect_s": [],
+        "recovery_s": [], "keys": [], "keys_at_faults": [], "joins": 0, "grows": 0, "grow_failures": [],
+        "replacements": 0, "join_s": [], "join_undisturbed_s": [],
     }
     gen = 0
     while time.monotonic() < end:
         gen += 1
         res["keys"].append(server.num_keys())
-        g = Generation(ctx, gen, world, server.port, seed, deadline)
+        g = Generation(ctx, gen, world, server.port, seed, deadline, timing)
         res["generations"] = gen
+        fault_times: list[float] = []
         start_by = time.monotonic() + 120
-        while len(g.pids) < world and time.monotonic() < start_by and g.alive:
+        while len(g.members) < world and time.monotonic() < start_by and g.alive:
             g.poll(0.5)
-        while time.monotonic() < end and len(g.alive) >= 2:
+        while time.monotonic() < end and g.members:
             # Steady: ops flow for a while, then one fault.
-            quiet_until = time.monotonic() + rng.uniform(1.0, 3.0)
-            while time.monotonic() < quiet_until and len(g.alive) >= 2:
+            quiet_until = time.monotonic() + timing.uniform(1.0, 3.0)
+            while time.monotonic() < quiet_until and g.members:
                 g.poll(0.2)
-            live = sorted(r for r in g.alive if r in g.pids)
-            if len(live) < 2 or time.monotonic() >= end:
+            if not g.members or time.monotonic() >= end:
                 break
-            kind = rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
-            victim = rng.choice(live)
-            pid = g.pids[victim]
+            kind = kinds.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
             res["faults"][kind] += 1
+            res["keys_at_faults"].append(server.num_keys())
             t_fault = time.time()
+            fault_times.append(t_fault)
             recovered: dict[int, float] = {}
             failed: set[int] = set()
             early: list[tuple[Any, ...]] = []
-            if kind == "kill":
-                os.kill(pid, signal.SIGKILL)
-            elif kind == "abort":
-                os.kill(pid, signal.SIGUSR1)
-            else:
-                pause = rng.choice([rng.uniform(0.1, deadline * 0.6), rng.uniform(deadline * 1.2, deadline * 1.8)])
-                os.kill(pid, signal.SIGSTOP)
-                stopped_at = time.time()
-                resume_at = time.monotonic() + pause
-                g.frozen.append((victim, stopped_at, stopped_at + pause + 60.0))  # until resumed
-                while time.monotonic() < resume_at:
-                    early += g.poll(0.05)
-                os.kill(pid, signal.SIGCONT)
-                g.frozen[-1] = (victim, stopped_at, time.time() + 0.5)
-            # Wait until every live rank that failed has recovered (or left), and then
-            # nothing more happens for a while (a stop shorter than the deadline: nothing).
+            _inject(g, kind, victims, deadline, early)
+            # Wait until every live process that failed has recovered (or left), the
+            # replacements are in, and then nothing more happens for a while.
             limit = max(8 * deadline, 40.0)
             settle_by = time.monotonic() + limit
             quiet = deadline + 2.0
             last_event = time.monotonic()
             first_failed: float | None = None
-            while time.monotonic() < settle_by:
+            while time.monotonic() < settle_by and g.members:
                 msgs, early = early + g.poll(0.1), []
                 for msg in msgs:
-                    if msg[0] in ("failed", "recovered", "left"):
+                    if msg[0] in ("failed", "recovered", "left", "joined", "grow_failed"):
                         last_event = time.monotonic()
                     if msg[0] == "failed":
                         failed.add(msg[1])
@@ -209,14 +331,15 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
                     elif msg[0] == "recovered":
                         recovered[msg[1]] = msg[2]
                 pending = [r for r in failed if r in g.alive and r not in recovered]
-                if not pending and time.monotonic() - last_event > quiet:
+                joining = g.pending or g.restarts
+                if not pending and not joining and time.monotonic() - last_event > quiet:
                     break
             if not failed:
                 res["absorbed"] += 1
                 continue
             stuck = [r for r in failed if r in g.alive and r not in recovered]
-            if stuck:
-                g.violations.append(f"gen {gen}: {kind} of rank {victim}: ranks {stuck} did not recover within {limit:g} s")
+            if stuck and g.members:
+                g.violations.append(f"gen {gen}: {kind} fault: {stuck} did not recover within {limit:g} s")
             elif recovered and first_failed is not None:
                 res["recoveries"] += 1
                 res["detect_s"].append(first_failed - t_fault)
@@ -225,6 +348,15 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
         res["ops"] += sum(g.ops.values())
         res["violations"] += g.violations
         res["excused_waits"] += g.excused
+        res["joins"] += g.joins
+        res["grows"] += g.grows
+        res["grow_failures"] += g.grow_failures
+        res["replacements"] += len(g.started_at)
+        for r, t in g.joint_at.items():
+            took = t - g.started_at[r]
+            res["join_s"].append(took)
+            if not any(g.started_at[r] <= f <= t for f in fault_times):
+                res["join_undisturbed_s"].append(took)
     res["keys"].append(server.num_keys())
     res["loadavg_end"] = os.getloadavg()
     rec, det = res["recovery_s"], res["detect_s"]
@@ -232,6 +364,12 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
     res["recovery_median_s"] = statistics.median(rec) if rec else None
     res["detect_worst_s"] = max(det) if det else None
     return res
+
+
+def _spread(what: str, xs: list[float]) -> str:
+    if not xs:
+        return f"{what}: none"
+    return f"{what}: median {statistics.median(xs):.3f} s, worst {max(xs):.3f} s ({len(xs)})"
 
 
 def _summary(res: dict[str, Any]) -> str:
@@ -244,7 +382,12 @@ def _summary(res: dict[str, Any]) -> str:
         + (f"recovery (first failure seen -> slowest survivor's first op on the new communicator) median "
            f"{statistics.median(rec):.3f} s, worst {max(rec):.3f} s; fault -> first failure seen worst "
            f"{max(res['detect_s']):.3f} s" if rec else "no recovery"),
-        f"store keys at each generation start: {res['keys']}",
+        f"replacements started {res['replacements']}, joins {res['joins']}, grows {res['grows']} "
+        f"(+ {len(res['grow_failures'])} failed: a participant died or froze in it), "
+        + _spread("replacement start -> its first op in the group", res["join_s"])
+        + "; " + _spread("with no fault meanwhile", res["join_undisturbed_s"]),
+        f"store keys at each generation start: {res['keys']}; before each fault: "
+        f"{res['keys_at_faults'][:3]} ... {res['keys_at_faults'][-3:]}",
         f"long waits of a rank that was itself frozen meanwhile (not violations): {res['excused_waits']}",
         f"violations: {len(res['violations'])}",
     ]
