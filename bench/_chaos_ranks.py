@@ -265,16 +265,18 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
             return "sync"
         assert state is not None
         bound[0] = deadline
-        if comm.world_size == 1 or k % WAIT_EVERY == 0:
+        # (not at k == 0: the first step after a membership change is an op, which ends a recovery)
+        if comm.world_size == 1 or k % WAIT_EVERY == WAIT_EVERY - 1:
             waiting = await comm.waiting(timeout=deadline)
             size = min(world, comm.world_size + waiting)
             if size > comm.world_size:
-                old = comm.world_size
+                old, leader = comm.world_size, comm.rank == 0
                 bound[0] = deadline + 2 * long  # the admission and the assembly, each within the timeout
                 try:
                     comm = holder[0] = await comm.grow(size, timeout=long)
                 except (ac.CommAborted, ac.CollectiveTimeout) as exc:
-                    send("grow_failed", idx, f"{old} -> {size}: {type(exc).__name__}: {exc}")
+                    if leader:  # one report per failed grow (every member sees the same outcome)
+                        send("grow_failed", idx, f"{old} -> {size}: {type(exc).__name__}: {exc}")
                     if comm.state == "aborted":  # a member died in it: shrink as after any failure
                         raise
                     k += 1  # (every member saw the same outcome) go on with the old communicator
@@ -314,6 +316,9 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
         waited = time.monotonic() - t0
         if waited > bound[0] + 1.0:
             send("long_wait", idx, time.time() - waited, time.time(), f"{waited:.2f} s ({what}, step {k})")
+        if what == "idle" and failed_at is not None:  # recovered to a lone survivor: nothing to run
+            send("recovered", idx, time.time(), comm.world_size, comm.rank, *_resources())
+            failed_at = None
         if what != "op":
             continue
         ops += 1

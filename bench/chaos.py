@@ -166,8 +166,8 @@ class Generation:
                 self.joint_at[r] = msg[2]
             elif kind == "grew":
                 self.grows += 1
-            elif kind == "grow_failed":
-                self.grow_failures.append(f"gen {self.gen} process {r}: {msg[2]}")
+            elif kind == "grow_failed":  # (reported by rank 0 of the members)
+                self.grow_failures.append(f"gen {self.gen}: {msg[2]}")
             elif kind == "join_timeout":
                 self.violations.append(f"gen {self.gen} process {r}: not admitted: {msg[2]}")
             elif kind == "ops":
@@ -383,7 +383,7 @@ def _summary(res: dict[str, Any]) -> str:
            f"{statistics.median(rec):.3f} s, worst {max(rec):.3f} s; fault -> first failure seen worst "
            f"{max(res['detect_s']):.3f} s" if rec else "no recovery"),
         f"replacements started {res['replacements']}, joins {res['joins']}, grows {res['grows']} "
-        f"(+ {len(res['grow_failures'])} failed: a participant died or froze in it), "
+        f"(+ {len(res['grow_failures'])} failed: a participant died or froze in it, as rank 0 saw it), "
         + _spread("replacement start -> its first op in the group", res["join_s"])
         + "; " + _spread("with no fault meanwhile", res["join_undisturbed_s"]),
         f"store keys at each generation start: {res['keys']}; before each fault: "
