@@ -240,6 +240,7 @@ def _inject(g: Generation, kind: str, rng: random.Random, deadline: float, early
         # in the grow's assembly or in broadcast_state. If none waits, a member is killed
         # and its replacement (started at once) is the one hit.
         waiting = sorted(g.pending)
+        before = ""
         if waiting:
             victim = rng.choice(waiting)
         else:
@@ -248,25 +249,27 @@ def _inject(g: Generation, kind: str, rng: random.Random, deadline: float, early
             started = g.replace()  # (it takes the dead one's place: no other replacement starts)
             if started is None:
                 return f"member {dead} killed, no replacement (the group is gone)"
-            victim = started
+            victim, before = started, f"member {dead} killed, then its "
         hit_at = time.monotonic() + rng.uniform(0.0, 3.0)
         while victim not in g.pids or time.monotonic() < hit_at:
             if victim not in g.alive:
-                return f"replacement {victim} (ended before the hit)"
+                return f"{before}replacement {victim} (ended before the hit)"
             early += g.poll(0.02)
         if rng.random() < 0.6:
             os.kill(g.pids[victim], signal.SIGKILL)
-            return f"replacement {victim} killed"
-        _freeze(g, victim, rng.uniform(1.2 * deadline, 1.8 * deadline), early)
-        return f"replacement {victim} frozen"
+            return f"{before}replacement {victim} killed"
+        pause = rng.uniform(1.2 * deadline, 1.8 * deadline)
+        _freeze(g, victim, pause, early)
+        return f"{before}replacement {victim} frozen {pause:.1f} s"
     victim = rng.choice(sorted(r for r in g.members if r in g.pids))
     if kind == "kill":
         os.kill(g.pids[victim], signal.SIGKILL)
     elif kind == "abort":
         os.kill(g.pids[victim], signal.SIGUSR1)
     else:
-        _freeze(g, victim, rng.choice([rng.uniform(0.1, deadline * 0.6), rng.uniform(deadline * 1.2, deadline * 1.8)]),
-                early)
+        pause = rng.choice([rng.uniform(0.1, deadline * 0.6), rng.uniform(deadline * 1.2, deadline * 1.8)])
+        _freeze(g, victim, pause, early)
+        return f"member {victim} frozen {pause:.1f} s"
     return f"member {victim}"
 
 
@@ -285,7 +288,8 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
         "loadavg_start": os.getloadavg(), "faults": {k: 0 for k in FAULTS}, "recoveries": 0,
         "absorbed": 0, "excused_waits": 0, "generations": 0, "ops": 0, "violations": [], "detect_s": [],
         "recovery_s": [], "keys": [], "keys_at_faults": [], "joins": 0, "grows": 0, "grow_failures": [],
-        "replacements": 0, "join_s": [], "join_undisturbed_s": [],
+        "replacements": 0, "join_s": [], "join_undisturbed_s": [], "started": time.time(),
+        "fault_log": [],  # every fault: when (s after the start), kind, what it hit, who failed, how long
     }
     gen = 0
     while time.monotonic() < end:
@@ -312,7 +316,9 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
             recovered: dict[int, float] = {}
             failed: set[int] = set()
             early: list[tuple[Any, ...]] = []
-            _inject(g, kind, victims, deadline, early)
+            hit = _inject(g, kind, victims, deadline, early)
+            entry: dict[str, Any] = {"at": round(t_fault - res["started"], 3), "kind": kind, "hit": hit}
+            res["fault_log"].append(entry)
             # Wait until every live process that failed has recovered (or left), the
             # replacements are in, and then nothing more happens for a while.
             limit = max(8 * deadline, 40.0)
@@ -334,6 +340,7 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
                 joining = g.pending or g.restarts
                 if not pending and not joining and time.monotonic() - last_event > quiet:
                     break
+            entry["failed"] = sorted(failed)
             if not failed:
                 res["absorbed"] += 1
                 continue
@@ -344,6 +351,7 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
                 res["recoveries"] += 1
                 res["detect_s"].append(first_failed - t_fault)
                 res["recovery_s"].append(max(recovered.values()) - first_failed)
+                entry.update(detect_s=round(res["detect_s"][-1], 3), recovery_s=round(res["recovery_s"][-1], 3))
         g.finish()
         res["ops"] += sum(g.ops.values())
         res["violations"] += g.violations
@@ -382,6 +390,11 @@ def _summary(res: dict[str, Any]) -> str:
         + (f"recovery (first failure seen -> slowest survivor's first op on the new communicator) median "
            f"{statistics.median(rec):.3f} s, worst {max(rec):.3f} s; fault -> first failure seen worst "
            f"{max(res['detect_s']):.3f} s" if rec else "no recovery"),
+        "recovery worst by fault kind: " + ", ".join(
+            f"{kind} {max(e['recovery_s'] for e in res['fault_log'] if e['kind'] == kind and 'recovery_s' in e):.3f} s"
+            for kind in FAULTS if any(e["kind"] == kind and "recovery_s" in e for e in res["fault_log"])
+        ) + " (a joiner fault that first kills a member counts from that kill to the last recovery, the hit"
+        " replacement's included when it had joined before the hit)",
         f"replacements started {res['replacements']}, joins {res['joins']}, grows {res['grows']} "
         f"(+ {len(res['grow_failures'])} failed: a participant died or froze in it, as rank 0 saw it), "
         + _spread("replacement start -> its first op in the group", res["join_s"])
