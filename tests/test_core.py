@@ -15,6 +15,7 @@ import torch.distributed as dist
 from backends import BACKENDS, LOOPS
 
 import asynccoll as ac
+from asynccoll._core.work import _PENDING
 from asynccoll.testing import RankContext, run_ranks
 
 
@@ -207,6 +208,59 @@ async def abort_semantics(comm: ac.Communicator) -> str:
 def test_abort_fails_pending_works_fast_from_another_thread() -> None:
     results = run_ranks(abort_semantics, world_size=2, backend="gloo", timeout=60, lost=(1,))
     assert results[0] == "closed"
+
+
+async def finished_before_abort(comm: ac.Communicator) -> list[str]:
+    # Ops that finished before the abort but that nobody asked about yet (the backend
+    # settles a Work when someone asks: small ops finish unseen) keep their outcome:
+    # the suite once failed a bystander rank's finished all_reduce with a peer's abort
+    # news. The test reads torch's own works in the Gloo backend's collective queue
+    # (private; reading them settles nothing) to know when Gloo finished them.
+    queue = comm.backends["cpu"]._waiter._fifo  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+
+    async def gloo_finished() -> None:
+        while not all(item[0].is_completed() for item in list(queue)):
+            assert time.monotonic() < deadline, "the all_reduces did not finish"
+            await asyncio.sleep(0.005)
+
+    tensors = [torch.full((4,), float(comm.rank + 1)) for _ in range(3)]
+    signal = torch.ones(1)
+    if comm.rank == 1:
+        # Rank 1 issues first: none of its ops can finish before rank 0 issues them, so
+        # none is settled when it is issued (an issue settles what finished before it).
+        works = [comm.all_reduce(t) for t in tensors]
+        comm.send(signal, 0)  # p2p has a queue of its own: nothing here asks about the collectives
+        await gloo_finished()
+        assert all(w._state == _PENDING for w in works)  # finished, unseen
+        comm.send(signal, 0)  # rank 0 may abort now
+        while comm.state != "aborted":  # rank 0's abort news: the bystander's path
+            assert time.monotonic() < deadline, "rank 0's abort news did not come"
+            await asyncio.sleep(0.005)
+        late = None
+    else:
+        await comm.recv(signal, 1)
+        works = [comm.all_reduce(t) for t in tensors]
+        await gloo_finished()
+        await comm.recv(signal, 1)  # rank 1's Gloo finished them too
+        late = comm.recv(signal, 1)  # never sent: still pending at the abort
+        comm.abort("test abort")
+    outcomes = []
+    for w, t in zip(works, tensors):
+        assert await asyncio.wait_for(w, 5) is t and t.tolist() == [3.0] * 4
+        outcomes.append("done")
+    if late is not None:
+        with pytest.raises(ac.CommAborted, match="test abort"):
+            await asyncio.wait_for(late, 5)
+        outcomes.append("aborted")
+    assert comm.state == "aborted"
+    await comm.close()
+    return outcomes
+
+
+def test_ops_that_finished_before_an_abort_keep_their_result() -> None:
+    results = run_ranks(finished_before_abort, world_size=2, backend="gloo", timeout=60)
+    assert results == [["done"] * 3 + ["aborted"], ["done"] * 3]
 
 
 async def close_semantics(comm: ac.Communicator) -> str:

@@ -350,7 +350,8 @@ class Communicator:
 
     # ------------------------------------------------------------------ faults
     def abort(self, reason: str | None = None) -> None:
-        """Abort now: every pending Work raises ``CommAborted``; later calls too.
+        """Abort now: every pending Work raises ``CommAborted``; later calls too. An op
+        that finished before the abort, unseen (not awaited yet), keeps its result.
 
         Synchronous, callable from any thread, idempotent, bounded: it never waits
         for the network or for peers.

@@ -8,7 +8,8 @@ their deadlines — and it is the ONE sink through which backends report outcome
 * ``succeed(target)`` / ``succeed_all(targets)`` — the operation completed;
 * ``fail(target, exc)`` — it failed (``exc`` already in the contract's family);
   the transport is then suspect and the communicator aborts;
-* ``abort(cause)`` — every pending Work fails with ``CommAborted``.
+* ``abort(cause)`` — every pending Work fails with ``CommAborted``; an op that
+  finished before the abort, unseen, keeps its outcome (``_settle_finished``).
 
 A target is a :class:`Work`, or a :class:`Bundle` of Works that one backend op
 stands for (a flattened coalesced batch). Backends never touch Work internals.
@@ -274,6 +275,8 @@ class Ledger:
     def fail(self, target: Target, exc: BaseException) -> None:
         """``target`` failed (any thread): it raises ``exc``; the communicator aborts."""
         works = [target] if isinstance(target, Work) else list(target.works)
+        if self.state is _OK:
+            self._settle_finished()
         with self.lock:
             first = self.state is _OK
             if first:
@@ -324,6 +327,8 @@ class Ledger:
         ``on_abort`` before returning.
         """
         error = cause if isinstance(cause, CommAborted) else abort_error(cause)
+        if self.state is _OK:
+            self._settle_finished()
         with self.lock:
             if self.state is not _OK:
                 return False
@@ -336,6 +341,16 @@ class Ledger:
         wake.deliver()
         self._on_abort(error)
         return True
+
+    def _settle_finished(self) -> None:
+        """Before an abort fails what is pending: let the ops that already finished,
+        unseen (a backend settles a Work when someone asks, ``Work.set_poke``), settle
+        as they ended. One poke per backend queue: each settles its finished head."""
+        with self.lock:
+            pokes = {work._poke for work in self.pending.values()}
+        for poke in pokes:
+            if poke is not None:
+                poke(False)
 
     def _fail_pending(self, works: list[Work], error: BaseException, wake: Wakeups) -> None:
         """Fail every one of ``works`` with its own ``abort_error(error)``: the hot loop
