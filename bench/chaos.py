@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench._chaos_ranks import HOST, _rank_main  # noqa: E402 - after the path
 
-FAULTS = {"kill": 3, "stop": 3, "abort": 2, "joiner": 1}
+FAULTS = {"kill": 3, "stop": 3, "abort": 2, "joiner": 2}
 #: A replacement starts within this many seconds after a process ended (as its launcher restarts it).
 RESTART_DELAY = 1.0
 
@@ -103,6 +103,7 @@ class Generation:
         self.joins = self.grows = 0
         self.grow_failures: list[str] = []
         self.restarts: list[float] = []  # monotonic times at which replacements are due
+        self.fault_times: list[float] = []  # wall clock
         self.closing = False
         for r in range(world):
             self.spawn(r, joiner=False)
@@ -199,6 +200,15 @@ class Generation:
         self.members.discard(r)
         self.pending.discard(r)
 
+    def kill(self) -> None:
+        """Interrupted (Ctrl-C): end every process now, a frozen one too."""
+        self.closing = True
+        for p in self.procs.values():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(10)
+
     def finish(self) -> None:
         self.closing = True
         for r in list(self.alive):
@@ -250,11 +260,13 @@ def _inject(g: Generation, kind: str, rng: random.Random, deadline: float, early
             if started is None:
                 return f"member {dead} killed, no replacement (the group is gone)"
             victim, before = started, f"member {dead} killed, then its "
-        hit_at = time.monotonic() + rng.uniform(0.0, 3.0)
+        # (a replacement is in about 0.5 s after its start: most hits land before or during its join)
+        hit_at = time.monotonic() + rng.uniform(0.0, 0.8)
         while victim not in g.pids or time.monotonic() < hit_at:
             if victim not in g.alive:
                 return f"{before}replacement {victim} (ended before the hit)"
             early += g.poll(0.02)
+        g.fault_times.append(time.time())  # (a join that spans this hit is not an undisturbed one)
         if rng.random() < 0.6:
             os.kill(g.pids[victim], signal.SIGKILL)
             return f"{before}replacement {victim} killed"
@@ -297,61 +309,11 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
         res["keys"].append(server.num_keys())
         g = Generation(ctx, gen, world, server.port, seed, deadline, timing)
         res["generations"] = gen
-        fault_times: list[float] = []
-        start_by = time.monotonic() + 120
-        while len(g.members) < world and time.monotonic() < start_by and g.alive:
-            g.poll(0.5)
-        while time.monotonic() < end and g.members:
-            # Steady: ops flow for a while, then one fault.
-            quiet_until = time.monotonic() + timing.uniform(1.0, 3.0)
-            while time.monotonic() < quiet_until and g.members:
-                g.poll(0.2)
-            if not g.members or time.monotonic() >= end:
-                break
-            kind = kinds.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
-            res["faults"][kind] += 1
-            res["keys_at_faults"].append(server.num_keys())
-            t_fault = time.time()
-            fault_times.append(t_fault)
-            recovered: dict[int, float] = {}
-            failed: set[int] = set()
-            early: list[tuple[Any, ...]] = []
-            hit = _inject(g, kind, victims, deadline, early)
-            entry: dict[str, Any] = {"at": round(t_fault - res["started"], 3), "kind": kind, "hit": hit}
-            res["fault_log"].append(entry)
-            # Wait until every live process that failed has recovered (or left), the
-            # replacements are in, and then nothing more happens for a while.
-            limit = max(8 * deadline, 40.0)
-            settle_by = time.monotonic() + limit
-            quiet = deadline + 2.0
-            last_event = time.monotonic()
-            first_failed: float | None = None
-            while time.monotonic() < settle_by and g.members:
-                msgs, early = early + g.poll(0.1), []
-                for msg in msgs:
-                    if msg[0] in ("failed", "recovered", "left", "joined", "grow_failed"):
-                        last_event = time.monotonic()
-                    if msg[0] == "failed":
-                        failed.add(msg[1])
-                        first_failed = msg[4] if first_failed is None else min(first_failed, msg[4])
-                    elif msg[0] == "recovered":
-                        recovered[msg[1]] = msg[2]
-                pending = [r for r in failed if r in g.alive and r not in recovered]
-                joining = g.pending or g.restarts
-                if not pending and not joining and time.monotonic() - last_event > quiet:
-                    break
-            entry["failed"] = sorted(failed)
-            if not failed:
-                res["absorbed"] += 1
-                continue
-            stuck = [r for r in failed if r in g.alive and r not in recovered]
-            if stuck and g.members:
-                g.violations.append(f"gen {gen}: {kind} fault: {stuck} did not recover within {limit:g} s")
-            elif recovered and first_failed is not None:
-                res["recoveries"] += 1
-                res["detect_s"].append(first_failed - t_fault)
-                res["recovery_s"].append(max(recovered.values()) - first_failed)
-                entry.update(detect_s=round(res["detect_s"][-1], 3), recovery_s=round(res["recovery_s"][-1], 3))
+        try:
+            _soak(g, res, end, world, deadline, kinds, victims, timing, server)
+        except BaseException:
+            g.kill()
+            raise
         g.finish()
         res["ops"] += sum(g.ops.values())
         res["violations"] += g.violations
@@ -363,7 +325,7 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
         for r, t in g.joint_at.items():
             took = t - g.started_at[r]
             res["join_s"].append(took)
-            if not any(g.started_at[r] <= f <= t for f in fault_times):
+            if not any(g.started_at[r] <= f <= t for f in g.fault_times):
                 res["join_undisturbed_s"].append(took)
     res["keys"].append(server.num_keys())
     res["loadavg_end"] = os.getloadavg()
@@ -372,6 +334,66 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
     res["recovery_median_s"] = statistics.median(rec) if rec else None
     res["detect_worst_s"] = max(det) if det else None
     return res
+
+
+def _soak(g: Generation, res: dict[str, Any], end: float, world: int, deadline: float, kinds: random.Random,
+          victims: random.Random, timing: random.Random, server: Any) -> None:
+    """Generation ``g`` until ``end`` or until its group is gone: faults, and their recoveries."""
+    gen = g.gen
+    start_by = time.monotonic() + 120
+    while len(g.members) < world and time.monotonic() < start_by and g.alive:
+        g.poll(0.5)
+    while time.monotonic() < end and g.members:
+        # Steady: ops flow for a while, then one fault.
+        quiet_until = time.monotonic() + timing.uniform(1.0, 3.0)
+        while time.monotonic() < quiet_until and g.members:
+            g.poll(0.2)
+        if not g.members or time.monotonic() >= end:
+            break
+        kind = kinds.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+        res["faults"][kind] += 1
+        res["keys_at_faults"].append(server.num_keys())
+        t_fault = time.time()
+        g.fault_times.append(t_fault)
+        recovered: dict[int, float] = {}
+        failed: set[int] = set()
+        early: list[tuple[Any, ...]] = []
+        hit = _inject(g, kind, victims, deadline, early)
+        entry: dict[str, Any] = {"at": round(t_fault - res["started"], 3), "kind": kind, "hit": hit}
+        res["fault_log"].append(entry)
+        # Wait until every live process that failed has recovered (or left), the
+        # replacements are in, and then nothing more happens for a while.
+        limit = max(8 * deadline, 40.0)
+        settle_by = time.monotonic() + limit
+        quiet = deadline + 2.0
+        last_event = time.monotonic()
+        first_failed: float | None = None
+        while time.monotonic() < settle_by and g.members:
+            msgs, early = early + g.poll(0.1), []
+            for msg in msgs:
+                if msg[0] in ("failed", "recovered", "left", "joined", "grow_failed"):
+                    last_event = time.monotonic()
+                if msg[0] == "failed":
+                    failed.add(msg[1])
+                    first_failed = msg[4] if first_failed is None else min(first_failed, msg[4])
+                elif msg[0] == "recovered":
+                    recovered[msg[1]] = msg[2]
+            pending = [r for r in failed if r in g.alive and r not in recovered]
+            joining = g.pending or g.restarts
+            if not pending and not joining and time.monotonic() - last_event > quiet:
+                break
+        entry["failed"] = sorted(failed)
+        if not failed:
+            res["absorbed"] += 1
+            continue
+        stuck = [r for r in failed if r in g.alive and r not in recovered]
+        if stuck and g.members:
+            g.violations.append(f"gen {gen}: {kind} fault: {stuck} did not recover within {limit:g} s")
+        elif recovered and first_failed is not None:
+            res["recoveries"] += 1
+            res["detect_s"].append(first_failed - t_fault)
+            res["recovery_s"].append(max(recovered.values()) - first_failed)
+            entry.update(detect_s=round(res["detect_s"][-1], 3), recovery_s=round(res["recovery_s"][-1], 3))
 
 
 def _spread(what: str, xs: list[float]) -> str:
