@@ -19,10 +19,11 @@ bounded by ``--deadline``. Meanwhile the driver injects one fault at a time:
   out) shrinks.
 * ``abort``: a member calls ``comm.abort()`` (SIGUSR1); the abort reaches every
   rank as news and they all shrink, without excluding anyone.
-* ``joiner``: a replacement is hit before it is in (SIGKILL, or SIGSTOP longer
-  than the deadline): at its start, while it waits in ``ac.join``, in the grow's
-  assembly or in ``broadcast_state``. If none is waiting, a member is killed and
-  its replacement is the one hit.
+* ``joiner``: a replacement is hit within 0.8 s of its start (SIGKILL, or SIGSTOP
+  longer than the deadline): at its start, while it waits in ``ac.join``, in the
+  grow's assembly, in ``broadcast_state`` or just after. If none is waiting (the
+  usual case: the driver lets replacements in before the next fault), a member
+  is killed and its replacement is the one hit.
 
 The driver keeps ``--world`` processes: each one that ended (killed, or left out
 by a shrink) is replaced within a second by a new process that calls
