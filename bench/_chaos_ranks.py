@@ -252,26 +252,31 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
     grew = False  # check the resources at the first op after a grow
     last_report = time.monotonic()
 
-    bound = [deadline]  # the longest the step under way may wait
+    #: The call under way: what it is, when it began, the longest it may wait. A step may
+    #: make two calls (waiting(), then an op or a grow): each is held to its own bound.
+    phase: list[Any] = ["op", 0.0, deadline]
+
+    def begin(what: str, limit: float) -> None:
+        phase[:] = [what, time.monotonic(), limit]
 
     async def step() -> str:
         """One step: the state sync after a membership change, a look for joiners (and a
         grow), or one random op; what it was."""
         nonlocal comm, state, need_sync, k, grew
         if need_sync:
-            bound[0] = 3 * deadline  # an all_gather_object, then broadcast_state within 2 x deadline
+            begin("sync", 3 * deadline)  # an all_gather_object, then broadcast_state within 2 x deadline
             state = await _sync(comm, state, seed, gen, deadline, errors)
             need_sync, k = False, 0
             return "sync"
         assert state is not None
-        bound[0] = deadline
         # (not at k == 0: the first step after a membership change is an op, which ends a recovery)
         if comm.world_size == 1 or k % WAIT_EVERY == WAIT_EVERY - 1:
+            begin("waiting", deadline)
             waiting = await comm.waiting(timeout=deadline)
             size = min(world, comm.world_size + waiting)
             if size > comm.world_size:
                 old, leader = comm.world_size, comm.rank == 0
-                bound[0] = deadline + 2 * long  # the admission and the assembly, each within the timeout
+                begin("grow", 2 * long)  # the admission and the assembly, each within the timeout
                 try:
                     comm = holder[0] = await comm.grow(size, timeout=long)
                 except (ac.CommAborted, ac.CollectiveTimeout) as exc:
@@ -289,17 +294,18 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
                 await asyncio.sleep(0.05)
                 return "idle"
         rng = random.Random(hash((seed, gen, state["epoch"], k, comm.world_size)))
+        begin(f"op {k}", deadline)
         await _op(comm, k, rng, deadline, errors)
         return "op"
 
     while not stop.is_set():
-        t0 = time.monotonic()
         try:
             what = await step()
         except (ac.CommAborted, ac.CollectiveTimeout) as exc:
-            waited = time.monotonic() - t0
-            if waited > bound[0] + 1.0:  # the driver excuses it if this rank was the one frozen meanwhile
-                send("long_wait", idx, time.time() - waited, time.time(), f"{waited:.2f} s ({type(exc).__name__})")
+            waited = time.monotonic() - phase[1]
+            if waited > phase[2] + 1.0:  # the driver excuses it if this rank was the one frozen meanwhile
+                send("long_wait", idx, time.time() - waited, time.time(),
+                     f"{waited:.2f} s in {phase[0]}, bound {phase[2]:g} s ({type(exc).__name__})")
             failed_at = time.time()
             send("failed", idx, type(exc).__name__, list(getattr(exc, "ranks", ()) or ()), failed_at)
             try:
@@ -313,9 +319,9 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
                 state = _next(state, seed, gen, comm.world_size)
             need_sync, k = True, 0
             continue
-        waited = time.monotonic() - t0
-        if waited > bound[0] + 1.0:
-            send("long_wait", idx, time.time() - waited, time.time(), f"{waited:.2f} s ({what}, step {k})")
+        waited = time.monotonic() - phase[1]
+        if waited > phase[2] + 1.0:
+            send("long_wait", idx, time.time() - waited, time.time(), f"{waited:.2f} s in {phase[0]}, bound {phase[2]:g} s")
         if what == "idle" and failed_at is not None:  # recovered to a lone survivor: nothing to run
             send("recovered", idx, time.time(), comm.world_size, comm.rank, *_resources())
             failed_at = None
