@@ -356,7 +356,9 @@ def test_close_is_bounded_and_idempotent() -> None:
     t0 = time.monotonic()
     assert w.close(timeout=0.1) is False  # stuck in synchronize(), but close returns
     assert w.close(timeout=0.1) is False  # idempotent, still bounded
-    assert time.monotonic() - t0 < 1.0
+    # Bounded: both returned while the head is still stuck (unbounded, they would wait
+    # for it forever). Generous: two 0.1 s closes took 1.16 s once at load 12.
+    assert time.monotonic() - t0 < 5.0
     assert w.closed
     assert len(failed) == 1 and isinstance(failed[0], streams.WatcherClosed)  # "queued"
     with pytest.raises(streams.WatcherClosed):
