@@ -636,3 +636,29 @@ def test_a_held_op_raises_the_mismatch_even_when_the_peers_abort_news_comes_firs
     assert run_ranks(verdict_before_news, world_size=2, backend=None, timeout=90) == [
         "CollectiveMismatch", "CollectiveMismatch"
     ]
+
+
+def test_a_flight_record_written_after_close_still_names_the_held_ops() -> None:
+    """An op held for a peer's fingerprint that times out: the abort writes the flight
+    record on the deadline thread while the rank's task, already woken by the error,
+    may close the communicator (which drops the held ops). The record still says
+    which op waited for whom (it once came out empty in a flake-hunt run, 1 in 5)."""
+    import socket
+
+    from asynccoll._diag.fingerprint import FingerprintChecker
+
+    out_a, out_b = socket.socketpair()
+    in_a, in_b = socket.socketpair()
+    checker = FingerprintChecker(0, 2, {1: out_a}, {1: in_a})
+    try:
+        spec = OpSpec(OpKind.ALL_REDUCE, torch.ones(4), reduce_op=ReduceOp.SUM)
+        work = ac.Work("all_reduce", 3)
+        checker.gate_op(spec, work, lambda: None)  # rank 1 never sends its fingerprint: held
+        held = [{"seq": 3, "ops": ["all_reduce"], "waiting_for": [1]}]
+        assert checker.waiting() == held
+        checker.close()
+        assert checker.waiting() == held
+    finally:
+        checker.close()
+        for s in (out_b, in_b):
+            s.close()

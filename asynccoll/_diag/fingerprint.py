@@ -85,6 +85,7 @@ class FingerprintChecker:
         self._recvs: dict[int, int] = collections.defaultdict(int)
         self._queues: dict[Any, collections.deque[_Entry]] = {}
         self._closed = False
+        self._held_at_close: list[dict[str, Any]] = []  # what ``waiting()`` says once closed
         self._broken = False  # a verdict failed: submit nothing more (the abort follows)
         # Verdicts reached in an issuing thread (which holds the communicator's
         # lock): failed by the reader thread, since failing aborts the communicator.
@@ -237,16 +238,21 @@ class FingerprintChecker:
         return failures
 
     def waiting(self) -> list[dict[str, Any]]:
-        """Held ops and the ranks whose fingerprints they wait for (for trace files)."""
+        """Held ops and the ranks whose fingerprints they wait for (for trace files);
+        after ``close()``, those it held when it closed: an abort's flight record may
+        be written after the woken caller closed the communicator."""
         with self._lock:
-            out = []
-            for queue in self._queues.values():
-                for entry in queue:
-                    missing = sorted(
-                        {p for tag, k, peers, _ in entry.reqs for p in peers if (p, _NEEDS[tag], k) not in self._inbox}
-                    )
-                    out.append({"seq": entry.seq, "ops": [w.op for w in entry.works], "waiting_for": missing})
-            return out
+            return list(self._held_at_close) if self._closed else self._waiting()
+
+    def _waiting(self) -> list[dict[str, Any]]:
+        out = []
+        for queue in self._queues.values():
+            for entry in queue:
+                missing = sorted(
+                    {p for tag, k, peers, _ in entry.reqs for p in peers if (p, _NEEDS[tag], k) not in self._inbox}
+                )
+                out.append({"seq": entry.seq, "ops": [w.op for w in entry.works], "waiting_for": missing})
+        return out
 
     # ------------------------------------------------------------ the mesh's calls
     def frames_arrived(self) -> None:
@@ -286,6 +292,7 @@ class FingerprintChecker:
         with self._lock:
             if self._closed:
                 return
+            self._held_at_close = self._waiting()
             self._closed = True
             self._queues.clear()
         self._mesh.close()
