@@ -66,9 +66,8 @@ def flat_key(spec: OpSpec) -> tuple[Any, ...] | None:
 
 
 def plan(specs: Sequence[OpSpec]) -> list[list[int]]:
-    """Indices of ``specs`` per collective to issue, in issue order (module docstring)."""
-    if _alike(specs):
-        return [list(range(len(specs)))]  # the common batch: one flat all_reduce
+    """Indices of ``specs`` per collective to issue, in issue order (module docstring).
+    (``submit_batch`` takes the common all-alike batch before it gets here.)"""
     steps: list[list[int]] = []
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, spec in enumerate(specs):
