@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from typing import Any
 
 import anyio
@@ -207,6 +208,121 @@ def test_abort_on_the_loop_hands_its_waiters_the_error_at_once_and_defers_callba
         assert ta.done() and isinstance(ta.exception(), ac.CommAborted)
         await asyncio.sleep(0)
         assert seen == ["callback"]
+
+    asyncio.run(main())
+
+
+class _Kept:
+    """Something a Work keeps alive (its tensors), watched through a weak reference."""
+
+
+def test_abort_on_the_loop_drops_what_the_works_kept_once_their_waiters_ran() -> None:
+    """An abort of many Works frees their kept tensors and results after it woke the
+    waiters (freeing costs more than failing): on the aborting loop, behind the woken
+    tasks; and nothing stays referenced one iteration later."""
+
+    async def main() -> None:
+        ledger, _ = _ledger()
+        kept, values = _Kept(), _Kept()
+        with ledger.lock:
+            work = ledger.reserve("all_reduce", values, (kept,))
+        refs = weakref.ref(kept), weakref.ref(values)
+        del kept, values
+        seen: list[tuple[bool, bool]] = []
+
+        async def waiter() -> None:
+            try:
+                await work
+            except ac.CommAborted:
+                seen.append((refs[0]() is not None, refs[1]() is not None))
+
+        task = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0)  # parked on its Work
+        ledger.abort(ac.CommAborted("stop"))
+        await asyncio.wait_for(task, 5.0)
+        assert seen == [(True, True)]  # the waiter ran first
+        assert work._keep is None and isinstance(work.exception(), ac.CommAborted)
+        await asyncio.sleep(0)
+        assert refs[0]() is None and refs[1]() is None
+
+    asyncio.run(main())
+
+
+def test_abort_off_the_loop_drops_what_the_works_kept_before_it_returns() -> None:
+    async def main() -> None:
+        ledger, _ = _ledger()
+        kept = _Kept()
+        with ledger.lock:
+            work = ledger.reserve("all_reduce", None, (kept,))
+        ref = weakref.ref(kept)
+        del kept
+        task = asyncio.ensure_future(asyncio.wait_for(asyncio.shield(_await(work)), 5.0))
+        await asyncio.sleep(0)
+        t = threading.Thread(target=ledger.abort, args=(ac.CommAborted("stop"),))
+        t.start()
+        t.join(5.0)
+        assert ref() is None  # no loop of the aborting thread to defer to
+        with pytest.raises(ac.CommAborted):
+            await task
+
+    asyncio.run(main())
+
+
+async def _await(work: ac.Work) -> Any:
+    return await work
+
+
+def test_abort_fails_every_kind_of_waiting_as_settling_each_work_would() -> None:
+    """The abort's bulk path takes a short cut for the common Work (one waiter on the
+    aborting loop); every other kind must still be woken: two waiters, a waiter on
+    another thread's loop, a blocked ``wait()``, a done callback, a cancelled wait,
+    nobody waiting. Each Work raises its own exception object."""
+
+    async def main() -> None:
+        ledger, aborted = _ledger()
+        with ledger.lock:
+            works = [ledger.reserve("all_reduce") for _ in range(7)]
+        one, two, other_loop, blocked, callback, cancelled, nobody = works
+        tasks = [asyncio.ensure_future(_await(w)) for w in (one, two, two, cancelled)]
+        elsewhere: list[BaseException] = []
+
+        def run_elsewhere() -> None:
+            async def wait_there() -> None:
+                try:
+                    await other_loop
+                except ac.CommAborted as exc:
+                    elsewhere.append(exc)
+
+            asyncio.run(asyncio.wait_for(wait_there(), 5.0))
+
+        def block() -> None:
+            try:
+                blocked.wait(5.0)
+            except ac.CommAborted as exc:
+                elsewhere.append(exc)
+
+        threads = [threading.Thread(target=run_elsewhere), threading.Thread(target=block)]
+        for t in threads:
+            t.start()
+        called: list[ac.Work] = []
+        callback.add_done_callback(called.append)
+        deadline = time.monotonic() + 5.0
+        while (other_loop._waiters is None or blocked._event is None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # the other thread's waiter and the blocked wait() are in
+        await asyncio.sleep(0)
+        tasks[3].cancel()
+        ledger.abort(ac.CommAborted("stop"))
+        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
+        for t in threads:
+            t.join(5.0)
+        assert [type(x) for x in done] == [ac.CommAborted] * 3 + [asyncio.CancelledError]
+        assert len(elsewhere) == 2 and all(isinstance(e, ac.CommAborted) for e in elsewhere)
+        await asyncio.sleep(0)
+        assert called == [callback]
+        errors = [w.exception() for w in works]
+        assert all(isinstance(e, ac.CommAborted) for e in errors)
+        assert len({id(e) for e in errors}) == len(works)  # each Work its own exception
+        assert nobody.done() and len(aborted) == 1 and not ledger.pending
 
     asyncio.run(main())
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
 from .._base.recorder import FlightRecorder, now, outcome
-from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
+from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work, fail_all
 
 Target = Work | Bundle
 
@@ -363,12 +363,11 @@ class Ledger:
         make = abort_errors(error)
         state, text = outcome(make())
         ended, t = self._recorder.ended, now()
-        for work in works:
-            if work._settle(_FAILED, make(), wake):
-                if type(work) is BatchWork:
-                    self._members_failed(work)
-                else:
-                    ended(work.seq, state, t, text)
+        for work in fail_all(works, make, wake):
+            if type(work) is BatchWork:
+                self._members_failed(work)
+            else:
+                ended(work.seq, state, t, text)
 
     def _members_failed(self, batch: BatchWork) -> None:
         """Record how each member of a failed batch ended (its own error, from the fan-out)."""

@@ -24,13 +24,20 @@ class Wakeups:
     ``add`` (``Future.set_result`` runs nothing inline, it schedules the waiting
     task with ``call_soon``), which saves an abort of a thousand waiters a loop
     iteration and three tuples per waiter.
+
+    ``later`` holds what the settled Works let go of (kept tensors, results an
+    abort replaced): freeing a thousand tensors costs more than failing their
+    Works, so they are dropped after the waiters ran — on the running loop by a
+    callback queued behind the tasks that ``deliver`` woke, elsewhere once the
+    wake-ups are posted.
     """
 
-    __slots__ = ("_by_loop", "running")
+    __slots__ = ("_by_loop", "running", "later")
 
     def __init__(self) -> None:
         self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], Any], Any]]] = {}
         self.running = _get_running_loop()
+        self.later: list[Any] | None = None  # (made by whoever has something to drop)
 
     def add(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:
         items = self._by_loop.get(loop)
@@ -40,8 +47,16 @@ class Wakeups:
             items.append((fn, arg))
 
     def deliver(self) -> None:
-        if not self._by_loop:
-            return
+        if self._by_loop:
+            self._post()
+        later = self.later
+        if later:
+            self.later = None
+            if self.running is not None:  # behind every task woken so far (futures call_soon too)
+                self.running.call_soon(later.clear)
+            # else: dropped here, on return, after the wake-ups went out
+
+    def _post(self) -> None:
         running = self.running
         for loop, items in self._by_loop.items():
             if loop is running:
