@@ -30,7 +30,7 @@ _FAILED = 2
 
 _get_running_loop = asyncio._get_running_loop
 
-__all__ = ["BatchWork", "Bundle", "MemberWork", "Wakeups", "Work", "fail_all"]
+__all__ = ["BatchWork", "Bundle", "MemberWork", "Wakeups", "Work"]
 
 
 class Work:
@@ -413,55 +413,6 @@ class MemberWork(Work):
             with contextlib.suppress(Exception):  # the batch failed: this member's own outcome is below
                 yield from self._batch.__await__()
         return self.result()
-
-
-def fail_all(works: Sequence[Work], make: Callable[[], BaseException], wake: Wakeups) -> list[Work]:
-    """Settle each of ``works`` failed with its own ``make()``; returns those this call settled.
-
-    The ledger's abort: the outcome of ``work._settle(_FAILED, make(), wake)`` for
-    each, in fewer steps for the common Work (no batch, callback or blocked thread;
-    at most one waiter, a future of the settling thread's running loop), which an
-    abort meets a thousand times. What those Works let go of (kept tensors, the
-    replaced result) goes to ``wake.later``: dropped once their waiters ran.
-    Any other Work settles through ``_settle``.
-    """
-    settled: list[Work] = []
-    later: list[Any] = []
-    running = wake.running
-    for work in works:
-        exc = make()
-        fut: Any = None
-        with work._lock:
-            if work._state != _PENDING:
-                continue
-            waiters = work._waiters
-            if waiters is not None and len(waiters) == 1:
-                fut = waiters[0]
-            quick = (
-                not work._fans_out and work._callbacks is None and work._event is None
-                and (waiters is None or (fut is not None and type(fut) is not _TrioWaiter and fut.get_loop() is running))
-            )
-            if quick:
-                work._state = _FAILED
-                later.append(work._value)
-                work._value = exc
-                work._waiters = None
-        if not quick:
-            if work._settle(_FAILED, exc, wake):
-                settled.append(work)
-            continue
-        later.append(work._keep)
-        work._keep = None
-        work._poke = None
-        if fut is not None and not fut.done():  # (not done: unless the wait was cancelled)
-            fut.set_exception(exc)
-        settled.append(work)
-    if later:
-        if wake.later is None:
-            wake.later = later
-        else:
-            wake.later.extend(later)
-    return settled
 
 
 class _TrioWaiter:
