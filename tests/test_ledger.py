@@ -484,6 +484,58 @@ def test_leaving_the_scope_by_an_exception_aborts_and_peers_learn_it_promptly() 
     assert results[0]["elapsed"] < 10 and results[1]["elapsed"] < 10, results
 
 
+class _Sets:
+    """Counts the calls of an event's ``set`` (a spy: the event behaves as before)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.n = 0
+        self._set = event.set
+        event.set = self  # type: ignore[method-assign]
+
+    def __call__(self) -> None:
+        self.n += 1
+        self._set()
+
+
+async def abort_on_the_loop(comm: ac.Communicator) -> dict:
+    t0 = time.monotonic()
+    if comm.rank == 1:  # joins nothing: rank 0's news must reach it
+        while comm.state == "ok" and time.monotonic() - t0 < 20:
+            await asyncio.sleep(0.01)
+        return {"state": comm.state, "elapsed": time.monotonic() - t0}
+    work = comm.all_reduce(torch.ones(2))  # rank 1 never joins
+    deadlines = comm._ledger._deadlines
+    clients = deadlines._service._clients
+    assert comm._liveness is not None
+    service = comm._liveness._service
+    sets = _Sets(service._wake)
+    seen: dict[str, Any] = {}
+
+    async def waiter() -> None:
+        try:
+            await work
+        except ac.CommAborted:
+            seen.update(registered=deadlines in clients, woke=sets.n)
+
+    task = asyncio.ensure_future(waiter())
+    await asyncio.sleep(0.05)  # parked on its Work
+    comm.abort("stop")
+    await asyncio.wait_for(task, 10)
+    await asyncio.sleep(0)  # the callback queued behind the woken waiter ran
+    return {**seen, "registered_after": deadlines in clients, "woke_after": sets.n}
+
+
+def test_an_abort_on_the_loop_wakes_the_service_threads_after_its_waiters_ran() -> None:
+    """``abort()`` on the loop: the waiter has its error before the liveness and deadline
+    services are woken (a woken thread would take the GIL from the waiters); one loop
+    iteration later both are, and the peer hears the news promptly."""
+    results = run_ranks(abort_on_the_loop, world_size=2, backend="gloo", timeout=60)
+    mine, peer = results
+    assert mine["registered"] and mine["woke"] == 0, mine  # nothing woken before the waiter ran
+    assert not mine["registered_after"] and mine["woke_after"] >= 1, mine
+    assert peer["state"] == "aborted" and peer["elapsed"] < 15, peer
+
+
 async def bounded_close(comm: ac.Communicator) -> dict:
     if comm.rank == 1:
         skip_collective(comm)

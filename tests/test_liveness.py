@@ -104,6 +104,49 @@ def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
             m.stop()
 
 
+class Sets:
+    """Counts the calls of an event's ``set`` (a spy: the event behaves as before)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.n = 0
+        self._set = event.set
+        event.set = self  # type: ignore[method-assign]
+
+    def __call__(self) -> None:
+        self.n += 1
+        self._set()
+
+
+@pytest.mark.parametrize("woken", [True, False])
+def test_abort_news_recorded_without_a_wake_goes_out_on_wake_or_at_the_next_beat(woken: bool) -> None:
+    """``abort()`` on an event loop records the news and wakes the service only after the
+    loop's waiters ran (``Parts.aborted``): recording wakes nobody; ``wake()`` sends it
+    at once, and if it never comes the member's next beat sends it."""
+    server = _server()
+    heard = threading.Event()
+    interval = 3600.0 if woken else 0.2  # woken: no beat comes in the test's time, only wake() sends it
+    members = [
+        Liveness(dist.PrefixStore("c", server), r, 2, interval=interval, detect=False,
+                 on_failure=(lambda e: heard.set()) if r == 1 else (lambda e: None))
+        for r in range(2)
+    ]
+    for m in members:
+        m.start()
+    try:
+        svc = members[0]._service
+        assert svc is not None and svc is members[1]._service  # one service per process and store
+        sets = Sets(svc._wake)
+        members[0].publish_abort(CommAborted("aborted by the user"), wake=False)
+        assert sets.n == 0, "recording the news woke the service"
+        if woken:
+            members[0].wake()
+            assert sets.n == 1
+        assert heard.wait(10), "rank 1 never heard rank 0's abort"
+    finally:
+        for m in members:
+            m.stop()
+
+
 @pytest.mark.parametrize("world_size", [8, 32])
 def test_a_beat_costs_a_few_store_requests_whatever_the_world_size(world_size: int) -> None:
     """Heartbeat detection watches a few neighbours: the store requests per rank and

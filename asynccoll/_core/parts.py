@@ -15,6 +15,7 @@ communicator's finalizer can run them:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import weakref
 from typing import Any, Callable
@@ -71,12 +72,20 @@ class Parts:
         """The ledger aborted (any thread): tell the peers, stop the transport, record it.
 
         The peers' news and the backends come first: a failure to write the
-        diagnostics must never keep them waiting.
+        diagnostics must never keep them waiting. What wakes another thread comes
+        last, and on a thread that runs an asyncio loop (``abort()`` called on the
+        loop) after the waiters this abort woke there (a callback queued behind
+        them): a thread woken earlier takes the GIL whenever this one lets it go
+        (in a backend's abort, at the loop's next select) and holds the waiters up.
+        Those are the liveness service, which sends the news (recorded at once: if
+        the loop never runs the callback, the service's next beat sends it, within
+        the beat interval), and the deadline service (``close()`` and garbage
+        collection release it too).
         """
-        self.ledger.release()
+        loop = asyncio._get_running_loop()
         if self.liveness is not None:
             # Tell the peers (a no-op when the news came from a peer: that thread is done).
-            self.liveness.publish_abort(error)
+            self.liveness.publish_abort(error, wake=loop is None)
         try:
             self.diag.aborted(error)  # the flight record goes to trace_dir (before the checker closes)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must never stop the abort
@@ -85,6 +94,16 @@ class Parts:
             self.objects.shutdown()
         for backend in self.backends.values():
             backend.abort()
+        if loop is None:
+            self.ledger.release()
+        else:
+            loop.call_soon(self._waiters_ran)
+
+    def _waiters_ran(self) -> None:
+        """After an abort on a loop, behind the waiters it woke: wake the other threads."""
+        self.ledger.release()
+        if self.liveness is not None:
+            self.liveness.wake()
 
     async def close(self) -> None:
         """The communicator closed (every op settled): stop and release everything, off the loop."""

@@ -70,8 +70,12 @@ class Membership(Protocol):
     def goodbye(self) -> None:
         """``close()``: say goodbye now (blocking, bounded), then leave."""
 
-    def publish_abort(self, error: BaseException) -> None:
-        """Tell the other ranks this communicator aborted (never blocks)."""
+    def publish_abort(self, error: BaseException, *, wake: bool = True) -> None:
+        """Tell the other ranks this communicator aborted (never blocks). ``wake=False``:
+        recorded now, sent by :meth:`wake` or at the next beat (within the beat interval)."""
+
+    def wake(self) -> None:
+        """Send the news that ``publish_abort(..., wake=False)`` recorded now (never blocks)."""
 
     def record(self) -> tuple[int, ...] | None:
         """The failed set every survivor agreed on, or None (blocking: store reads)."""

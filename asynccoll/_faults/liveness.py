@@ -186,19 +186,27 @@ class Liveness:
         if self._service is not None:
             self._service.release()
 
-    def publish_abort(self, error: BaseException) -> None:
+    def publish_abort(self, error: BaseException, *, wake: bool = True) -> None:
         """Tell the other ranks this communicator aborted (done by the service, not the caller).
 
         A ``PeerFailure`` travels as one, with its ranks, so every survivor knows
-        which ranks to leave out when it shrinks.
+        which ranks to leave out when it shrinks. ``wake=False``: the news is
+        recorded and the service not woken yet (:meth:`wake` does it); its next
+        beat sends the news at the latest.
         """
         ranks = ",".join(map(str, error.ranks)) if isinstance(error, PeerFailure) else "-"
         with self._lock:
             self._abort_reason = f"{self._rank}|{ranks}|{error}"
             self._aborted = True
-        self._keep()
+        self._keep(wake)
 
-    def _keep(self) -> None:
+    def wake(self) -> None:
+        """Have the service send the news recorded with ``publish_abort(..., wake=False)`` now."""
+        svc = self._service
+        if svc is not None and self.urgent:
+            svc.wake()
+
+    def _keep(self, wake: bool = True) -> None:
         """Have the service run this member until its news and goodbye are out, even
         after it left the service (a close may have raced ahead of the abort)."""
         if shutdown.exiting():
@@ -210,7 +218,7 @@ class Liveness:
             assert svc is not None
             self._service = svc
             self.urgent = True
-            svc.keep(self)
+            svc.keep(self, wake)
 
     # ------------------------------------------------------------- the beat
     def tick(self, store_gone: bool) -> bool:

@@ -181,11 +181,13 @@ class Service:
     def wake(self) -> None:
         self._wake.set()
 
-    def keep(self, member: Member) -> None:
-        """Hold ``member`` until its news or goodbye is out (see ``Liveness.tick``)."""
+    def keep(self, member: Member, wake: bool = True) -> None:
+        """Hold ``member`` until its news or goodbye is out (see ``Liveness.tick``);
+        ``wake=False``: its next beat, or a later :meth:`wake`, sends it."""
         with Service._lock:
             self._keep.add(member)
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def leave(self, member: Member) -> None:
         """``member`` said goodbye (its tick, holding its own lock)."""
