@@ -233,7 +233,7 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
                     "params": [p.detach().clone() for p in variant.params] if rank == 0 else None,
                 }
             elif cmd == "exit":
-                return
+                break
             conn.send(("ok", reply))
     finally:
         if variant is not None and variant.sync is not None:
@@ -241,6 +241,10 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
         listener.shutdown(wait=False)
         await comm.close()
         dist.destroy_process_group()
+    # Closed; rank 0 serves the store, so it stays until every rank has closed.
+    conn.send(("ok", None))
+    if conn.poll(60):
+        conn.recv()
 
 
 def _team_entry(rank: int, world_size: int, port: int, name: str, args: argparse.Namespace, conn: Any) -> None:
@@ -302,11 +306,12 @@ class _Team:
         return self.collect()
 
     def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(("exit", None))
-            except OSError:
-                pass
+        """Every rank closes its communicator, then all exit (rank 0 last serves the store)."""
+        try:
+            self.ask("exit")
+            self.send("bye")
+        except (OSError, EOFError, RuntimeError, TimeoutError):
+            pass  # a rank that failed: its error was raised already; kill below
         for p in self.procs:
             p.join(30)
             if p.is_alive():
@@ -370,7 +375,7 @@ def run(args: argparse.Namespace, world_size: int = 2) -> dict[str, Any]:
     # Every rank process forks from one server that imported torch once: 2 x 9 fresh
     # interpreters importing torch would take longer than a quick run's steps.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "asynccoll", "bench.train"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "asynccoll"])
     teams: list[_Team] = []
     try:
         for name in args.variants:
