@@ -489,6 +489,37 @@ async def _batch_deadline(comm: Any) -> list[str]:
     return out
 
 
+async def _recorded_when_issued(comm: Any) -> dict[str, Any]:
+    """Members enter the flight record when their batch is issued, not at their calls;
+    an op another task issued meanwhile (a higher seq, recorded first) keeps its record."""
+    first = comm.all_reduce(torch.ones(2))
+    await first
+    async with comm.coalescing() as group:
+        comm.all_reduce(torch.ones(3))
+        await in_task(lambda: _sum_check(comm))  # seq + 2, issued and recorded at once
+        comm.broadcast(torch.ones(4), 0)
+        during = {r["seq"] for r in comm.flight_record()}
+    member_seqs = [w.seq for w in group.works]
+    records = {r["seq"]: r for r in comm.flight_record()}
+    assert not during & set(member_seqs), f"members recorded before the batch was issued: {during}"
+    assert sorted(records) == list(range(first.seq, first.seq + 4)), sorted(records)
+    other = records[first.seq + 2]
+    assert other["op"] == "all_reduce" and "batch" not in other and other["state"] == "done"
+    for seq, op, shape in zip(member_seqs, ("all_reduce", "broadcast"), ([3], [4])):
+        rec = records[seq]
+        assert (rec["op"], rec["shape"], rec["batch"], rec["state"]) == (op, shape, member_seqs[0], "done"), rec
+        assert rec["issued_at"] >= other["issued_at"], (rec, other)
+    try:
+        async with comm.coalescing():
+            comm.all_reduce(torch.ones(5))
+            raise _BodyError("never issued")
+    except _BodyError:
+        pass
+    assert max(r["seq"] for r in comm.flight_record()) == first.seq + 3  # nothing of it recorded
+    await _sum_check(comm)
+    return {"members": [s - first.seq for s in member_seqs]}
+
+
 # ------------------------------------------------------------------- tests
 @pytest.mark.parametrize("loop", LOOPS)
 def test_members_are_views_over_one_pending_entry(loop: str) -> None:
@@ -563,6 +594,11 @@ def test_abort_during_body_fails_members(loop: str) -> None:
 @pytest.mark.parametrize("loop", LOOPS)
 def test_batch_of_one_is_submitted_as_is(loop: str) -> None:
     assert run_ranks(_single_op, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [[("all_reduce", 6)]] * 2
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_members_are_recorded_when_the_batch_is_issued(loop: str) -> None:
+    assert run_ranks(_recorded_when_issued, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [{"members": [1, 3]}] * 2
 
 
 def test_plan_is_deterministic_and_ordered() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, PeerFailure
 from .ops import OpKind
@@ -100,6 +100,38 @@ class FlightRecorder:
             ]
         self._append(rec)
         self._open[seq] = rec
+
+    def issued_batch(self, works: Sequence[Any], specs: Sequence[Any], t: float, batch: int) -> None:
+        """Record a coalesced batch's members (``works``, running ``specs``), issued
+        together at wall time ``t``; ``batch`` is the first member's seq.
+
+        Members are recorded when their batch is issued, not at their calls: a batch
+        whose body failed never reached the peers and leaves no record. Their seqs
+        were taken at the calls, so an op another thread issued meanwhile may sit
+        before them in the ring with a higher seq: no rewind here (a seq is reused
+        only after ``discard``, which rewinds).
+        """
+        ring, append, opened, capacity = self._ring, self._append, self._open, self.capacity
+        for work, spec in zip(works, specs):
+            seq, op = work.seq, work.op
+            if len(ring) == capacity:
+                old = ring[0]
+                if old[_STATE] is None:
+                    opened.pop(old[_SEQ], None)
+            if op in _P2P:
+                self._p2p += 1
+                cseq = None
+            else:
+                cseq = seq - self._p2p
+            tensor = spec.output if spec.kind is _SCATTER or spec.tensor is None else spec.tensor
+            rec = [
+                seq, op,
+                None if tensor is None else tensor.dtype,
+                None if tensor is None else tensor.shape,
+                spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq,
+            ]
+            append(rec)
+            opened[seq] = rec
 
     def _rewind(self, seq: int) -> None:
         ring = self._ring
