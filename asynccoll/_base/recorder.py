@@ -111,7 +111,7 @@ class FlightRecorder:
         before them in the ring with a higher seq: no rewind here (a seq is reused
         only after ``discard``, which rewinds).
         """
-        ring, append, opened, capacity = self._ring, self._append, self._open, self.capacity
+        ring, append, opened, capacity, p2p = self._ring, self._append, self._open, self.capacity, self._p2p
         for work, spec in zip(works, specs):
             seq, op = work.seq, work.op
             if len(ring) == capacity:
@@ -119,19 +119,20 @@ class FlightRecorder:
                 if old[_STATE] is None:
                     opened.pop(old[_SEQ], None)
             if op in _P2P:
-                self._p2p += 1
+                p2p += 1
                 cseq = None
             else:
-                cseq = seq - self._p2p
-            tensor = spec.output if spec.kind is _SCATTER or spec.tensor is None else spec.tensor
-            rec = [
-                seq, op,
-                None if tensor is None else tensor.dtype,
-                None if tensor is None else tensor.shape,
-                spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq,
-            ]
+                cseq = seq - p2p
+            tensor = spec.tensor
+            if tensor is None or spec.kind is _SCATTER:
+                tensor = spec.output
+            if tensor is None:
+                rec = [seq, op, None, None, spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq]
+            else:
+                rec = [seq, op, tensor.dtype, tensor.shape, spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq]
             append(rec)
             opened[seq] = rec
+        self._p2p = p2p
 
     def _rewind(self, seq: int) -> None:
         ring = self._ring
