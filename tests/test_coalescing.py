@@ -617,3 +617,38 @@ def test_plan_is_deterministic_and_ordered() -> None:
     ]
     assert plan(specs) == [[0, 5], [1], [2, 9], [3, 7], [4], [6], [8]]
     assert plan(specs) == plan(list(specs))
+
+
+def test_batch_records_stay_bounded_and_keep_interleaved_ops() -> None:
+    """``FlightRecorder.issued_batch``: a batch's members join the ring in one pass; the
+    records they push out leave the index of unsettled ops, a batch longer than the
+    ring keeps its last members only, and an op recorded meanwhile with a higher seq
+    (another task's) stays."""
+    from asynccoll._base.recorder import FlightRecorder
+    from asynccoll._core.work import BatchWork, MemberWork
+
+    def members(first: int, n: int, op: str = "all_reduce") -> list[MemberWork]:
+        head = BatchWork(first, lambda e: e)
+        return [MemberWork(op, first + i, None, None, head) for i in range(n)]
+
+    spec = OpSpec(OpKind.ALL_REDUCE, torch.ones(3), reduce_op=ac.ReduceOp.SUM)
+    rec = FlightRecorder(capacity=8)
+    for seq in (1, 2, 3):
+        rec.issued(seq, "all_reduce", spec, 1.0)  # never ended: open
+    rec.issued(7, "all_reduce", spec, 2.0)  # another task's op, while the batch's body ran
+    rec.issued_batch(members(4, 3), [spec] * 3, 3.0, 4)
+    assert [r["seq"] for r in rec.snapshot()] == [1, 2, 3, 7, 4, 5, 6]
+    assert rec.open_seqs() == [1, 2, 3, 4, 5, 6, 7]
+    sends = members(8, 3, "send")
+    rec.issued_batch(sends, [OpSpec(OpKind.SEND, torch.ones(2), peer=1)] * 3, 4.0, 8)  # pushes out seqs 1 and 2
+    snap = rec.snapshot()
+    assert [r["seq"] for r in snap] == [3, 7, 4, 5, 6, 8, 9, 10]
+    assert rec.open_seqs() == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert [r.get("cseq") for r in snap[-4:]] == [6, None, None, None] and snap[-1]["batch"] == 8
+    rec.issued(11, "all_reduce", spec, 5.0)
+    assert rec.snapshot()[-1]["cseq"] == 11 - 3  # three p2p ops before it
+    rec.ended_all(range(3, 12), "done", 6.0)
+    long = members(12, 20)
+    rec.issued_batch(long, [spec] * 20, 7.0, 12)  # longer than the ring
+    assert [r["seq"] for r in rec.snapshot()] == list(range(24, 32))
+    assert rec.open_seqs() == list(range(24, 32))

@@ -14,6 +14,7 @@ and the index of unsettled ops drops an op whose record leaves the ring.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from typing import Any, Iterable, Sequence
 
@@ -111,13 +112,15 @@ class FlightRecorder:
         before them in the ring with a higher seq: no rewind here (a seq is reused
         only after ``discard``, which rewinds).
         """
-        ring, append, opened, capacity, p2p = self._ring, self._append, self._open, self.capacity, self._p2p
-        for work, spec in zip(works, specs):
-            seq, op = work.seq, work.op
-            if len(ring) == capacity:
-                old = ring[0]
+        ring, append, opened, p2p = self._ring, self._append, self._open, self._p2p
+        before = len(ring)
+        evicted = before + len(works) - self.capacity  # the oldest records these push out
+        if evicted > 0:
+            for old in itertools.islice(ring, min(evicted, before)):
                 if old[_STATE] is None:
                     opened.pop(old[_SEQ], None)
+        for work, spec in zip(works, specs):
+            seq, op = work.seq, work.op
             if op in _P2P:
                 p2p += 1
                 cseq = None
@@ -133,6 +136,9 @@ class FlightRecorder:
             append(rec)
             opened[seq] = rec
         self._p2p = p2p
+        if evicted > before:  # a batch longer than the ring: its first members are out already
+            for work in works[: evicted - before]:
+                opened.pop(work.seq, None)
 
     def _rewind(self, seq: int) -> None:
         ring = self._ring
