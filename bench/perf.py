@@ -6,7 +6,8 @@ Sections (each spawns its own ranks on this machine; all on Gloo, CPU):
 
   train       GradSync step / DDP step, 6 x Linear(1024) and 100 x Linear(128), backward
               on the loop and in a thread, DDP and GradSync at their defaults and at equal
-              bucket sizes (4 MiB); floor: a step without any communication (``bench.train``)
+              bucket sizes (4 MiB), each variant in processes of its own; floor: a step
+              without any communication (``bench.train``)
   coalescing  64 x 256 floats coalesced vs one flattened op vs torch's
               ``_coalescing_manager``; floor: coalescing by hand (cat, one op, copy back)
   latency     one all_reduce of 8 floats vs the floor bridge (``bench.run``, one shared group)

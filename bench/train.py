@@ -2,9 +2,11 @@
 
     python -m bench.train [--quick] [--json bench/results/train.json] [--plot bench/results/train.png]
 
-Two Gloo ranks on this machine (CPU). Each rank builds a torch.distributed group
-and an asynccoll communicator on one TCPStore, and one copy of each model per
-variant (same initial weights, same batches):
+Two Gloo ranks on this machine (CPU) per variant: each variant runs in processes
+of its own (as a user's job would: see ``_Team`` for what sharing a process hid),
+and each of its ranks builds a torch.distributed group and an asynccoll
+communicator on a TCPStore of its own, and its copy of the model (same initial
+weights, same batches everywhere):
 
 * ``ddp``: ``DistributedDataParallel`` (defaults: 25 MiB buckets, 1 MiB first);
 * ``gradsync``: ``loss.backward(); await sync.wait()`` with ``ac.GradSync``;
@@ -19,9 +21,10 @@ variant (same initial weights, same batches):
 * ``local``: no communication at all (the floor of any synchronised step).
 
 A step is forward, backward, gradient sync, ``SGD(momentum=0.9).step()`` and
-``zero_grad()``. Variants run in blocks of ``--steps`` steps, alternating
-(``ddp, gradsync, ..., ddp, gradsync, ...``, the order rotated every round) so
-that the machine's noise hits all alike; reported: the median step time of each
+``zero_grad()``. Variants run in blocks of ``--steps`` steps, one variant's
+processes at a time (the others wait idle), alternating (``ddp, gradsync, ...,
+ddp, gradsync, ...``, the order rotated every round) so that the machine's noise
+hits all alike; reported: the median step time of each
 variant over all its blocks' steps (and the median CPU time of the rank-0 process,
 every thread, per step: less sensitive to a loaded machine), and its ratio to the DDP variant of the same
 backward style and bucket size (``ddp`` when there is none). At the end every
@@ -180,102 +183,78 @@ class _Variant:
         self.opt.zero_grad()
 
 
-async def _bench_model(comm: Any, dist: Any, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    layers, width = MODELS[model]
-    torch.manual_seed(0)
-    base = _model(layers, width)
-    variants = [_Variant(n, base, comm, args.bucket_mb, args.first_bucket_mb) for n in args.variants]
-    step_no = {v.name: 0 for v in variants}
-    for v in variants:  # warm-up (DDP rebuilds its buckets after its first step)
-        for _ in range(args.warmup):
-            await v.step(*_batch(comm.rank, step_no[v.name], width))
-            step_no[v.name] += 1
-    for rnd in range(args.rounds):
-        k = rnd % len(variants)
-        for v in variants[k:] + variants[:k]:
-            await comm.barrier()
-            for _ in range(args.steps):
-                x, y = _batch(comm.rank, step_no[v.name], width)
-                c0, t0 = time.process_time(), time.perf_counter()
-                await v.step(x, y)
-                v.times.append(time.perf_counter() - t0)
-                v.cpu.append(time.process_time() - c0)
-                step_no[v.name] += 1
-    # Same data, same number of steps: every synchronising variant ends with the same parameters.
-    synced = [v for v in variants if v.kind != "local"]
-    ref = synced[0]
-    worst = 0.0
-    for v in synced[1:]:
-        for a, b in zip(v.params, ref.params):
-            worst = max(worst, float((a.detach() - b.detach()).abs().max()))
-    if worst > 1e-4:
-        raise AssertionError(f"{model}: variants disagree after training (max |diff| {worst})")
-    names = [v.name for v in variants]
-    med = {v.name: statistics.median(v.times) for v in variants}
-    p10 = {v.name: sorted(v.times)[len(v.times) // 10] for v in variants}
-    rows = {}
-    for v in variants:
-        ref_name = _reference(v.name, names)
-        rows[v.name] = {
-            "median_ms": med[v.name] * 1e3,
-            "p10_ms": p10[v.name] * 1e3,
-            "mean_ms": statistics.fmean(v.times) * 1e3,
-            "vs": ref_name,
-            "ratio_vs_ddp": med[v.name] / med[ref_name],
-            "ratio_vs_ddp_p10": p10[v.name] / p10[ref_name],
-            "cpu_ms": statistics.median(v.cpu) * 1e3,
-            "cpu_ratio_vs_ddp": statistics.median(v.cpu) / statistics.median(variants[names.index(ref_name)].cpu),
-            "steps": len(v.times),
-            "buckets_mb": v.bucket_mb(),
-            "buckets_as_vs": None if ref_name == v.name else _same_buckets(
-                v.bucket_mb(final=True), variants[names.index(ref_name)].bucket_mb(final=True)
-            ),
-            "times_ms": [t * 1e3 for t in v.times],
-        }
-    sync = next((v.sync for v in variants if v.sync is not None), None)
-    for v in variants:
-        if v.sync is not None:
-            v.sync.close()
-    return {
-        "model": model, "layers": layers, "width": width, "batch": BATCH,
-        "params_mb": sum(p.numel() for p in base.parameters()) * 4 / 2**20,
-        "gradsync_buckets_mb": [b / 2**20 for b in sync.bucket_sizes] if sync is not None else None,
-        "max_param_diff": worst, "variants": rows,
-    }
-
-
-async def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+async def _team_rank(rank: int, world_size: int, port: int, name: str, args: argparse.Namespace, conn: Any) -> None:
+    """One rank of one variant's processes: build, warm up, run blocks, on the driver's word."""
     import torch
     import torch.distributed as dist
 
     import asynccoll as ac
 
     torch.set_num_threads(args.threads)
+    loop = asyncio.get_running_loop()
     # Threads for asyncio.to_thread(loss.backward) with the same torch thread count (module docstring).
-    asyncio.get_running_loop().set_default_executor(
+    loop.set_default_executor(
         concurrent.futures.ThreadPoolExecutor(2, initializer=torch.set_num_threads, initargs=(args.threads,))
     )
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
     comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
+    listener = concurrent.futures.ThreadPoolExecutor(1)  # the driver's pipe, read off the loop
+    variant: _Variant | None = None
+    width = step_no = 0
     try:
-        return [await _bench_model(comm, dist, m, args) for m in args.models]
+        while True:
+            cmd, arg = await loop.run_in_executor(listener, conn.recv)
+            reply: Any = None
+            if cmd == "model":  # build this variant of the model (same seed everywhere), warm up
+                if variant is not None and variant.sync is not None:
+                    variant.sync.close()
+                layers, width = MODELS[arg]
+                torch.manual_seed(0)
+                variant = _Variant(name, _model(layers, width), comm, args.bucket_mb, args.first_bucket_mb)
+                for step_no in range(args.warmup):  # (DDP rebuilds its buckets after its first step)
+                    await variant.step(*_batch(comm.rank, step_no, width))
+                step_no = args.warmup
+            elif cmd == "block":
+                assert variant is not None
+                await comm.barrier()
+                for _ in range(args.steps):
+                    x, y = _batch(comm.rank, step_no, width)
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    await variant.step(x, y)
+                    variant.times.append(time.perf_counter() - t0)
+                    variant.cpu.append(time.process_time() - c0)
+                    step_no += 1
+            elif cmd == "result":
+                assert variant is not None
+                reply = {
+                    "times": variant.times, "cpu": variant.cpu, "buckets_mb": variant.bucket_mb(),
+                    "final_buckets_mb": variant.bucket_mb(final=True),
+                    "params": [p.detach().clone() for p in variant.params] if rank == 0 else None,
+                }
+            elif cmd == "exit":
+                break
+            conn.send(("ok", reply))
     finally:
+        if variant is not None and variant.sync is not None:
+            variant.sync.close()
+        listener.shutdown(wait=False)
         await comm.close()
         dist.destroy_process_group()
+    # Closed; rank 0 serves the store, so it stays until every rank has closed.
+    conn.send(("ok", None))
+    if conn.poll(60):
+        conn.recv()
 
 
-def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, conn: Any) -> None:
+def _team_entry(rank: int, world_size: int, port: int, name: str, args: argparse.Namespace, conn: Any) -> None:
     try:
         if args.loop == "uvloop":
             import uvloop
 
-            result = uvloop.run(_rank_main(rank, world_size, port, args))
+            uvloop.run(_team_rank(rank, world_size, port, name, args, conn))
         else:
-            result = asyncio.run(_rank_main(rank, world_size, port, args))
-        conn.send(("ok", result))
+            asyncio.run(_team_rank(rank, world_size, port, name, args, conn))
     except BaseException as exc:
         import traceback
 
@@ -283,35 +262,131 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, conn:
         raise SystemExit(1) from exc
 
 
-def run(args: argparse.Namespace, world_size: int = 2) -> dict[str, Any]:
-    """Spawn the ranks, run the benchmark, return rank 0's results."""
-    before = machine()
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    pipes, procs = [], []
-    for r in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank, args=(r, world_size, port, args, child), daemon=True)
-        p.start()
-        pipes.append(parent)
-        procs.append(p)
-    results = []
-    try:
-        for conn in pipes:
-            if not conn.poll(3600):
-                raise TimeoutError("benchmark rank did not finish in an hour")
+class _Team:
+    """The processes of one variant (one per rank, a store of their own), driven over pipes.
+
+    Each variant runs in processes of its own, as a user's job would: a process's
+    allocator state is shared by everything in it, and measured here it decides
+    whole milliseconds of a step. DDP frees its construction-time bucket (24 MiB for
+    6 x Linear(1024)) when it rebuilds its buckets, which raises glibc's mmap and
+    trim thresholds for the whole process; every variant in the same process then
+    stopped paging its gradients in each step, DDP's neighbours included.
+    """
+
+    def __init__(self, ctx: Any, name: str, args: argparse.Namespace, world_size: int) -> None:
+        self.name = name
+        port = _free_port()
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_team_entry, args=(r, world_size, port, name, args, child), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def send(self, cmd: str, arg: Any = None) -> None:
+        for conn in self.conns:
+            conn.send((cmd, arg))
+
+    def collect(self) -> Any:
+        """Every rank's reply to the last command; rank 0's."""
+        replies = []
+        for r, conn in enumerate(self.conns):
+            if not conn.poll(600):
+                raise TimeoutError(f"{self.name}: rank {r} did not answer in 10 minutes")
             status, payload = conn.recv()
             if status != "ok":
-                raise RuntimeError(f"benchmark rank failed:\n{payload}")
-            results.append(payload)
-    finally:
-        for p in procs:
-            p.join(10)
+                raise RuntimeError(f"{self.name}: rank {r} failed:\n{payload}")
+            replies.append(payload)
+        return replies[0]
+
+    def ask(self, cmd: str, arg: Any = None) -> Any:
+        self.send(cmd, arg)
+        return self.collect()
+
+    def close(self) -> None:
+        """Every rank closes its communicator, then all exit (rank 0 last serves the store)."""
+        try:
+            self.ask("exit")
+            self.send("bye")
+        except (OSError, EOFError, RuntimeError, TimeoutError):
+            pass  # a rank that failed: its error was raised already; kill below
+        for p in self.procs:
+            p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def _bench_model(teams: list[_Team], model: str, args: argparse.Namespace) -> dict[str, Any]:
+    layers, width = MODELS[model]
+    for team in teams:  # build and warm up every variant (concurrently: warm-up is not timed)
+        team.send("model", model)
+    for team in teams:
+        team.collect()
+    for rnd in range(args.rounds):  # one variant's block at a time, the others idle
+        k = rnd % len(teams)
+        for team in teams[k:] + teams[:k]:
+            team.ask("block")
+    got = {team.name: team.ask("result") for team in teams}
+    # Same data, same number of steps: every synchronising variant ends with the same parameters.
+    synced = [n for n in got if _kind(n)[0] != "local"]
+    worst = 0.0
+    for n in synced[1:]:
+        for a, b in zip(got[n]["params"], got[synced[0]]["params"]):
+            worst = max(worst, float((a - b).abs().max()))
+    if worst > 1e-4:
+        raise AssertionError(f"{model}: variants disagree after training (max |diff| {worst})")
+    names = list(got)
+    med = {n: statistics.median(got[n]["times"]) for n in names}
+    p10 = {n: sorted(got[n]["times"])[len(got[n]["times"]) // 10] for n in names}
+    cpu = {n: statistics.median(got[n]["cpu"]) for n in names}
+    rows = {}
+    for n in names:
+        ref_name = _reference(n, names)
+        rows[n] = {
+            "median_ms": med[n] * 1e3,
+            "p10_ms": p10[n] * 1e3,
+            "mean_ms": statistics.fmean(got[n]["times"]) * 1e3,
+            "vs": ref_name,
+            "ratio_vs_ddp": med[n] / med[ref_name],
+            "ratio_vs_ddp_p10": p10[n] / p10[ref_name],
+            "cpu_ms": cpu[n] * 1e3,
+            "cpu_ratio_vs_ddp": cpu[n] / cpu[ref_name],
+            "steps": len(got[n]["times"]),
+            "buckets_mb": got[n]["buckets_mb"],
+            "buckets_as_vs": None if ref_name == n else _same_buckets(
+                got[n]["final_buckets_mb"], got[ref_name]["final_buckets_mb"]
+            ),
+            "times_ms": [t * 1e3 for t in got[n]["times"]],
+        }
+    sync_buckets = next((got[n]["buckets_mb"] for n in names if _kind(n)[0].startswith("gradsync")), None)
+    return {
+        "model": model, "layers": layers, "width": width, "batch": BATCH,
+        "params_mb": sum(p.numel() for p in got[names[0]]["params"]) * 4 / 2**20,
+        "gradsync_buckets_mb": sync_buckets,
+        "max_param_diff": worst, "variants": rows,
+    }
+
+
+def run(args: argparse.Namespace, world_size: int = 2) -> dict[str, Any]:
+    """Spawn each variant's ranks, run the benchmark, return the results (rank 0's timings)."""
+    before = machine()
+    # Every rank process forks from one server that imported torch once: 2 x 9 fresh
+    # interpreters importing torch would take longer than a quick run's steps.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "asynccoll"])
+    teams: list[_Team] = []
+    try:
+        for name in args.variants:
+            teams.append(_Team(ctx, name, args, world_size))
+        models = [_bench_model(teams, m, args) for m in args.models]
+    finally:
+        for team in teams:
+            team.close()
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     return {"world_size": world_size, "cpus": os.cpu_count(), "machine": before, "machine_after": machine(),
-            "config": config, "models": results[0]}
+            "config": config, "process_per_variant": True, "models": models}
 
 
 def _table(res: dict[str, Any]) -> str:

@@ -37,6 +37,23 @@ async def members_wait_then_grow(ctx: RankContext, members: int) -> dict:
     return out
 
 
+async def grow_then_look_at_keys(ctx: RankContext, members: int) -> dict:
+    """``members_wait_then_grow``, then (every rank closed) which of the grow's keys are left."""
+    from asynccoll._bootstrap.room import Room
+
+    await members_wait_then_grow(ctx, members)
+    await store_barrier(ctx.store, "all-closed", ctx.world_size, ctx.rank)
+    room = Room(ctx.store, "g").store
+    g, last = int(room.add("generations", 0)), int(room.add("tickets", 0))
+    gen = f"gen/{g}/"
+    size = ctx.world_size
+    keys = [gen + k for k in ("plan", "outcome", "left", "watch/aborted", "watch/host")]
+    keys += [f"{gen}built/{r}" for r in range(size)] + [f"{gen}watch/proc/{r}" for r in range(size)]
+    keys += [f"ticket/{t}" for t in range(1, last + 1)]
+    return {"left": [k for k in keys if room.check([k])], "checked": len(keys),
+            "admits": [room.check([f"admit/{t}"]) for t in range(1, last + 1)]}
+
+
 async def store_barrier(store, tag: str, n: int, rank: int) -> None:
     store.set(f"{tag}/{rank}", "1")
     while not store.check([f"{tag}/{r}" for r in range(n)]):

@@ -232,10 +232,10 @@ async def behaviour(comm: ac.Communicator) -> dict[str, Any]:
 
     # Every bucket is issued during backward (all parameters used): nothing is left for wait().
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(comm.rank))
+    local = torch.autograd.grad(loss_of(x), params)  # this rank's gradients (no hook fires)
     seq0 = comm.all_reduce(torch.zeros(1)).seq
     loss_of(x).backward()
     out["issued_in_backward"] = comm.all_reduce(torch.zeros(1)).seq - seq0 - 1
-    local = [p.grad.clone() for p in params]
     await sync.wait()
     # SUM: the result is the sum of every rank's local gradient.
     for p, g in zip(params, local):
@@ -339,6 +339,41 @@ async def bad_arguments(comm: ac.Communicator) -> int:
 
 def test_bad_arguments_raise_invalid_argument() -> None:
     assert run_ranks(bad_arguments, world_size=2, timeout=60) == [7, 7]
+
+
+async def gradient_memory(comm: ac.Communicator, grad_views: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net(unused=False)
+    sync = ac.GradSync(comm, model, bucket_mb=0.0005, grad_views=grad_views)
+    out: dict[str, Any] = {}
+    for step in range(2):
+        x, y = batch(comm.rank, step, 0)
+        local = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), list(model.parameters()))
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        out["grads_between"] = [p.grad is not None for p in model.parameters()]
+        if not grad_views:
+            out["local_kept"] = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), local))
+        await sync.wait()
+        out["grads_after"] = [p.grad is not None for p in model.parameters()]
+        model.zero_grad()
+    sync.close()
+    return out
+
+
+@pytest.mark.parametrize("grad_views", [True, False])
+def test_backward_frees_each_gradient_once_it_is_in_its_bucket(grad_views: bool) -> None:
+    """With grad_views, each gradient backward produced is dropped as soon as it is in
+    its bucket (``.grad`` is None until ``wait()`` makes it the reduced view), so a
+    step holds one or two gradients besides the buckets instead of all of them: the
+    next parameter's gradient reuses the memory (kept to the end, a step's gradients
+    were freed together and every step paged them in again). Without, ``.grad`` keeps
+    the local gradient until ``wait()`` writes the reduced one into it."""
+    for r in run_ranks(gradient_memory, world_size=2, timeout=60, args=(grad_views,)):
+        assert all(r["grads_after"]), r
+        if grad_views:  # .grad held the only reference to what backward allocated
+            assert not any(r["grads_between"]), r
+        else:
+            assert all(r["grads_between"]) and r["local_kept"], r
 
 
 # ------------------------------------------------------------------ bucket rebuild

@@ -23,11 +23,11 @@ import anyio
 import anyio.to_thread
 import torch.distributed as dist
 
-from .._base.errors import CommAborted, PeerFailure
+from .._base.errors import AsyncCollError, CommAborted, PeerFailure
 from .._core.communicator import Communicator
 from .._faults.census import decode_ranks, encode_ranks
 from .._faults.liveness import Liveness
-from .rendezvous import off_loop
+from .rendezvous import drop_keys, off_loop
 from .room import Room, gone
 
 #: How often a participant looks at the outcome, its news and the process table.
@@ -76,6 +76,24 @@ class _Assembly:
             return bytes(gen.compare_set("outcome", "", "ok")).decode()
         return None
 
+    def leave(self) -> None:
+        """This participant is done with the grow's keys: the last of them deletes them.
+
+        Its plan, outcome and ``built/`` marks, the watch's keys, the joiners' ticket
+        records. Every participant has read the outcome and said goodbye on its
+        watch before it counts itself here. A grow a participant died in keeps its
+        keys (nobody knows when the dead one stopped reading). The tickets' ``admit``
+        marks stay: the room's scan reads them until its ``resolved`` passes them.
+        """
+        gen = self.gen
+        if int(gen.add("left", 1)) < self.size:
+            return
+        for key in ("plan", "outcome", "left", *(f"built/{r}" for r in range(self.size))):
+            gen.delete_key(key)
+        drop_keys(dist.PrefixStore("watch", gen), self.size)
+        for ticket in self.joiners.values():
+            self.room.store.delete_key(f"ticket/{ticket}")
+
 
 async def assemble(
     room: Room, g: int, rank: int, size: int, joiners: dict[int, int], interval: float, timeout: float,
@@ -99,6 +117,11 @@ async def assemble(
     errors: list[BaseException] = []
     try:
         outcome = await _race(view, timeout, news, build, built, errors)
+        await off_loop(watch.goodbye, timeout, "grow")
+        try:
+            await off_loop(view.leave, timeout, "grow")
+        except AsyncCollError:  # the store failed meanwhile (off_loop's types): its keys stay, the outcome holds
+            pass
     finally:
         watch.stop()
     if outcome == "ok":

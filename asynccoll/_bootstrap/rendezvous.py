@@ -181,6 +181,12 @@ _SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "c
 _RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final")
 
 
+def drop_keys(store: Any, n: int) -> None:
+    """Delete the keys a communicator's parts (or a liveness watch) of ``n`` ranks leave under ``store``."""
+    for key in (*_SHARED_KEYS, *(f"{k}/{r}" for k in _RANK_KEYS for r in range(n))):
+        store.delete_key(key)
+
+
 def forget(rdv: Rendezvous, prefix: str) -> None:
     """``close()``: the last rank of a communicator to close deletes its keys (blocking).
 
@@ -191,8 +197,7 @@ def forget(rdv: Rendezvous, prefix: str) -> None:
     if int(store.add("closed", 1)) < rdv.world_size:
         return
     n = rdv.world_size
-    for key in (*_SHARED_KEYS, *(f"{k}/{r}" for k in _RANK_KEYS for r in range(n))):
-        store.delete_key(key)
+    drop_keys(store, n)
     gloo = rdv.prefixed(prefix + "gloo/")
     for r in range(n):
         gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)

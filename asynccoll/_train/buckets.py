@@ -66,10 +66,12 @@ class Bucket:
 
     __slots__ = (
         "buffer", "flags", "grads", "index", "members", "numel", "params", "pending", "saved", "shadow",
-        "views", "work",
+        "swap", "views", "work",
     )
 
-    def __init__(self, index: int, members: Sequence[int], params: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, index: int, members: Sequence[int], params: Sequence[torch.Tensor], grad_views: bool = False
+    ) -> None:
         self.index = index
         self.members = list(members)  # parameter indices, in buffer order
         self.params = [params[i] for i in members]
@@ -86,6 +88,8 @@ class Bucket:
         # The slots whose parameter's .grad is (still) the slot's view, as set by
         # unpack(); None elsewhere. Compared by identity: a new .grad replaces it.
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
+        # The slots whose .grad may be the view itself (``grad_views``, contiguous parameter).
+        self.swap = [grad_views and p.is_contiguous() for p in self.params]
         # Slots whose .grad is the view and was filled in without a hook (unused in
         # this step): the value to restore if no rank used the parameter.
         self.saved: dict[int, torch.Tensor] = {}
