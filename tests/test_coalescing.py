@@ -489,6 +489,37 @@ async def _batch_deadline(comm: Any) -> list[str]:
     return out
 
 
+async def _recorded_when_issued(comm: Any) -> dict[str, Any]:
+    """Members enter the flight record when their batch is issued, not at their calls;
+    an op another task issued meanwhile (a higher seq, recorded first) keeps its record."""
+    first = comm.all_reduce(torch.ones(2))
+    await first
+    async with comm.coalescing() as group:
+        comm.all_reduce(torch.ones(3))
+        await in_task(lambda: _sum_check(comm))  # seq + 2, issued and recorded at once
+        comm.broadcast(torch.ones(4), 0)
+        during = {r["seq"] for r in comm.flight_record()}
+    member_seqs = [w.seq for w in group.works]
+    records = {r["seq"]: r for r in comm.flight_record()}
+    assert not during & set(member_seqs), f"members recorded before the batch was issued: {during}"
+    assert sorted(records) == list(range(first.seq, first.seq + 4)), sorted(records)
+    other = records[first.seq + 2]
+    assert other["op"] == "all_reduce" and "batch" not in other and other["state"] == "done"
+    for seq, op, shape in zip(member_seqs, ("all_reduce", "broadcast"), ([3], [4])):
+        rec = records[seq]
+        assert (rec["op"], rec["shape"], rec["batch"], rec["state"]) == (op, shape, member_seqs[0], "done"), rec
+        assert rec["issued_at"] >= other["issued_at"], (rec, other)
+    try:
+        async with comm.coalescing():
+            comm.all_reduce(torch.ones(5))
+            raise _BodyError("never issued")
+    except _BodyError:
+        pass
+    assert max(r["seq"] for r in comm.flight_record()) == first.seq + 3  # nothing of it recorded
+    await _sum_check(comm)
+    return {"members": [s - first.seq for s in member_seqs]}
+
+
 # ------------------------------------------------------------------- tests
 @pytest.mark.parametrize("loop", LOOPS)
 def test_members_are_views_over_one_pending_entry(loop: str) -> None:
@@ -565,6 +596,11 @@ def test_batch_of_one_is_submitted_as_is(loop: str) -> None:
     assert run_ranks(_single_op, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [[("all_reduce", 6)]] * 2
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_members_are_recorded_when_the_batch_is_issued(loop: str) -> None:
+    assert run_ranks(_recorded_when_issued, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [{"members": [1, 3]}] * 2
+
+
 def test_plan_is_deterministic_and_ordered() -> None:
     f32, f64 = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
     specs = [
@@ -581,3 +617,38 @@ def test_plan_is_deterministic_and_ordered() -> None:
     ]
     assert plan(specs) == [[0, 5], [1], [2, 9], [3, 7], [4], [6], [8]]
     assert plan(specs) == plan(list(specs))
+
+
+def test_batch_records_stay_bounded_and_keep_interleaved_ops() -> None:
+    """``FlightRecorder.issued_batch``: a batch's members join the ring in one pass; the
+    records they push out leave the index of unsettled ops, a batch longer than the
+    ring keeps its last members only, and an op recorded meanwhile with a higher seq
+    (another task's) stays."""
+    from asynccoll._base.recorder import FlightRecorder
+    from asynccoll._core.work import BatchWork, MemberWork
+
+    def members(first: int, n: int, op: str = "all_reduce") -> list[MemberWork]:
+        head = BatchWork(first, lambda e: e)
+        return [MemberWork(op, first + i, None, None, head) for i in range(n)]
+
+    spec = OpSpec(OpKind.ALL_REDUCE, torch.ones(3), reduce_op=ac.ReduceOp.SUM)
+    rec = FlightRecorder(capacity=8)
+    for seq in (1, 2, 3):
+        rec.issued(seq, "all_reduce", spec, 1.0)  # never ended: open
+    rec.issued(7, "all_reduce", spec, 2.0)  # another task's op, while the batch's body ran
+    rec.issued_batch(members(4, 3), [spec] * 3, 3.0, 4)
+    assert [r["seq"] for r in rec.snapshot()] == [1, 2, 3, 7, 4, 5, 6]
+    assert rec.open_seqs() == [1, 2, 3, 4, 5, 6, 7]
+    sends = members(8, 3, "send")
+    rec.issued_batch(sends, [OpSpec(OpKind.SEND, torch.ones(2), peer=1)] * 3, 4.0, 8)  # pushes out seqs 1 and 2
+    snap = rec.snapshot()
+    assert [r["seq"] for r in snap] == [3, 7, 4, 5, 6, 8, 9, 10]
+    assert rec.open_seqs() == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert [r.get("cseq") for r in snap[-4:]] == [6, None, None, None] and snap[-1]["batch"] == 8
+    rec.issued(11, "all_reduce", spec, 5.0)
+    assert rec.snapshot()[-1]["cseq"] == 11 - 3  # three p2p ops before it
+    rec.ended_all(range(3, 12), "done", 6.0)
+    long = members(12, 20)
+    rec.issued_batch(long, [spec] * 20, 7.0, 12)  # longer than the ring
+    assert [r["seq"] for r in rec.snapshot()] == list(range(24, 32))
+    assert rec.open_seqs() == list(range(24, 32))

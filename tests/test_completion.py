@@ -246,14 +246,14 @@ def test_a_failed_flattened_batch_settles_its_one_pending_entry() -> None:
         lambda exc, _t: ac.PeerFailure(f"lost: {exc}"),
     )
     spec = OpSpec(OpKind.ALL_REDUCE, torch.ones(2))
+    head = None
+    members = []
+    for i in range(3):
+        m = ledger.reserve_member("all_reduce", i, None, head)
+        head = m._batch
+        members.append(m)
     with ledger.lock:
-        head = None
-        members = []
-        for i in range(3):
-            m = ledger.reserve_member("all_reduce", i, None, head, spec)
-            head = m._batch
-            members.append(m)
-        ledger.commit_all(members, 30.0)
+        ledger.commit_all(members, [spec] * 3, 30.0)
     op = Op()
     completer.watch(op, Bundle(list(members), "all_reduce"))
     op.finish(RuntimeError("Connection closed by peer"))

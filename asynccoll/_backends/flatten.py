@@ -84,18 +84,22 @@ def plan(specs: Sequence[OpSpec]) -> list[list[int]]:
     return steps
 
 
-def _alike(specs: Sequence[OpSpec]) -> bool:
-    """Every spec an all_reduce with the first one's reduce op, dtype and device."""
+def _alike(specs: Sequence[OpSpec]) -> list[torch.Tensor] | None:
+    """The members' tensors if every spec is an all_reduce with the first one's reduce
+    op, dtype and device (else None): the check and the list in one pass."""
     first = specs[0]
     if first.kind is not _AR:
-        return False
+        return None
     rop, t0 = first.reduce_op, first.tensor
     dtype, device = t0.dtype, t0.get_device()
+    tensors: list[torch.Tensor] = []
+    append = tensors.append
     for spec in specs:
         t = spec.tensor
         if spec.kind is not _AR or spec.reduce_op is not rop or t.dtype is not dtype or t.get_device() != device:
-            return False
-    return True
+            return None
+        append(t)
+    return tensors
 
 
 def submit_batch(backend: Backend, specs: Sequence[OpSpec], works: Sequence[Work], rank: int, world_size: int) -> None:
@@ -103,8 +107,9 @@ def submit_batch(backend: Backend, specs: Sequence[OpSpec], works: Sequence[Work
     if len(specs) == 1:
         backend.submit(specs[0], works[0])
         return
-    if _alike(specs):  # the common batch: one flat all_reduce, with the caller's own lists
-        spec, bundle = _flatten(specs, works, rank, world_size)
+    tensors = _alike(specs)
+    if tensors is not None:  # the common batch: one flat all_reduce, with the caller's own lists
+        spec, bundle = _flatten(specs, works, rank, world_size, tensors)
         backend.submit(spec, bundle)
         return
     issue: list[tuple[OpSpec, Work | Bundle]] = []
@@ -138,34 +143,40 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _unpack_into(dsts: list[torch.Tensor], flat: torch.Tensor, numels: list[int]) -> Callable[[], None]:
-    """A copy-back of consecutive pieces of 1-D ``flat`` into ``dsts``."""
+    """A copy-back of consecutive pieces of 1-D ``flat`` into the 1-D ``dsts``
+    (``_flat_views``, made once for packing and copying back)."""
 
     def copy() -> None:
-        torch.split_with_sizes_copy(flat, numels, out=_flat_views(dsts))
+        torch.split_with_sizes_copy(flat, numels, out=dsts)
 
     return copy
 
 
-def _flatten(specs: Sequence[OpSpec], works: Sequence[Work], rank: int, ws: int) -> tuple[OpSpec, Bundle]:
-    """One flat spec standing for ``specs``, and the Bundle of ``works`` it settles."""
+def _flatten(
+    specs: Sequence[OpSpec], works: Sequence[Work], rank: int, ws: int, tensors: list[torch.Tensor] | None = None
+) -> tuple[OpSpec, Bundle]:
+    """One flat spec standing for ``specs`` (whose tensors ``_alike`` may have listed
+    already), and the Bundle of ``works`` it settles."""
     first = specs[0]
     kind = first.kind
-    tensors = [s.tensor for s in specs]
+    if tensors is None:
+        tensors = [s.tensor for s in specs]
     timeout = max([s.timeout for s in specs])
     t0 = first.tensor
     copy_back: Callable[[], None] | None
     keep: Any
     if kind is OpKind.ALL_REDUCE or kind is OpKind.BROADCAST:
         numels = [t.numel() for t in tensors]
+        views = _flat_views(tensors)
         if kind is OpKind.BROADCAST and rank == first.peer:
-            flat = _pack(tensors)
+            flat = torch.cat(views)
             copy_back = None  # the root's tensors are the source: unchanged
         elif kind is OpKind.BROADCAST:
             flat = torch.empty(sum(numels), dtype=t0.dtype, device=t0.device)
-            copy_back = _unpack_into(tensors, flat, numels)
+            copy_back = _unpack_into(views, flat, numels)
         else:
-            flat = _pack(tensors)
-            copy_back = _unpack_into(tensors, flat, numels)
+            flat = torch.cat(views)
+            copy_back = _unpack_into(views, flat, numels)
         flat_spec = OpSpec(kind, flat, None, first.reduce_op, first.peer, timeout)
         keep = flat
     elif kind is OpKind.ALL_GATHER:
@@ -184,7 +195,7 @@ def _flatten(specs: Sequence[OpSpec], works: Sequence[Work], rank: int, ws: int)
         flat_in = torch.cat([t.view(ws, m) for t, m in zip(tensors, chunks)], dim=1)
         flat_out = torch.empty(sum(chunks), dtype=t0.dtype, device=t0.device)
         flat_spec = OpSpec(kind, flat_in.view(-1), flat_out, first.reduce_op, first.peer, timeout)
-        copy_back = _unpack_into(outs, flat_out, chunks)
+        copy_back = _unpack_into(_flat_views(outs), flat_out, chunks)
         keep = (flat_in, flat_out)
     return flat_spec, Bundle(works, kind.value, copy_back, keep)
 

@@ -14,8 +14,9 @@ and the index of unsettled ops drops an op whose record leaves the ring.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, PeerFailure
 from .ops import OpKind
@@ -100,6 +101,44 @@ class FlightRecorder:
             ]
         self._append(rec)
         self._open[seq] = rec
+
+    def issued_batch(self, works: Sequence[Any], specs: Sequence[Any], t: float, batch: int) -> None:
+        """Record a coalesced batch's members (``works``, running ``specs``), issued
+        together at wall time ``t``; ``batch`` is the first member's seq.
+
+        Members are recorded when their batch is issued, not at their calls: a batch
+        whose body failed never reached the peers and leaves no record. Their seqs
+        were taken at the calls, so an op another thread issued meanwhile may sit
+        before them in the ring with a higher seq: no rewind here (a seq is reused
+        only after ``discard``, which rewinds).
+        """
+        ring, append, opened, p2p = self._ring, self._append, self._open, self._p2p
+        before = len(ring)
+        evicted = before + len(works) - self.capacity  # the oldest records these push out
+        if evicted > 0:
+            for old in itertools.islice(ring, min(evicted, before)):
+                if old[_STATE] is None:
+                    opened.pop(old[_SEQ], None)
+        for work, spec in zip(works, specs):
+            seq, op = work.seq, work.op
+            if op in _P2P:
+                p2p += 1
+                cseq = None
+            else:
+                cseq = seq - p2p
+            tensor = spec.tensor
+            if tensor is None or spec.kind is _SCATTER:
+                tensor = spec.output
+            if tensor is None:
+                rec = [seq, op, None, None, spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq]
+            else:
+                rec = [seq, op, tensor.dtype, tensor.shape, spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq]
+            append(rec)
+            opened[seq] = rec
+        self._p2p = p2p
+        if evicted > before:  # a batch longer than the ring: its first members are out already
+            for work in works[: evicted - before]:
+                opened.pop(work.seq, None)
 
     def _rewind(self, seq: int) -> None:
         ring = self._ring

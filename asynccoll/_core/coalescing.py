@@ -6,7 +6,9 @@ recorded instead of submitted: each gets its seq and its pending Work at the cal
 three lists. On a normal exit the batch is handed to each backend's
 ``submit_batch`` (NCCL: one group; Gloo: flattened, see ``_backends/flatten.py``)
 while the communicator's lock is held, so no other op can slip in between its
-members; with ``wait=True`` the exit then awaits every member.
+members; with ``wait=True`` the exit then awaits every member. The members enter
+the flight recorder there, at the batch's issue, in one pass (a body that fails
+leaves no record).
 
 Rules, all enforced with :class:`InvalidArgument` at the point of misuse:
 
@@ -70,9 +72,10 @@ class Batch:
     backend handed ``works`` whole hands the ledger back the batch's own list.
     """
 
-    __slots__ = ("task", "loop", "open", "backends", "specs", "works", "head")
+    __slots__ = ("ledger", "task", "loop", "open", "backends", "specs", "works", "head")
 
-    def __init__(self, task: object, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(self, ledger: Ledger, task: object, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.ledger = ledger
         self.task = task
         self.loop = loop  # the task's asyncio loop; None under trio
         self.open = True
@@ -81,26 +84,31 @@ class Batch:
         self.works: list[MemberWork] = []
         self.head: BatchWork | None = None  # opened by the first member
 
-    def takes(self) -> bool:
-        """Whether an op issued now is this batch's to record (else it is issued normally).
+    def add(self, op: str, backend: Backend, spec: OpSpec, value: Any, keep: Any) -> MemberWork | None:
+        """Record an op issued now while the ContextVar holds this batch: its member
+        Work (seq taken now, run when the batch exits), or None when it is not this
+        batch's to record (the body exited, or the caller is another task): the
+        communicator then issues it at once, as usual.
 
-        Called by the communicator with its lock held, for every op issued while the
-        ContextVar holds this batch: the body still runs, and the caller is its task.
+        The one call per member on the coalesced path: it records, writes nothing
+        to the flight recorder (the batch is recorded when issued, ``commit_all``).
         """
         if not self.open:
-            return False
+            return None
         loop = self.loop
         if loop is not None:  # asyncio: this thread runs the loop, and the loop runs the task
-            return _get_running_loop() is loop and _asyncio_task(loop) is self.task
-        return _current_task() is self.task  # trio (None on a thread outside it)
-
-    def record(self, backend: Backend, spec: OpSpec, work: MemberWork) -> None:
-        """``work`` (already in its batch's members: ``Ledger.reserve_member``) runs ``spec``."""
-        if self.head is None:
+            if _get_running_loop() is not loop or _asyncio_task(loop) is not self.task:
+                return None
+        elif _current_task() is not self.task:  # trio (None on a thread outside it)
+            return None
+        head = self.head
+        work = self.ledger.reserve_member(op, value, keep, head)
+        if head is None:
             head = self.head = work._batch
             self.works = head.members
         self.backends.append(backend)
         self.specs.append(spec)
+        return work
 
 
 class CoalescingGroup:
@@ -152,7 +160,7 @@ class CoalescingGroup:
             raise InvalidArgument("comm.coalescing() does not nest within one task")
         if ledger.state is not State.OK or ledger.closing:
             raise ledger.unusable()
-        self._batch = batch = Batch(task, _get_running_loop())
+        self._batch = batch = Batch(ledger, task, _get_running_loop())
         self._token = ledger.batch.set(batch)
         self._state = _OPEN
         return self
@@ -212,7 +220,7 @@ class CoalescingGroup:
                 raise unusable
             # One deadline for the batch (its one pending entry): the shortest member
             # timeout; on expiry its first pending member times out, the rest abort.
-            ledger.commit_all(works, min([s.timeout for s in specs]))
+            ledger.commit_all(works, specs, min([s.timeout for s in specs]))
             try:
                 order = dict.fromkeys(backends)
                 if len(order) == 1:

@@ -15,7 +15,7 @@ from .._base.errors import CommAborted, InvalidArgument, PeerFailure
 from .._base.ops import OpKind, OpSpec, ReduceOp
 from . import validate
 from .backend import Backend
-from .coalescing import CoalescingGroup
+from .coalescing import Batch, CoalescingGroup
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
 from .parts import Parts, weakly
@@ -140,12 +140,12 @@ class Communicator:
     ) -> Work:
         spec.timeout = self.timeout if timeout is None else validate.timeout(timeout, self.timeout)
         ledger = self._ledger
-        batch = ledger.batch.get()
-        with ledger.lock:
-            if batch is not None and batch.takes():  # recorded; issued, with its deadline, when the batch exits
-                member = ledger.reserve_member(_OP_NAMES[spec.kind], value, keep, batch.head, spec)
-                batch.record(backend, spec, member)
+        batch: Batch | None = ledger.batch.get()
+        if batch is not None:  # recorded; issued, with its deadline, when the batch exits
+            member = batch.add(_OP_NAMES[spec.kind], backend, spec, value, keep)
+            if member is not None:
                 return member
+        with ledger.lock:
             work = ledger.reserve(_OP_NAMES[spec.kind], value, keep, spec)
             try:
                 backend.submit(spec, work)

@@ -214,25 +214,27 @@ class Ledger:
         """The backend took ``work``: its deadline starts (caller holds ``lock``)."""
         self._deadlines.add(work.seq, timeout, deadline)
 
-    def reserve_member(self, op: str, value: Any, keep: Any, batch: BatchWork | None, spec: Any) -> MemberWork:
+    def reserve_member(self, op: str, value: Any, keep: Any, batch: BatchWork | None) -> MemberWork:
         """The next seq's Work as a member of a coalesced batch (``batch``; None: the
-        first member, which opens the batch's one pending entry), recorded as issued
-        in that batch. Caller holds ``lock``."""
-        if self.state is not _OK or self.closing:
-            raise self.unusable()
-        seq = self._seq = self._seq + 1
-        if batch is None:
-            batch = BatchWork(seq, abort_error)
-            self.pending[seq] = batch
-        work = MemberWork(op, seq, value, keep, batch)
-        batch.members.append(work)
-        self._recorder.issued(seq, op, spec, now(), batch.seq)
+        first member, which opens the batch's one pending entry). Takes ``lock``.
+        Recorded when the batch is issued (:meth:`commit_all`)."""
+        with self.lock:
+            if self.state is not _OK or self.closing:
+                raise self.unusable()
+            seq = self._seq = self._seq + 1
+            if batch is None:
+                batch = BatchWork(seq, abort_error)
+                self.pending[seq] = batch
+            work = MemberWork(op, seq, value, keep, batch)
+            batch.members.append(work)
         return work
 
-    def commit_all(self, works: Sequence[Work], timeout: float) -> None:
-        """A coalesced batch is issued (caller holds ``lock``): its ONE deadline starts."""
+    def commit_all(self, works: Sequence[Work], specs: Sequence[Any], timeout: float) -> None:
+        """A coalesced batch (``works`` running ``specs``) is issued (caller holds
+        ``lock``): its members are recorded, its ONE deadline starts."""
         batch = works[0]._batch  # type: ignore[attr-defined]
         batch.remaining = len(batch.members)
+        self._recorder.issued_batch(works, specs, now(), batch.seq)
         self._deadlines.add(batch.seq, timeout)
 
     def discard(self, works: Sequence[Work]) -> None:
