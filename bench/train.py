@@ -26,7 +26,8 @@ processes at a time (the others wait idle), alternating (``ddp, gradsync, ...,
 ddp, gradsync, ...``, the order rotated every round) so that the machine's noise
 hits all alike; reported: the median step time of each
 variant over all its blocks' steps (and the median CPU time of the rank-0 process,
-every thread, per step: less sensitive to a loaded machine), and its ratio to the DDP variant of the same
+every thread, per step: less sensitive to a loaded machine; and its minor page faults
+per step: memory the kernel had to map in again), and its ratio to the DDP variant of the same
 backward style and bucket size (``ddp`` when there is none). At the end every
 synchronising variant must hold the same parameters (they trained on the same
 data): checked.
@@ -50,6 +51,7 @@ import concurrent.futures
 import json
 import multiprocessing as mp
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -143,6 +145,7 @@ class _Variant:
         self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9)
         self.times: list[float] = []
         self.cpu: list[float] = []  # this process's CPU time per step, every thread
+        self.faults: list[int] = []  # this process's minor page faults per step (memory paged in)
 
     def bucket_mb(self, final: bool = False) -> list[float] | None:
         """The bucket sizes in use (MiB), in reduction order where known (``final``:
@@ -220,15 +223,18 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
                 await comm.barrier()
                 for _ in range(args.steps):
                     x, y = _batch(comm.rank, step_no, width)
+                    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                     c0, t0 = time.process_time(), time.perf_counter()
                     await variant.step(x, y)
                     variant.times.append(time.perf_counter() - t0)
                     variant.cpu.append(time.process_time() - c0)
+                    variant.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
                     step_no += 1
             elif cmd == "result":
                 assert variant is not None
                 reply = {
-                    "times": variant.times, "cpu": variant.cpu, "buckets_mb": variant.bucket_mb(),
+                    "times": variant.times, "cpu": variant.cpu, "faults": variant.faults,
+                    "buckets_mb": variant.bucket_mb(),
                     "final_buckets_mb": variant.bucket_mb(final=True),
                     "params": [p.detach().clone() for p in variant.params] if rank == 0 else None,
                 }
@@ -353,6 +359,7 @@ def _bench_model(teams: list[_Team], model: str, args: argparse.Namespace) -> di
             "ratio_vs_ddp_p10": p10[n] / p10[ref_name],
             "cpu_ms": cpu[n] * 1e3,
             "cpu_ratio_vs_ddp": cpu[n] / cpu[ref_name],
+            "page_faults": statistics.median(got[n]["faults"]),
             "steps": len(got[n]["times"]),
             "buckets_mb": got[n]["buckets_mb"],
             "buckets_as_vs": None if ref_name == n else _same_buckets(
@@ -398,12 +405,12 @@ def _table(res: dict[str, Any]) -> str:
             f"batch {m['batch']}; GradSync buckets (MiB): {buckets}"
         )
         lines.append(f"  {'variant':<20} {'median ms':>10} {'p10 ms':>8} {'vs':>12} {'ratio':>7} {'p10':>7} "
-                     f"{'cpu ms':>7} {'cpu r':>6} {'steps':>6}")
+                     f"{'cpu ms':>7} {'cpu r':>6} {'faults':>7} {'steps':>6}")
         for name, row in m["variants"].items():
             lines.append(
                 f"  {name:<20} {row['median_ms']:>10.2f} {row['p10_ms']:>8.2f} {row['vs']:>12} "
                 f"{row['ratio_vs_ddp']:>7.3f} {row['ratio_vs_ddp_p10']:>7.3f} {row['cpu_ms']:>7.2f} "
-                f"{row['cpu_ratio_vs_ddp']:>6.3f} {row['steps']:>6}"
+                f"{row['cpu_ratio_vs_ddp']:>6.3f} {row['page_faults']:>7.0f} {row['steps']:>6}"
             )
         for name, row in m["variants"].items():
             if row["buckets_mb"]:
