@@ -176,7 +176,7 @@ def abort(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
     raw: dict[str, Any] = {}
     rows = []
     for loop in ("asyncio", "uvloop"):
-        res = raw[loop] = fanout.measure(1000, {"smoke": 1, "quick": 4, "full": 9}[size], loop)
+        res = raw[loop] = fanout.measure(1000, {"smoke": 1, "quick": 4, "full": 25}[size], loop)
         rows.append(Row(
             "abort", f"abort -> last of 1000 waiters, {loop} (ms)", "<= 5 ms", res["asynccoll"]["last_ms"],
             res["asynccoll"]["last_p10_ms"], res["floor"]["last_ms"], "1000 plain futures failed in one loop (ms)",
