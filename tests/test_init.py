@@ -309,6 +309,24 @@ def test_closed_communicators_leave_no_keys() -> None:
         assert after == before, results  # was 8 more per 2-rank communicator, forever
 
 
+def test_forgetting_keys_on_a_store_whose_host_is_gone_does_not_fail() -> None:
+    """close()'s last step (deleting the keys, ``rendezvous.forget``) on a store whose
+    host is gone: rank 0 hosting it (``master_addr``, no launcher's store) closed first
+    and its process exited before this rank's liveness noticed. The keys went with the
+    store; it raised DistNetworkError out of close() (examples/quickstart.py under CPU
+    load, 1 run in 5)."""
+    from datetime import timedelta
+
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=10))
+    client.set("x", "1")
+    del server  # the server stops with its last reference
+    gc.collect()
+    rendezvous.forget(rendezvous.Rendezvous(client, 1, 2), "c0/")
+    with pytest.raises(dist.DistNetworkError):  # the store is gone indeed
+        client.add("y", 1)
+
+
 async def close_at_once(ctx: RankContext) -> dict[str, Any]:
     # Rank 1 is slow to finish creating (its Gloo group is built, then 1 s more: a rank
     # starved of CPU); rank 0 closes its communicator as soon as init returns. Init

@@ -191,10 +191,16 @@ def forget(rdv: Rendezvous, prefix: str) -> None:
     """``close()``: the last rank of a communicator to close deletes its keys (blocking).
 
     Only once every rank has closed: until then a peer may still read them. A
-    communicator some rank never closes (it died) leaves its keys behind.
+    communicator some rank never closes (it died) leaves its keys behind. A store
+    whose host is gone (rank 0 hosting it closed first and its process exited, as
+    with ``master_addr``/``MASTER_ADDR`` and no launcher's store) took the keys with
+    it: nothing to do, and ``close()`` must not fail for it.
     """
     store = rdv.prefixed(prefix)
-    if int(store.add("closed", 1)) < rdv.world_size:
+    try:
+        if int(store.add("closed", 1)) < rdv.world_size:
+            return
+    except dist.DistNetworkError:
         return
     n = rdv.world_size
     drop_keys(store, n)
