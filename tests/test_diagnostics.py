@@ -662,3 +662,47 @@ def test_a_flight_record_written_after_close_still_names_the_held_ops() -> None:
         checker.close()
         for s in (out_b, in_b):
             s.close()
+
+
+def test_the_mesh_never_blocks_an_issuing_thread_before_its_reader_ran() -> None:
+    """An op issued right after the fingerprint channel is built pulls from the peers'
+    sockets on the issuing thread. The sockets became non-blocking only once the reader
+    thread first ran, so an early pull waited in a blocking recv for the peer's next
+    frame (``test_a_flight_record_written_after_close_still_names_the_held_ops`` hung
+    in it about 1 run in 8 under CPU load)."""
+    import socket
+    import threading
+
+    from asynccoll._diag.mesh import Mesh
+
+    class User:
+        def frames_arrived(self) -> None:
+            pass
+
+        def crashed(self, exc: Exception) -> None:
+            pass
+
+    out_a, out_b = socket.socketpair()
+    in_a, in_b = socket.socketpair()  # blocking, as a fresh socket is
+    user = User()
+    mesh = Mesh(0, {1: out_a}, {1: in_a}, user)  # its reader thread not started yet
+    answers: list[bool] = []
+
+    def early_pull() -> None:
+        with mesh.lock:
+            answers.append(mesh.pull(1))
+
+    puller = threading.Thread(target=early_pull, daemon=True)
+    puller.start()
+    puller.join(5)
+    blocked = puller.is_alive()
+    in_b.close()  # ends a blocked recv (the peer's channel closes)
+    puller.join(5)
+    mesh.start()
+    mesh.close()  # the reader thread ends and closes the mesh's sockets
+    deadline = time.monotonic() + 10
+    while in_a.fileno() != -1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out_b.close()
+    assert not blocked, "pull() blocked before the reader thread ran"
+    assert answers == [False]  # nothing there yet, the channel is open

@@ -69,6 +69,11 @@ class Mesh:
         self._user = weakref.ref(user)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
+        for s in (*incoming.values(), *outgoing.values()):
+            # Here, before anyone can call pull() or send(): an op issued before the
+            # reader thread first ran once met a blocking recv (it waited for the
+            # peer's next frame; under CPU load a test hung in it).
+            s.setblocking(False)
         sockets = [*incoming.values(), *outgoing.values(), self._wake_r, self._wake_w]
         weakref.finalize(self, _poke, self._wake_w)
         self._thread = threading.Thread(
@@ -221,7 +226,6 @@ def _reader(ref: weakref.ReferenceType[Mesh], sockets: list[socket.socket]) -> N
         by_fd: dict[int, Any] = {me._wake_r.fileno(): None}
         poller.register(me._wake_r, select.POLLIN)
         for p, s in me._in.items():
-            s.setblocking(False)
             by_fd[s.fileno()] = p
             poller.register(s, select.POLLIN)
         out_fds = {s.fileno(): q for q, s in me._out.items()}
