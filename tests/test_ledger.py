@@ -607,3 +607,26 @@ def test_ctrl_c_during_a_long_op_exits_promptly(tmp_path: Any) -> None:
     for p, (_, err) in zip(procs, outs):
         assert "terminate called" not in err, err
         assert p.returncode != -signal.SIGABRT, err
+
+
+def test_a_call_after_a_peer_failure_raises_peer_failure_naming_the_ranks() -> None:
+    """The documented recipe, ``except ac.PeerFailure: comm = await comm.shrink()``, must
+    catch a call made after the failure's news arrived too (the news can beat the call:
+    a rank computing while a peer dies), not only the ops pending when it came.
+    Before, such a call raised a plain CommAborted (test_elastic's death during
+    broadcast_state failed on it in CI, 1 run in about 10)."""
+    ledger, aborted = _ledger()
+    with ledger.lock:
+        pending = ledger.reserve("all_reduce")
+    news = ac.PeerFailure("rank 1 died", [1])
+    ledger.abort(news)
+    assert aborted and pending.exception() is not None
+    later = ledger.unusable()
+    assert isinstance(later, ac.PeerFailure) and later.ranks == (1,), later
+    assert later.__cause__ is news
+    ledger.abort(ac.CommAborted("then someone aborted"))  # the first failure stays the reason
+    assert isinstance(ledger.unusable(), ac.PeerFailure)
+    timeout_ledger, _ = _ledger()
+    timeout_ledger.abort(ac.CommAborted("shutting down"))
+    plain = timeout_ledger.unusable()
+    assert type(plain) is ac.CommAborted  # an abort that is not a peer's death stays a CommAborted

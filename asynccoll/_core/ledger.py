@@ -189,8 +189,15 @@ class Ledger:
     def unusable(self) -> AsyncCollError:
         """The error for a call on a communicator that is not ``ok`` (or is closing)."""
         if self.state is _ABORTED:
-            exc = CommAborted(f"communicator is aborted: {self.error}")
-            exc.__cause__ = self.error
+            error = self.error
+            # A peer's death stays one for the calls after it: a PeerFailure (a
+            # CommAborted) naming the same ranks, so that ``except ac.PeerFailure:
+            # shrink()`` also catches the call that the failure's news beat.
+            if isinstance(error, PeerFailure):
+                exc: CommAborted = PeerFailure(f"communicator is aborted: {error}", error.ranks)
+            else:
+                exc = CommAborted(f"communicator is aborted: {error}")
+            exc.__cause__ = error
             return exc
         return CommClosed("communicator is closed" if self.state is _CLOSED else "communicator is closing")
 
