@@ -19,6 +19,7 @@ import anyio
 import pytest
 import torch
 from backends import LOOPS
+from spies import Sets
 
 import asynccoll as ac
 from asynccoll._base.deadlines import DeadlineService
@@ -484,19 +485,6 @@ def test_leaving_the_scope_by_an_exception_aborts_and_peers_learn_it_promptly() 
     assert results[0]["elapsed"] < 10 and results[1]["elapsed"] < 10, results
 
 
-class _Sets:
-    """Counts the calls of an event's ``set`` (a spy: the event behaves as before)."""
-
-    def __init__(self, event: threading.Event) -> None:
-        self.n = 0
-        self._set = event.set
-        event.set = self  # type: ignore[method-assign]
-
-    def __call__(self) -> None:
-        self.n += 1
-        self._set()
-
-
 async def abort_on_the_loop(comm: ac.Communicator) -> dict:
     t0 = time.monotonic()
     if comm.rank == 1:  # joins nothing: rank 0's news must reach it
@@ -508,7 +496,7 @@ async def abort_on_the_loop(comm: ac.Communicator) -> dict:
     clients = deadlines._service._clients
     assert comm._liveness is not None
     service = comm._liveness._service
-    sets = _Sets(service._wake)
+    sets = Sets(service._wake)
     seen: dict[str, Any] = {}
 
     async def waiter() -> None:

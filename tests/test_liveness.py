@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from spies import Sets
 
 import asynccoll as ac
 from asynccoll._base.errors import CommAborted
@@ -102,19 +103,6 @@ def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
     finally:
         for m in members:
             m.stop()
-
-
-class Sets:
-    """Counts the calls of an event's ``set`` (a spy: the event behaves as before)."""
-
-    def __init__(self, event: threading.Event) -> None:
-        self.n = 0
-        self._set = event.set
-        event.set = self  # type: ignore[method-assign]
-
-    def __call__(self) -> None:
-        self.n += 1
-        self._set()
 
 
 @pytest.mark.parametrize("woken", [True, False])
