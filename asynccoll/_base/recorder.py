@@ -83,24 +83,27 @@ class FlightRecorder:
             old = ring[0]
             if old[_STATE] is None:
                 self._open.pop(old[_SEQ], None)
+        rec = self._record(seq, op, spec, t, batch, root)
+        self._append(rec)
+        self._open[seq] = rec
+
+    def _record(self, seq: int, op: str, spec: Any, t: float, batch: int | None, root: int = -1) -> list[Any]:
+        """The open record of op ``seq`` (counting it among the point-to-point ops if it is one)."""
         if op in _P2P:
             self._p2p += 1
             cseq = None
         else:
             cseq = seq - self._p2p
         if spec is None:
-            rec = [seq, op, None, None, root, None, batch, t, None, 0.0, None, cseq]
-        else:
-            # What every rank has (scatter: only the root has an input).
-            tensor = spec.output if spec.kind is _SCATTER or spec.tensor is None else spec.tensor
-            rec = [
-                seq, op,
-                None if tensor is None else tensor.dtype,
-                None if tensor is None else tensor.shape,
-                spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq,
-            ]
-        self._append(rec)
-        self._open[seq] = rec
+            return [seq, op, None, None, root, None, batch, t, None, 0.0, None, cseq]
+        # What every rank has (scatter: only the root has an input).
+        tensor = spec.output if spec.kind is _SCATTER or spec.tensor is None else spec.tensor
+        return [
+            seq, op,
+            None if tensor is None else tensor.dtype,
+            None if tensor is None else tensor.shape,
+            spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq,
+        ]
 
     def issued_batch(self, works: Sequence[Any], specs: Sequence[Any], t: float, batch: int) -> None:
         """Record a coalesced batch's members (``works``, running ``specs``), issued
@@ -112,7 +115,7 @@ class FlightRecorder:
         before them in the ring with a higher seq: no rewind here (a seq is reused
         only after ``discard``, which rewinds).
         """
-        ring, append, opened, p2p = self._ring, self._append, self._open, self._p2p
+        ring, append, opened, record = self._ring, self._append, self._open, self._record
         before = len(ring)
         evicted = before + len(works) - self.capacity  # the oldest records these push out
         if evicted > 0:
@@ -120,22 +123,9 @@ class FlightRecorder:
                 if old[_STATE] is None:
                     opened.pop(old[_SEQ], None)
         for work, spec in zip(works, specs):
-            seq, op = work.seq, work.op
-            if op in _P2P:
-                p2p += 1
-                cseq = None
-            else:
-                cseq = seq - p2p
-            tensor = spec.tensor
-            if tensor is None or spec.kind is _SCATTER:
-                tensor = spec.output
-            if tensor is None:
-                rec = [seq, op, None, None, spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq]
-            else:
-                rec = [seq, op, tensor.dtype, tensor.shape, spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq]
+            rec = record(work.seq, work.op, spec, t, batch)
             append(rec)
-            opened[seq] = rec
-        self._p2p = p2p
+            opened[work.seq] = rec
         if evicted > before:  # a batch longer than the ring: its first members are out already
             for work in works[: evicted - before]:
                 opened.pop(work.seq, None)
