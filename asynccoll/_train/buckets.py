@@ -65,12 +65,12 @@ class Bucket:
     """The flat buffer of one bucket and the views of its parameters' gradients."""
 
     __slots__ = (
-        "buffer", "flags", "grads", "index", "members", "numel", "params", "pending", "saved", "shadow",
-        "swap", "views", "work",
+        "as_view", "buffer", "flags", "grads", "index", "members", "numel", "params", "pending", "saved",
+        "shadow", "views", "work",
     )
 
     def __init__(
-        self, index: int, members: Sequence[int], params: Sequence[torch.Tensor], grad_views: bool = False
+        self, index: int, members: Sequence[int], params: Sequence[torch.Tensor], grad_views: bool
     ) -> None:
         self.index = index
         self.members = list(members)  # parameter indices, in buffer order
@@ -88,8 +88,10 @@ class Bucket:
         # The slots whose parameter's .grad is (still) the slot's view, as set by
         # unpack(); None elsewhere. Compared by identity: a new .grad replaces it.
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
-        # The slots whose .grad may be the view itself (``grad_views``, contiguous parameter).
-        self.swap = [grad_views and p.is_contiguous() for p in self.params]
+        # The slots whose reduced gradient is handed over as the view itself (``grad_views``,
+        # a contiguous parameter): unpack() makes .grad the view, and the hook may drop
+        # the tensor backward produced once it is in the slot.
+        self.as_view = [grad_views and p.is_contiguous() for p in self.params]
         # Slots whose .grad is the view and was filled in without a hook (unused in
         # this step): the value to restore if no rank used the parameter.
         self.saved: dict[int, torch.Tensor] = {}
@@ -119,17 +121,17 @@ class Bucket:
         else:
             torch.mul(grad, scale, out=view)
 
-    def unpack(self, used: Sequence[bool], views_ok: bool) -> None:
+    def unpack(self, used: Sequence[bool]) -> None:
         """Hand the reduced buffer to the parameters' ``.grad`` (loop thread).
 
         ``used[i]``: parameter ``i`` (an index into GradSync's parameters) produced a
-        gradient on this rank. With ``views_ok`` a parameter's ``.grad`` becomes its
-        view of the buffer (no copy); it stays so until something replaces it
-        (``zero_grad()`` setting it to None, or a new assignment). Otherwise the
-        values are copied into ``.grad``.
+        gradient on this rank. In an ``as_view`` slot the parameter's ``.grad``
+        becomes its view of the buffer (no copy); it stays so until something
+        replaces it (``zero_grad()`` setting it to None, or a new assignment).
+        Otherwise the values are copied into ``.grad``.
         """
         global_used: list[float] | None = None
-        views, grads, members = self.views, self.grads, self.members
+        views, grads, members, as_view = self.views, self.grads, self.members, self.as_view
         with torch.no_grad():
             for slot, p in enumerate(self.params):
                 grad = p.grad
@@ -144,7 +146,7 @@ class Bucket:
                 if grad is not None and grad is grads[slot]:
                     continue  # .grad is the view: reduced in place
                 view = views[slot]
-                if views_ok and p.is_contiguous():
+                if as_view[slot]:
                     p.grad = view
                     grads[slot] = view
                 elif grad is None:

@@ -244,7 +244,7 @@ class GradSync:
                     view.copy_(grad)
                 else:
                     torch.mul(grad, scale, out=view)
-                if bucket.swap[slot]:
+                if bucket.as_view[slot]:
                     # The gradient lives on in its slot; wait() makes ``.grad`` that
                     # view. Dropping the tensor backward allocated now lets the next
                     # parameter's gradient reuse its memory: kept until wait(), a
@@ -329,7 +329,7 @@ class GradSync:
                 work = bucket.work
                 await work  # type: ignore[misc]
                 work.wait_stream()  # type: ignore[attr-defined]
-                bucket.unpack(self._used, self.grad_views)
+                bucket.unpack(self._used)
                 if optimizer is not None:
                     _step_some(optimizer, {id(p) for p in bucket.params}, inside=True)
             if optimizer is not None:
