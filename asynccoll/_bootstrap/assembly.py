@@ -117,10 +117,10 @@ async def assemble(
     errors: list[BaseException] = []
     try:
         outcome = await _race(view, timeout, news, build, built, errors)
-        await off_loop(watch.goodbye, timeout, "grow")
-        try:
+        try:  # the outcome holds whatever happens to the cleanup
+            await off_loop(watch.goodbye, timeout, "grow")
             await off_loop(view.leave, timeout, "grow")
-        except AsyncCollError:  # the store failed meanwhile (off_loop's types): its keys stay, the outcome holds
+        except AsyncCollError:  # the store failed meanwhile (off_loop's types): its keys stay
             pass
     finally:
         watch.stop()
