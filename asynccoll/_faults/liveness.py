@@ -61,6 +61,8 @@ _KNOCK_EVERY = 0.25
 _FALLBACK_EVERY = 2.0
 #: The host rank writes ``host`` as it starts; after this the others stop looking.
 _HOST_KNOWN_AFTER = 5.0
+#: How long ``goodbye`` waits for a beat in flight to end.
+_QUIESCE_WITHIN = 5.0
 #: Store errors: torch raises DistError subclasses (or RuntimeError) for a broken store.
 _STORE_ERRORS = (RuntimeError, ValueError)
 
@@ -163,16 +165,30 @@ class Liveness:
         self._keep()
 
     def goodbye(self) -> None:
-        """``close()``: say goodbye now (blocking, one store request), then leave the service."""
-        self._closed = True
-        if self._store_usable() and not shutdown.exiting():
+        """``close()``: say goodbye now (blocking, bounded), then leave the service.
+
+        Abort news not sent yet goes out first, from this thread. Once this returns,
+        this member makes no more store requests (a beat in flight has ended; later
+        ones see the goodbye): ``forget`` may delete the keys. Said once: again (the
+        ``close()`` of a communicator that ``shrink()`` retired) writes nothing.
+        """
+        with self._lock:
+            self._closed = True
+            reason, self._abort_reason = self._abort_reason, None
+            say, self._said_bye = not self._said_bye, True
+        if not shutdown.exiting():
+            gone = not self._store_usable()
             try:
-                self._store.set(f"bye/{self._rank}", "1")
+                if reason is not None:
+                    self._publish(reason, gone)
+                if say and not gone:
+                    self._store.set(f"bye/{self._rank}", "1")
             except _STORE_ERRORS:  # the store failed meanwhile: the service notices
                 pass
-        with self._lock:
-            self._said_bye = True
         self._keep()
+        svc = self._service
+        if svc is not None:
+            svc.quiesce(_QUIESCE_WITHIN)
 
     def hold(self) -> None:
         """Keep this process's service (its pulse, which the peers' census knocks on) up, even

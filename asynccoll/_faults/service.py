@@ -189,6 +189,16 @@ class Service:
         if wake:
             self._wake.set()
 
+    def quiesce(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until no round of the beater is in flight; False
+        if one still is. A member that said goodbye first is then done with the store."""
+        if threading.current_thread() is self._beater:
+            return True  # called from a tick: that round is this one
+        if not self._round_lock.acquire(timeout=timeout):
+            return False
+        self._round_lock.release()
+        return True
+
     def leave(self, member: Member) -> None:
         """``member`` said goodbye (its tick, holding its own lock)."""
         with Service._lock:
