@@ -218,14 +218,66 @@ async def shrink_reuses_the_census(comm: ac.Communicator) -> dict:
         crash_later(0.2, how="sigkill")
     with pytest.raises(ac.PeerFailure):
         await _churn(comm)
+    assert comm._liveness is not None
+    record = list(comm._liveness.record() or ())  # (the shrink deletes it with the old keys)
     new = await comm.shrink()
     t = torch.ones(2)
     await new.all_reduce(t)
     await new.close()
-    assert comm._liveness is not None
-    return {"record": list(comm._liveness.record() or ()), "sum": float(t[0])}
+    return {"record": record, "sum": float(t[0])}
 
 
 def test_shrink_after_a_death_runs_no_agreement_round() -> None:
     results = run_ranks(shrink_reuses_the_census, world_size=3, backend="gloo", timeout=60, lost=(2,))
     assert results[0] == results[1] == {"record": [2], "sum": 2.0}
+
+
+async def aborted_comms_leave_no_keys(ctx: RankContext) -> dict:
+    """4 ranks: rank 3 dies, the survivors shrink (the old communicator is dropped, never
+    closed); then rank 2 dies and the survivors close the aborted communicator without
+    shrinking. Afterwards the run's store holds what it held before (creation counters)."""
+    store = ctx.store
+    kw: dict = {"world_size": ctx.world_size, "store": store, "timeout": 30}
+
+    async def services_ended() -> None:  # this process's liveness service unlists itself as it ends
+        for _ in range(200):
+            if Service.threads() == 0:
+                return
+            await asyncio.sleep(0.025)
+
+    async def barrier(name: str, n: int) -> None:  # on the run's store (no key left behind: counted out)
+        store.add(name, 1)
+        deadline = time.monotonic() + 20
+        while int(store.add(name, 0)) < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    warm = await ac.init("gloo", rank=ctx.rank, **kw)  # once-per-store keys (creation counters)
+    await warm.close()
+    await services_ended()
+    await barrier("b1", 4)
+    before = sorted(k for k in store.list_keys() if k not in ("b1", "b2", "b3"))
+    await barrier("b2", 4)  # everyone counted before anyone creates a key
+    comm = await ac.init("gloo", rank=ctx.rank, **kw)
+    await comm.barrier()
+    if ctx.rank == 3:
+        crash_later(0.2, how="sigkill")
+    with pytest.raises(ac.PeerFailure):
+        await _churn(comm)
+    comm = await comm.shrink()  # the aborted one is dropped, as users do
+    await comm.barrier()
+    if ctx.rank == 2:
+        crash_later(0.2, how="sigkill")
+    with pytest.raises(ac.PeerFailure):
+        await _churn(comm)
+    await comm.close()
+    await services_ended()
+    await barrier("b3", 2)  # the two survivors
+    return {"before": before, "after": sorted(k for k in store.list_keys() if k not in ("b1", "b2", "b3"))}
+
+
+def test_aborted_and_shrunk_communicators_leave_no_keys() -> None:
+    """Every communicator that was aborted by a death (then shrunk, or closed) left all
+    its keys in the store forever: 23 per 3-rank communicator, one leak per fault."""
+    results = run_ranks(aborted_comms_leave_no_keys, world_size=4, backend=None, timeout=90, lost=(2, 3))
+    for res in results[:2]:
+        assert res["after"] == res["before"], sorted(set(res["after"]) - set(res["before"]))

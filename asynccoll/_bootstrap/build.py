@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .._backends import gloo
 from .._backends.torch_pg import TorchGroupBackend
-from .._base.errors import BackendUnavailable, InvalidArgument
+from .._base.errors import AsyncCollError, BackendUnavailable, InvalidArgument
 from .._core.backend import Backend
 from .._core.communicator import Communicator
 from .._core.seams import Membership
@@ -30,7 +30,7 @@ from .._diag.diagnostics import Diagnostics
 from .._faults.liveness import Liveness
 from .._faults.shrink import shrink
 from .args import check_args
-from .rendezvous import Rendezvous, agree_options, all_created, comm_prefix, forget, off_loop, rendezvous
+from .rendezvous import Rendezvous, agree_options, all_created, comm_prefix, drop_count, forget, off_loop, rendezvous
 from .stores import STORES, exclusive
 
 #: Seconds Gloo's connect timeout outlasts ours.
@@ -222,6 +222,10 @@ async def connect(
             raise
         if rdv.key is not None:
             STORES.hold(rdv.key, new)  # it uses the shared store too
+        try:  # ``suffix`` names a namespace of this one communicator: its creation counter is done
+            await off_loop(functools.partial(drop_count, store, new_rank), timeout, "store")
+        except AsyncCollError:  # the store failed meanwhile: the key stays (the new communicator notices)
+            pass
         return new
 
     return Communicator(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch.distributed as dist
 
@@ -20,6 +20,7 @@ from .._base.errors import (
     PeerFailure,
 )
 from .._core.objects import poll_keys
+from .._faults.census import decode_ranks
 from .args import env_int
 from .stores import tcp_store
 
@@ -88,10 +89,14 @@ async def rendezvous(
     return Rendezvous(tcp, rank, world_size, key)
 
 
+#: The creation counter of each rank of a store (``comm_prefix``).
+_COUNT = "asynccoll/count/"
+
+
 async def comm_prefix(rdv: Rendezvous, timeout: float) -> str:
     # The n-th communicator a rank creates on a store pairs with every other rank's
     # n-th one (creation order must match across ranks, as in torch and NCCL).
-    key = f"asynccoll/count/{rdv.rank}"
+    key = f"{_COUNT}{rdv.rank}"
     n = await off_loop(lambda: rdv.store.add(key, 1), timeout, "store")
     return f"asynccoll/{n}/"
 
@@ -177,8 +182,8 @@ async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
 
 
 #: Keys a communicator leaves under its prefix (see ``forget``).
-_SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "created", "created/all", "closed")
-_RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final")
+_SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "created", "created/all")
+_RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final", "left")
 
 
 def drop_keys(store: Any, n: int) -> None:
@@ -187,24 +192,45 @@ def drop_keys(store: Any, n: int) -> None:
         store.delete_key(key)
 
 
-def forget(rdv: Rendezvous, prefix: str) -> None:
-    """``close()``: the last rank of a communicator to close deletes its keys (blocking).
+def drop_count(store: Any, rank: int) -> None:
+    """Delete ``rank``'s creation counter of ``store``: a namespace that holds one
+    communicator only (a shrink's, once built) needs it no more."""
+    store.delete_key(f"{_COUNT}{rank}")
 
-    Only once every rank has closed: until then a peer may still read them. A
-    communicator some rank never closes (it died) leaves its keys behind. A store
-    whose host is gone (rank 0 hosting it closed first and its process exited, as
-    with ``master_addr``/``MASTER_ADDR`` and no launcher's store) took the keys with
-    it: nothing to do, and ``close()`` must not fail for it.
+
+def forget(rdv: Rendezvous, prefix: str, dead: Iterable[int] = (), keys: Iterable[str] = ()) -> None:
+    """This rank is done with a communicator's keys (blocking): at ``close()``, or at
+    ``shrink()`` once the survivors' new communicator is up (``Parts.retire``).
+
+    The rank says so (``left/<rank>``); the rank that then finds every rank either
+    left or proven dead deletes all the communicator's keys. Proven dead: the ranks
+    of the census record (``failure``: proof of death only, see ``liveness``) and
+    ``dead`` (ranks that shrink's build proved dead; their records, ``keys`` under
+    the prefix, go too). Until then a live peer may still read the keys (a rank a
+    shrink left out, alive): they stay. A rank that dies unproven (say, after the
+    census) leaves them behind. A store whose host is gone (rank 0 hosting it closed
+    first and its process exited, as with ``master_addr``/``MASTER_ADDR`` and no
+    launcher's store) took the keys with it: nothing to do, and ``close()`` must not
+    fail for it. Of two ranks leaving at once, at least one sees the other's
+    ``left`` (one store orders their requests); both may delete.
     """
     store = rdv.prefixed(prefix)
+    n = rdv.world_size
     try:
-        if int(store.add("closed", 1)) < rdv.world_size:
+        gone = set(dead)
+        # Read before saying so: once this rank left, a peer may delete the key meanwhile,
+        # and a get of a missing key waits for the store's timeout.
+        if store.check(["failure"]):
+            gone.update(decode_ranks(store.get("failure")))
+        store.set(f"left/{rdv.rank}", "1")
+        if not store.check([f"left/{r}" for r in range(n) if r not in gone]):
             return
+        drop_keys(store, n)
+        for key in keys:
+            store.delete_key(key)
+        gloo = rdv.prefixed(prefix + "gloo/")
+        for r in range(n):
+            gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)
+        rdv.prefixed(prefix + "nccl/").delete_key("unique_id")
     except dist.DistNetworkError:
         return
-    n = rdv.world_size
-    drop_keys(store, n)
-    gloo = rdv.prefixed(prefix + "gloo/")
-    for r in range(n):
-        gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)
-    rdv.prefixed(prefix + "nccl/").delete_key("unique_id")

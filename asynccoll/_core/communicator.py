@@ -427,7 +427,7 @@ class Communicator:
         recovery = Recovery(
             rank=self.rank, world_size=self.world_size, timeout=self.timeout, backend=self.backend,
             state=self.state, failed_ranks=self.failed_ranks, store=self._store, liveness=self._liveness,
-            rebuild=self._rebuild, abort=self.abort, claim=self._claim_shrink,
+            rebuild=self._rebuild, abort=self.abort, claim=self._claim_shrink, retire=self._parts.retire,
         )
         return await self._recover(recovery, exclude)
 

@@ -46,15 +46,17 @@ class Parts:
 
     def __init__(
         self, ledger: Ledger, backends: dict[str | None, Backend], objects: ObjectChannel | None, diag: Diagnosis,
-        forget: Callable[[], None] | None = None,
+        forget: Callable[..., None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.backends = backends
         self.objects = objects
         self.diag = diag
         self.liveness: Membership | None = None
-        #: ``close()``'s last step: the last rank to close deletes the communicator's store keys.
-        self.forget = forget
+        #: ``forget(dead=(), keys=())``: this rank is done with the communicator's store keys
+        #: (the last to be deletes them); run once, by ``close()`` or ``retire()``.
+        self._forget = forget
+        self._forget_lock = threading.Lock()
         for backend in backends.values():
             backend.bind(ledger)
 
@@ -115,8 +117,24 @@ class Parts:
         for backend in self.backends.values():
             await run_in_thread(backend.close, None, name="asynccoll-close")
         await run_in_thread(self.diag.closed, None, name="asynccoll-close")  # the timeline to trace_dir
-        if self.forget is not None and (liveness is None or liveness.failure() is None):  # (a store still there)
-            await run_in_thread(self.forget, None, name="asynccoll-close")
+        await run_in_thread(self._forget_keys, None, name="asynccoll-close")
+
+    def retire(self, dead: tuple[int, ...] = (), keys: tuple[str, ...] = ()) -> None:
+        """``shrink()`` built the survivors' communicator: this (aborted) one is done with
+        the store (blocking; off the loop). Its liveness says goodbye and its keys are
+        forgotten now (``dead``, ``keys``: see ``forget``), not at a ``close()`` that may
+        never come (``comm = await comm.shrink()`` drops it); ``close()`` then releases
+        the rest and writes nothing."""
+        if self.liveness is not None:
+            self.liveness.goodbye()
+        self._forget_keys(dead, keys)
+
+    def _forget_keys(self, dead: tuple[int, ...] = (), keys: tuple[str, ...] = ()) -> None:
+        with self._forget_lock:
+            forget, self._forget = self._forget, None
+        liveness = self.liveness
+        if forget is not None and (liveness is None or liveness.failure() is None):  # (a store still there)
+            forget(dead, keys)
 
     def collected(self) -> None:
         """The communicator was dropped without ``close()``: stop everything, never block.

@@ -119,6 +119,9 @@ class Recovery:
     abort: Callable[[str], None]
     #: Marks the communicator shrunk (once valid arguments are known).
     claim: Callable[[], None]
+    #: ``retire(dead, keys)``, blocking: the survivors' communicator is up; the old one
+    #: leaves the store and its keys are forgotten (``Parts.retire``).
+    retire: Callable[[tuple[int, ...], tuple[str, ...]], None]
 
 
 class Elastic(Protocol):

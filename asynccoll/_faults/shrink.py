@@ -112,7 +112,14 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
         liveness.hold()  # keep answering the survivors' census while this rank rebuilds
     try:
         agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
-        return await _build(comm, rebuild, agreed, failed)
+        new, dead, records = await _build(comm, rebuild, agreed, failed)
+        # Every survivor built ``new`` (its creation ends when all have): none reads the
+        # old communicator's agreement or retry keys any more.
+        try:  # the new communicator holds whatever happens to the cleanup
+            await run_in_thread(lambda: comm.retire(dead, records), None, name="asynccoll-shrink")
+        except dist.DistError:  # the store failed meanwhile: the old keys stay (the new one notices)
+            pass
+        return new
     except dist.DistError as exc:  # the store failed under the agreement (torch's type for it)
         error = liveness.failure() if liveness is not None else None
         raise (error or CommAborted(f"shrink: the rendezvous store failed: {exc}")) from exc
@@ -127,8 +134,12 @@ _WATCH_AFTER = 0.1
 _WATCH_EVERY = 0.2
 
 
-async def _build(comm: Recovery, rebuild: Any, agreed: set[int], failed: bool) -> Communicator:
+async def _build(
+    comm: Recovery, rebuild: Any, agreed: set[int], failed: bool
+) -> tuple[Communicator, tuple[int, ...], tuple[str, ...]]:
     """Build the survivors' communicator; if a survivor dies meanwhile, start over without it.
+
+    Returns it, the survivors proven dead meanwhile and the keys that recorded them.
 
     A backend's group construction waits for every member (until ``timeout``), so
     a survivor that dies before joining would hold everyone there. While it
@@ -139,6 +150,8 @@ async def _build(comm: Recovery, rebuild: Any, agreed: set[int], failed: bool) -
     excluded = set(agreed)
     liveness = comm.liveness
     store = comm.store
+    dead: set[int] = set()
+    records: list[str] = []
     while True:
         survivors = [r for r in range(comm.world_size) if r not in excluded]
         if comm.rank not in survivors:
@@ -148,7 +161,7 @@ async def _build(comm: Recovery, rebuild: Any, agreed: set[int], failed: bool) -
         args = (survivors.index(comm.rank), len(survivors), suffix)
         kwargs = {"failed": failed, "excluded": tuple(sorted(excluded))}
         if liveness is None:
-            return cast("Communicator", await rebuild(*args, **kwargs))
+            return cast("Communicator", await rebuild(*args, **kwargs)), (), ()
         others = [r for r in survivors if r != comm.rank]
         built: list[Communicator] = []
         lost: list[tuple[int, ...]] = []
@@ -165,8 +178,10 @@ async def _build(comm: Recovery, rebuild: Any, agreed: set[int], failed: bool) -
             tg.start_soon(build)
             tg.start_soon(watch)
         if built:
-            return built[0]
+            return built[0], tuple(sorted(dead)), tuple(records)
         excluded |= set(lost[0])
+        dead |= set(lost[0])  # proven dead by a probe (``_watch``)
+        records.append(f"shrink/retry/{suffix}")
 
 
 async def _watch(store: Any, key: str, liveness: Membership, others: list[int]) -> tuple[int, ...]:
