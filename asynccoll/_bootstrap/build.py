@@ -115,9 +115,11 @@ async def build_communicator(
     nccl_backend: Backend | None = None,
     factories: Factories = REAL,
     group: Any = None,
+    sole: bool = False,
 ) -> Communicator:
     # nccl_backend: a ready NCCL backend (shrink's ncclCommShrink) used instead of a new init.
     # group: the named group (elastic.Group) this communicator belongs to, or None.
+    # sole: ``store`` is a namespace of this communicator alone (a shrink's, a grow's).
     timeout = check_args(backend, store, master_addr, device, timeout, heartbeat)
     if check not in (None, "fingerprint"):
         raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
@@ -156,6 +158,11 @@ async def build_communicator(
         weakref.finalize(comm, STORES.release, rdv.key)
     elif group is not None and group.key is not None:
         STORES.hold(group.key, comm)  # a grown group's communicator uses the group's store
+    if sole:  # no other communicator is made on this namespace: its creation counter is done
+        try:
+            await off_loop(functools.partial(drop_count, rdv.store, rdv.rank), timeout, "store")
+        except AsyncCollError:  # the store failed meanwhile: the key stays (the communicator notices)
+            pass
     return comm
 
 
@@ -214,7 +221,7 @@ async def connect(
                 backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
                 store=store, device=device, timeout=timeout, check=check,
                 trace_dir=trace_dir, heartbeat=heartbeat, nccl_backend=shrunk, factories=factories,
-                group=group,
+                group=group, sole=True,
             )
         except BaseException:
             if shrunk is not None:
@@ -222,10 +229,6 @@ async def connect(
             raise
         if rdv.key is not None:
             STORES.hold(rdv.key, new)  # it uses the shared store too
-        try:  # ``suffix`` names a namespace of this one communicator: its creation counter is done
-            await off_loop(functools.partial(drop_count, store, new_rank), timeout, "store")
-        except AsyncCollError:  # the store failed meanwhile: the key stays (the new communicator notices)
-            pass
         return new
 
     return Communicator(

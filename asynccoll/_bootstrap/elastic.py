@@ -269,7 +269,7 @@ async def _build(
         return await build_communicator(
             opts.backend, rank=rank, world_size=size, master_addr=None, master_port=None, store=store,
             device=device, timeout=opts.timeout, check=opts.check, trace_dir=trace_dir,
-            heartbeat=opts.heartbeat, nccl_backend=grown, factories=opts.factories, group=group,
+            heartbeat=opts.heartbeat, nccl_backend=grown, factories=opts.factories, group=group, sole=True,
         )
     except BaseException:
         if grown is not None:
