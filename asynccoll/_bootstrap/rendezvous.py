@@ -19,7 +19,7 @@ from .._base.errors import (
     InvalidArgument,
     PeerFailure,
 )
-from .._core.objects import poll_keys
+from .._core.objects import drop_ops, poll_keys
 from .._faults.census import decode_ranks
 from .args import env_int
 from .stores import tcp_store
@@ -182,8 +182,8 @@ async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
 
 
 #: Keys a communicator leaves under its prefix (see ``forget``).
-_SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "created", "created/all")
-_RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final", "left")
+_SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "created", "created/all", "left", "ops")
+_RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final")
 
 
 def drop_keys(store: Any, n: int) -> None:
@@ -198,33 +198,40 @@ def drop_count(store: Any, rank: int) -> None:
     store.delete_key(f"{_COUNT}{rank}")
 
 
-def forget(rdv: Rendezvous, prefix: str, dead: Iterable[int] = (), keys: Iterable[str] = ()) -> None:
+def forget(
+    rdv: Rendezvous, prefix: str, dead: Iterable[int] = (), keys: Iterable[str] = (), ops: Iterable[int] = ()
+) -> None:
     """This rank is done with a communicator's keys (blocking): at ``close()``, or at
     ``shrink()`` once the survivors' new communicator is up (``Parts.retire``).
 
-    The rank says so (``left/<rank>``); the rank that then finds every rank either
-    left or proven dead deletes all the communicator's keys. Proven dead: the ranks
-    of the census record (``failure``: proof of death only, see ``liveness``) and
-    ``dead`` (ranks that shrink's build proved dead; their records, ``keys`` under
-    the prefix, go too). Until then a live peer may still read the keys (a rank a
-    shrink left out, alive): they stay. A rank that dies unproven (say, after the
-    census) leaves them behind. A store whose host is gone (rank 0 hosting it closed
-    first and its process exited, as with ``master_addr``/``MASTER_ADDR`` and no
-    launcher's store) took the keys with it: nothing to do, and ``close()`` must not
-    fail for it. Of two ranks leaving at once, at least one sees the other's
-    ``left`` (one store orders their requests); both may delete.
+    The rank counts itself out (``left``); the rank whose count makes every rank
+    either left or proven dead deletes all the communicator's keys (one rank: the
+    store hands out each count once). Proven dead: the ranks of the census record
+    (``failure``: proof of death only, see ``liveness``) and ``dead`` (ranks that
+    shrink's build proved dead; their records, ``keys`` under the prefix, go too).
+    ``ops``: object collectives this rank began that never finished (an abort ended
+    them); their keys go too (``objects.drop_ops``). Until every rank is out, a live
+    peer may still read the keys (a rank a shrink left out, alive): they stay. A
+    rank that dies unproven (say, after the census) leaves them behind. A store
+    whose host is gone (rank 0 hosting it closed first and its process exited, as
+    with ``master_addr``/``MASTER_ADDR`` and no launcher's store) took the keys with
+    it: nothing to do, and ``close()`` must not fail for it.
     """
     store = rdv.prefixed(prefix)
     n = rdv.world_size
     try:
         gone = set(dead)
-        # Read before saying so: once this rank left, a peer may delete the key meanwhile,
-        # and a get of a missing key waits for the store's timeout.
+        # Read before counting out: then a peer may delete the key, and a get of a
+        # missing key waits for the store's timeout.
         if store.check(["failure"]):
             gone.update(decode_ranks(store.get("failure")))
-        store.set(f"left/{rdv.rank}", "1")
-        if not store.check([f"left/{r}" for r in range(n) if r not in gone]):
+        mine = ",".join(map(str, ops))
+        if mine:
+            store.append("ops", f"{mine},")
+        if int(store.add("left", 1)) != n - len(gone - {rdv.rank}):
             return
+        seqs = {int(s) for s in bytes(store.get("ops")).decode().split(",") if s} if store.check(["ops"]) else set()
+        drop_ops(store, seqs, n)
         drop_keys(store, n)
         for key in keys:
             store.delete_key(key)

@@ -14,11 +14,12 @@ store value or reply ever nears TCPStore's payload limit.
 
 from __future__ import annotations
 
+import collections
 import pickle
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .._base import shutdown
 from .._base.errors import CommAborted, InvalidArgument
@@ -35,6 +36,8 @@ _HEADER_BATCH = CHUNK // (INLINE + 32)
 _INLINE, _CHUNKED = b"i", b"c"
 #: While an object collective waits: how often it asks ``watch`` whether a peer died.
 _WATCH_EVERY = 0.02
+#: How many of the last operations begun an abort reports as possibly left (``unreleased``).
+_RECENT = 8
 
 
 def poll_keys(store: Any, keys: list[str], deadline: float) -> bool:
@@ -76,6 +79,12 @@ class ObjectChannel:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] | None = None
         self._stopped = threading.Event()
         self.watch: Callable[[list[int]], BaseException | None] | None = None
+        #: Operations begun here and not released (a failure or an abort ended them), and
+        #: the last ones begun (a peer may have dropped out before reading them: a
+        #: broadcast's source runs ahead of its receivers): after an abort, their keys
+        #: may stay until the communicator is forgotten (``drop_ops``).
+        self._open: set[int] = set()
+        self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT)
 
     def run(self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> None:
         """Run ``fn`` on the channel's thread, after every earlier call; report to ``done``."""
@@ -103,8 +112,19 @@ class ObjectChannel:
                 shutdown.native(thread)  # store calls
             self._jobs.put(job)
 
+    def unreleased(self) -> tuple[int, ...]:
+        """After an abort: the operations whose keys may be left (see ``drop_ops``)."""
+        with self._lock:
+            return tuple(sorted(self._open.union(self._recent)))
+
+    def _begin(self, seq: int) -> None:
+        with self._lock:
+            self._open.add(seq)
+            self._recent.append(seq)
+
     def all_gather(self, seq: int, payload: bytes, timeout: float) -> list[Any]:
         keys = [f"obj/{seq}/{r}" for r in range(self._world_size)]
+        self._begin(seq)
         self._publish(keys[self._rank], payload)
         self._wait(keys, list(range(self._world_size)), timeout)
         headers: list[bytes] = []
@@ -119,6 +139,7 @@ class ObjectChannel:
 
     def broadcast(self, seq: int, payload: bytes | None, src: int, timeout: float) -> Any:
         key = f"obj/{seq}/{src}"
+        self._begin(seq)
         if self._rank == src:
             assert payload is not None
             self._publish(key, payload)
@@ -169,7 +190,10 @@ class ObjectChannel:
 
     def _release(self, seq: int, keys: list[str], headers: list[bytes]) -> None:
         """The last rank to have read the operation's keys deletes them all."""
-        if self._store.add(f"obj/{seq}/read", 1) == self._world_size:
+        last = self._store.add(f"obj/{seq}/read", 1) == self._world_size
+        with self._lock:
+            self._open.discard(seq)
+        if last:
             for key, header in zip(keys, headers):
                 if header[:1] == _CHUNKED:
                     for i in range(_chunks(header)):
@@ -184,6 +208,20 @@ class ObjectChannel:
             jobs, self._jobs = self._jobs, None
         if jobs is not None:
             jobs.put(None)
+
+
+def drop_ops(store: Any, seqs: Iterable[int], world_size: int) -> None:
+    """Delete what object collectives ``seqs`` left under ``store`` (their last reader never
+    came: a failure or an abort ended them). Writes nothing and reads nothing: a chunk's
+    header may be gone already, and the chunks of a header are numbered from 0 up."""
+    for seq in seqs:
+        for r in range(world_size):
+            key = f"obj/{seq}/{r}"
+            i = 0
+            while store.delete_key(f"{key}/{i}"):
+                i += 1
+            store.delete_key(key)
+        store.delete_key(f"obj/{seq}/read")
 
 
 def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:

@@ -53,7 +53,7 @@ class Parts:
         self.objects = objects
         self.diag = diag
         self.liveness: Membership | None = None
-        #: ``forget(dead=(), keys=())``: this rank is done with the communicator's store keys
+        #: ``forget(dead=(), keys=(), ops=())``: this rank is done with the communicator's store keys
         #: (the last to be deletes them); run once, by ``close()`` or ``retire()``.
         self._forget = forget
         self._forget_lock = threading.Lock()
@@ -134,7 +134,10 @@ class Parts:
             forget, self._forget = self._forget, None
         liveness = self.liveness
         if forget is not None and (liveness is None or liveness.failure() is None):  # (a store still there)
-            forget(dead, keys)
+            objects = self.objects
+            # After an abort, object collectives may have left keys (a clean close finished them all).
+            ops = objects.unreleased() if objects is not None and self.ledger.error is not None else ()
+            forget(dead, keys, ops)
 
     def collected(self) -> None:
         """The communicator was dropped without ``close()``: stop everything, never block.
