@@ -327,6 +327,29 @@ def test_forgetting_keys_on_a_store_whose_host_is_gone_does_not_fail() -> None:
         client.add("y", 1)
 
 
+def test_forget_waits_for_every_rank_not_proven_dead() -> None:
+    """``rendezvous.forget`` on a 4-rank communicator whose census proved rank 3 dead:
+    the keys stay while rank 1 (left out of a shrink, alive: it may still read them)
+    has not closed, and one rank deletes them, with what object collective 7 left."""
+    from datetime import timedelta
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = dist.PrefixStore("c/", server)
+    for key in ("aborted", "failure", "proc/0", "proc/1", "proc/2", "proc/3", "obj/7/0", "obj/7/0/0", "obj/7/2"):
+        store.set(key, "3" if key == "failure" else "x")
+    dist.PrefixStore("c/gloo/", server).set("0/1", "x")
+    written = server.num_keys()
+
+    def leave(rank: int, ops: tuple[int, ...] = ()) -> None:
+        rendezvous.forget(rendezvous.Rendezvous(server, rank, 4), "c/", ops=ops)
+
+    leave(0, ops=(7,))
+    leave(2)
+    assert server.num_keys() == written + 2  # and the count ("left") and the reported ops ("ops")
+    leave(1)
+    assert server.num_keys() == 0, server.list_keys()
+
+
 async def close_at_once(ctx: RankContext) -> dict[str, Any]:
     # Rank 1 is slow to finish creating (its Gloo group is built, then 1 s more: a rank
     # starved of CPU); rank 0 closes its communicator as soon as init returns. Init
