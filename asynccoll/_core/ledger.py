@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
 from .._base.recorder import FlightRecorder, now, outcome
-from .work import _DONE, _FAILED, _PENDING, BatchWork, Bundle, MemberWork, Wakeups, Work, _TrioWaiter
+from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
 
 Target = Work | Bundle
 
@@ -96,55 +96,6 @@ def abort_errors(error: BaseException) -> Callable[[], CommAborted]:
         return exc
 
     return make_aborted
-
-
-def fail_all(works: Sequence[Work], make: Callable[[], BaseException], wake: Wakeups) -> list[Work]:
-    """Settle each of ``works`` failed with its own ``make()``; returns those this call settled.
-
-    The ledger's abort (the friend of ``work.py``, as ``_settle`` is): the outcome
-    of ``work._settle(_FAILED, make(), wake)`` for each, in fewer steps for the common Work (no batch, callback or blocked thread;
-    at most one waiter, a future of the settling thread's running loop), which an
-    abort meets a thousand times. What those Works let go of (kept tensors, the
-    replaced result) goes to ``wake.later``: dropped once their waiters ran.
-    Any other Work settles through ``_settle``.
-    """
-    settled: list[Work] = []
-    later: list[Any] = []
-    running = wake.running
-    for work in works:
-        exc = make()
-        fut: Any = None
-        with work._lock:
-            if work._state != _PENDING:
-                continue
-            waiters = work._waiters
-            if waiters is not None and len(waiters) == 1:
-                fut = waiters[0]
-            quick = (
-                not work._fans_out and work._callbacks is None and work._event is None
-                and (waiters is None or (fut is not None and type(fut) is not _TrioWaiter and fut.get_loop() is running))
-            )
-            if quick:
-                work._state = _FAILED
-                later.append(work._value)
-                work._value = exc
-                work._waiters = None
-        if not quick:
-            if work._settle(_FAILED, exc, wake):
-                settled.append(work)
-            continue
-        later.append(work._keep)
-        work._keep = None
-        work._poke = None
-        if fut is not None and not fut.done():  # (not done: unless the wait was cancelled)
-            fut.set_exception(exc)
-        settled.append(work)
-    if later:
-        if wake.later is None:
-            wake.later = later
-        else:
-            wake.later.extend(later)
-    return settled
 
 
 class Ledger:
@@ -419,13 +370,17 @@ class Ledger:
         if not works:
             return
         make = abort_errors(error)
+        if wake.later is None:
+            wake.later = []  # kept tensors are freed after the waiters ran (``Wakeups``)
+        seqs = []
+        for work in works:
+            if work._settle(_FAILED, make(), wake):
+                if type(work) is BatchWork:
+                    self._members_failed(work)
+                else:
+                    seqs.append(work.seq)
         state, text = outcome(make())
-        ended, t = self._recorder.ended, now()
-        for work in fail_all(works, make, wake):
-            if type(work) is BatchWork:
-                self._members_failed(work)
-            else:
-                ended(work.seq, state, t, text)
+        self._recorder.ended_all(seqs, state, now(), text)
 
     def _members_failed(self, batch: BatchWork) -> None:
         """Record how each member of a failed batch ended (its own error, from the fan-out)."""
