@@ -230,7 +230,9 @@ class Ledger:
         if self.state is not _OK:
             return  # aborted: its Works already failed; a late "success" is not one
         wake = Wakeups()
-        self._succeed(target, value, wake)
+        done: list[int] = []
+        self._succeed(target, value, wake, done)
+        self._recorder.ended_all(done, "done", now())
         wake.deliver()
 
     def succeed_all(self, targets: Iterable[Target]) -> None:
@@ -238,19 +240,23 @@ class Ledger:
         if self.state is not _OK:
             return
         wake = Wakeups()
+        done: list[int] = []
         for target in targets:
-            self._succeed(target, None, wake)
+            self._succeed(target, None, wake, done)
+        self._recorder.ended_all(done, "done", now())
         wake.deliver()
 
-    def _succeed(self, target: Target, value: Any, wake: Wakeups) -> None:
+    def _succeed(self, target: Target, value: Any, wake: Wakeups, done: list[int]) -> None:
+        """Settle ``target``'s Works; the seqs of those it settled go to ``done`` (recorded
+        by the caller, in one call for a burst)."""
         kind = type(target)
         if kind is Work:
             self.pending.pop(target.seq, None)
             if target._settle(_DONE, value, wake):  # type: ignore[union-attr]
-                self._recorder.ended(target.seq, "done", now())
+                done.append(target.seq)
             return
         if kind is MemberWork:
-            self._members_done(target._batch, 1, wake)  # type: ignore[union-attr]
+            self._members_done(target._batch, 1, wake, done)  # type: ignore[union-attr]
             return
         assert isinstance(target, Bundle)
         if target.finish is not None:
@@ -268,12 +274,12 @@ class Ledger:
             works is batch.members  # a whole coalesced batch, handed on as is
             or all(type(w) is MemberWork and w._batch is batch for w in works)
         ):
-            self._members_done(batch, len(works), wake)  # the common case: one count for all
+            self._members_done(batch, len(works), wake, done)  # the common case: one count for all
             return
         for work in reversed(works):
-            self._succeed(work, None, wake)
+            self._succeed(work, None, wake, done)
 
-    def _members_done(self, batch: BatchWork, n: int, wake: Wakeups) -> None:
+    def _members_done(self, batch: BatchWork, n: int, wake: Wakeups, done: list[int]) -> None:
         """``n`` members of ``batch`` succeeded; the last report settles the batch."""
         with batch._lock:
             batch.remaining -= n
@@ -281,7 +287,7 @@ class Ledger:
         if last:
             self.pending.pop(batch.seq, None)
             if batch._settle(_DONE, None, wake):
-                self._recorder.ended_all([m.seq for m in batch.members], "done", now())
+                done.extend([m.seq for m in batch.members])
 
     def fail(self, target: Target, exc: BaseException) -> None:
         """``target`` failed (any thread): it raises ``exc``; the communicator aborts."""
