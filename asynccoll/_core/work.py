@@ -93,12 +93,9 @@ class Work:
             waiters, self._waiters = self._waiters, None
             callbacks, self._callbacks = self._callbacks, None
             event = self._event
-        later = wake.later
-        if later is not None:  # a burst (an abort): what it lets go of is freed after its waiters ran
-            later.append(self._keep)  # (no tuple: a thousand more objects for the collector)
-            later.append(replaced)
-        self._keep = None
-        self._poke = None
+        if wake.later is not None:  # a burst (an abort): what it lets go of is freed after its waiters ran
+            wake.later.extend((self._keep, replaced))  # (kept flat: no object per Work for the collector)
+        self._keep = self._poke = None
         if event is not None:
             event.set()
         if waiters is not None:
