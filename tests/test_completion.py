@@ -25,6 +25,7 @@ import asynccoll as ac
 from asynccoll._backends.common import Completer
 from asynccoll._base.deadlines import DeadlineService
 from asynccoll._core.ledger import Ledger
+from asynccoll._core.work import _PENDING
 
 
 class Op:
@@ -302,3 +303,27 @@ def test_awaiting_finished_gloo_ops_needs_no_completion_thread() -> None:
     no_thread, got = asyncio.run(main())
     assert got == [float(i) for i in range(20)]
     assert no_thread
+
+
+@pytest.mark.timeout(60)
+def test_ops_nobody_awaits_are_settled_by_later_issues_in_bursts_without_a_thread() -> None:
+    async def main() -> tuple[bool, int, int]:
+        async with _alone(timeout=30) as comm:
+            waiter = comm._cpu_backend._waiter  # type: ignore[attr-defined]
+            works = []
+            for i in range(200):
+                works.append(comm.all_reduce(torch.full((2,), float(i))))
+                deadline = time.monotonic() + 10
+                while waiter._fifo and time.monotonic() < deadline:  # the op finishes (Gloo's view:
+                    if waiter._fifo[-1][0].is_completed():  # nothing of ours is asked or settled)
+                        break
+                    time.sleep(0.0002)
+            open_now = sum(w._state == _PENDING for w in works)  # (done() would settle them)
+            no_thread = waiter.thread is None
+            await asyncio.gather(*works)
+            return no_thread, open_now, len(waiter._fifo)
+
+    no_thread, open_now, left = asyncio.run(main())
+    assert no_thread  # never the backlog's ring: issuing kept the queue short
+    assert 0 < open_now <= 16  # every 16th issue settles, in one burst, what finished before it
+    assert left == 0

@@ -198,17 +198,19 @@ class Completer:
         if join_timeout and thread is not None and thread is not threading.current_thread():
             thread.join(join_timeout)
 
-    def _take(self) -> list[Any] | None:
-        """Pop the head op if it has finished (None: empty, or the head still runs)."""
-        fifo = self._fifo
+    def _take(self) -> list[list[Any]]:
+        """Pop the finished ops at the head, at most ``batch`` (none: empty, the head
+        still runs, or a failure is waiting to be reported)."""
+        fifo, is_done = self._fifo, self._is_done
+        items: list[list[Any]] = []
         with self._claim:
-            if not fifo or self._failed:
-                return None
-            item = fifo[0]
-            if not self._is_done(item[0]):
-                return None
-            fifo.popleft()
-        return item
+            if self._failed:
+                return items
+            while fifo and is_done(fifo[0][0]):
+                items.append(fifo.popleft())
+                if len(items) == self.batch:
+                    break
+        return items
 
     def _finish(self, item: list[Any]) -> BaseException | None:
         """Collect a popped op's outcome (its wait returns at once): None on success."""
@@ -221,25 +223,24 @@ class Completer:
         return None
 
     def _reap(self) -> None:
-        """Settle, on the calling thread, the finished ops at the head of the FIFO."""
-        ready: list[Target] = []
+        """Settle, on the calling thread, the finished ops at the head of the FIFO.
+
+        A failure goes to the thread (after the successes before it); the ops popped
+        after it are dropped: the abort it causes fails their Works."""
         while not self._stopped:
-            item = self._take()
-            if item is None:
-                break
-            error = self._finish(item)
-            if error is not None:
-                self._failed.append((item[1], error))  # the thread reports it, after ``ready``
-                if ready:
-                    self._sink().succeed_all(ready)
-                    ready = []
-                self._ring(True)
-                break
-            ready.append(item[1])
-            if len(ready) >= self.batch:
-                self._sink().succeed_all(ready)
-                ready = []
-        if ready:
+            items = self._take()
+            if not items:
+                return
+            ready: list[Target] = []
+            for item in items:
+                error = self._finish(item)
+                if error is not None:
+                    self._failed.append((item[1], error))  # the thread reports it, after ``ready``
+                    if ready:
+                        self._sink().succeed_all(ready)
+                    self._ring(True)
+                    return
+                ready.append(item[1])
             self._sink().succeed_all(ready)
 
     def _run(self) -> None:

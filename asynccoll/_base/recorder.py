@@ -27,7 +27,7 @@ DEFAULT_CAPACITY = 4096
 #: The recorder's clock: wall time, so that the ranks' records line up in one timeline.
 now = time.time
 
-# Record layout (a list, mutated once by ``ended``).
+# Record layout (a list, mutated once by ``ended``: _STATE, _T1, _ERROR as one slice).
 _SEQ, _OP, _DTYPE, _SHAPE, _PEER, _REDUCE, _BATCH, _T0, _STATE, _T1, _ERROR, _CSEQ = range(12)
 _P2P = ("send", "recv")
 _SCATTER = OpKind.SCATTER
@@ -150,18 +150,15 @@ class FlightRecorder:
         The first outcome recorded stays."""
         rec = self._open.pop(seq, None)
         if rec is not None:
-            rec[_STATE] = state
-            rec[_T1] = t
-            rec[_ERROR] = error
+            rec[_STATE:_CSEQ] = state, t, error
 
-    def ended_all(self, seqs: Iterable[int], state: str, t: float) -> None:
-        """:meth:`ended` for each of ``seqs`` (a coalesced batch's members), error-free."""
-        pop = self._open.pop
+    def ended_all(self, seqs: Iterable[int], state: str, t: float, error: str | None = None) -> None:
+        """:meth:`ended` for each of ``seqs`` (a coalesced batch's members, the Works an abort failed)."""
+        pop, end = self._open.pop, (state, t, error)
         for seq in seqs:
             rec = pop(seq, None)
             if rec is not None:
-                rec[_STATE] = state
-                rec[_T1] = t
+                rec[_STATE:_CSEQ] = end
 
     def failed(self, seq: int, error: BaseException, t: float) -> None:
         """Record that op ``seq`` failed with ``error`` (its state read from the error's type)."""

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
 from .._base.recorder import FlightRecorder, now, outcome
-from .work import _DONE, _FAILED, _PENDING, BatchWork, Bundle, MemberWork, Wakeups, Work, _TrioWaiter
+from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
 
 Target = Work | Bundle
 
@@ -96,55 +96,6 @@ def abort_errors(error: BaseException) -> Callable[[], CommAborted]:
         return exc
 
     return make_aborted
-
-
-def fail_all(works: Sequence[Work], make: Callable[[], BaseException], wake: Wakeups) -> list[Work]:
-    """Settle each of ``works`` failed with its own ``make()``; returns those this call settled.
-
-    The ledger's abort (the friend of ``work.py``, as ``_settle`` is): the outcome
-    of ``work._settle(_FAILED, make(), wake)`` for each, in fewer steps for the common Work (no batch, callback or blocked thread;
-    at most one waiter, a future of the settling thread's running loop), which an
-    abort meets a thousand times. What those Works let go of (kept tensors, the
-    replaced result) goes to ``wake.later``: dropped once their waiters ran.
-    Any other Work settles through ``_settle``.
-    """
-    settled: list[Work] = []
-    later: list[Any] = []
-    running = wake.running
-    for work in works:
-        exc = make()
-        fut: Any = None
-        with work._lock:
-            if work._state != _PENDING:
-                continue
-            waiters = work._waiters
-            if waiters is not None and len(waiters) == 1:
-                fut = waiters[0]
-            quick = (
-                not work._fans_out and work._callbacks is None and work._event is None
-                and (waiters is None or (fut is not None and type(fut) is not _TrioWaiter and fut.get_loop() is running))
-            )
-            if quick:
-                work._state = _FAILED
-                later.append(work._value)
-                work._value = exc
-                work._waiters = None
-        if not quick:
-            if work._settle(_FAILED, exc, wake):
-                settled.append(work)
-            continue
-        later.append(work._keep)
-        work._keep = None
-        work._poke = None
-        if fut is not None and not fut.done():  # (not done: unless the wait was cancelled)
-            fut.set_exception(exc)
-        settled.append(work)
-    if later:
-        if wake.later is None:
-            wake.later = later
-        else:
-            wake.later.extend(later)
-    return settled
 
 
 class Ledger:
@@ -279,7 +230,9 @@ class Ledger:
         if self.state is not _OK:
             return  # aborted: its Works already failed; a late "success" is not one
         wake = Wakeups()
-        self._succeed(target, value, wake)
+        done: list[int] = []
+        self._succeed(target, value, wake, done)
+        self._recorder.ended_all(done, "done", now())
         wake.deliver()
 
     def succeed_all(self, targets: Iterable[Target]) -> None:
@@ -287,19 +240,23 @@ class Ledger:
         if self.state is not _OK:
             return
         wake = Wakeups()
+        done: list[int] = []
         for target in targets:
-            self._succeed(target, None, wake)
+            self._succeed(target, None, wake, done)
+        self._recorder.ended_all(done, "done", now())
         wake.deliver()
 
-    def _succeed(self, target: Target, value: Any, wake: Wakeups) -> None:
+    def _succeed(self, target: Target, value: Any, wake: Wakeups, done: list[int]) -> None:
+        """Settle ``target``'s Works; the seqs of those it settled go to ``done`` (recorded
+        by the caller, in one call for a burst)."""
         kind = type(target)
         if kind is Work:
             self.pending.pop(target.seq, None)
             if target._settle(_DONE, value, wake):  # type: ignore[union-attr]
-                self._recorder.ended(target.seq, "done", now())
+                done.append(target.seq)
             return
         if kind is MemberWork:
-            self._members_done(target._batch, 1, wake)  # type: ignore[union-attr]
+            self._members_done(target._batch, 1, wake, done)  # type: ignore[union-attr]
             return
         assert isinstance(target, Bundle)
         if target.finish is not None:
@@ -317,12 +274,12 @@ class Ledger:
             works is batch.members  # a whole coalesced batch, handed on as is
             or all(type(w) is MemberWork and w._batch is batch for w in works)
         ):
-            self._members_done(batch, len(works), wake)  # the common case: one count for all
+            self._members_done(batch, len(works), wake, done)  # the common case: one count for all
             return
         for work in reversed(works):
-            self._succeed(work, None, wake)
+            self._succeed(work, None, wake, done)
 
-    def _members_done(self, batch: BatchWork, n: int, wake: Wakeups) -> None:
+    def _members_done(self, batch: BatchWork, n: int, wake: Wakeups, done: list[int]) -> None:
         """``n`` members of ``batch`` succeeded; the last report settles the batch."""
         with batch._lock:
             batch.remaining -= n
@@ -330,7 +287,7 @@ class Ledger:
         if last:
             self.pending.pop(batch.seq, None)
             if batch._settle(_DONE, None, wake):
-                self._recorder.ended_all([m.seq for m in batch.members], "done", now())
+                done.extend([m.seq for m in batch.members])
 
     def fail(self, target: Target, exc: BaseException) -> None:
         """``target`` failed (any thread): it raises ``exc``; the communicator aborts."""
@@ -419,13 +376,17 @@ class Ledger:
         if not works:
             return
         make = abort_errors(error)
+        if wake.later is None:
+            wake.later = []  # kept tensors are freed after the waiters ran (``Wakeups``)
+        seqs = []
+        for work in works:
+            if work._settle(_FAILED, make(), wake):
+                if type(work) is BatchWork:
+                    self._members_failed(work)
+                else:
+                    seqs.append(work.seq)
         state, text = outcome(make())
-        ended, t = self._recorder.ended, now()
-        for work in fail_all(works, make, wake):
-            if type(work) is BatchWork:
-                self._members_failed(work)
-            else:
-                ended(work.seq, state, t, text)
+        self._recorder.ended_all(seqs, state, now(), text)
 
     def _members_failed(self, batch: BatchWork) -> None:
         """Record how each member of a failed batch ended (its own error, from the fan-out)."""

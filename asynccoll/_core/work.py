@@ -62,14 +62,11 @@ class Work:
         self.op = op
         self.seq = seq
         self._state = _PENDING
-        # The result on success (known at issue time for in-place ops), the
-        # exception on failure.
-        self._value = value
+        self._value = value  # the result (known at issue for in-place ops), or the exception
         # Tensors that must outlive the operation (allocator safety, §3).
         self._keep = keep
         self._lock = threading.Lock()
-        # Futures of awaiting tasks, on any loop.
-        self._waiters: list[Any] | None = None  # asyncio futures and _TrioWaiter s
+        self._waiters: list[Any] | None = None  # of awaiting tasks, any loop: asyncio futures, _TrioWaiter s
         self._callbacks: list[tuple[asyncio.AbstractEventLoop | None, Callable[[Work], Any]]] | None = None
         self._event: threading.Event | None = None
         # Set by device backends: makes a stream wait for the op (``wait_stream``).
@@ -79,7 +76,8 @@ class Work:
 
     # ------------------------------------------------------------------ settle
     def _settle(self, state: int, value: Any, wake: Wakeups) -> bool:
-        """Mark the outcome (any thread; only the ledger calls this). Waiters go to ``wake``.
+        """Mark the outcome (any thread; only the ledger calls this). Waiters go to
+        ``wake``, and what the Work lets go of to ``wake.later`` if it is collecting.
 
         Returns False if the Work was already settled.
         """
@@ -89,13 +87,15 @@ class Work:
             if self._fans_out:  # a batch: its members first, before anyone is woken
                 self._fan_out(state, value)
             self._state = state
+            replaced = self._value
             if state == _FAILED or value is not None:
                 self._value = value
             waiters, self._waiters = self._waiters, None
             callbacks, self._callbacks = self._callbacks, None
             event = self._event
-        self._keep = None
-        self._poke = None
+        if wake.later is not None:  # a burst (an abort): what it lets go of is freed after its waiters ran
+            wake.later.extend((self._keep, replaced))  # (kept flat: no object per Work for the collector)
+        self._keep = self._poke = None
         if event is not None:
             event.set()
         if waiters is not None:
