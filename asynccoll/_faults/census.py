@@ -16,6 +16,8 @@ from . import procs
 
 #: Keys read per request (bounded replies).
 _BATCH = 512
+#: How many ranks each rank watches with heartbeat detection.
+WATCH = 3
 
 
 def encode_ranks(ranks: Any) -> str:
@@ -29,6 +31,17 @@ def decode_ranks(raw: bytes | str) -> tuple[int, ...]:
     if text in ("", "none"):
         return ()
     return tuple(sorted({int(x) for x in text.split(",")}))
+
+
+def watched(rank: int, world_size: int) -> list[int]:
+    """The ranks ``rank`` watches: its successor and two more a third of the ring apart
+    (a block of consecutive ranks that dies together, one node, is still watched)."""
+    out: list[int] = []
+    for offset in (1, 1 + world_size // 3, 1 + (2 * world_size) // 3):
+        r = (rank + offset) % world_size
+        if r != rank and r not in out:
+            out.append(r)
+    return out[:WATCH]
 
 
 class Roster:

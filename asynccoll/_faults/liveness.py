@@ -15,7 +15,7 @@ communicators). What it is for:
   ``shrink()`` can build on them without another agreement round.
 * **detection** (``detect=True``; the default for NCCL, which hangs on a dead
   peer instead of failing) — each rank beats a counter ``hb/<rank>`` and watches
-  a few other ranks' counters (``watched``: at most ``WATCH``, spread over the
+  a few other ranks' counters (``census.watched``: at most ``WATCH``, spread over the
   ring), so a beat costs every rank two store requests whatever the world size.
   A watched rank whose counter has not moved for ``misses`` of the watcher's own
   beats (and for ``misses`` x ``interval``), that has not said goodbye, and
@@ -47,11 +47,9 @@ from typing import Any, Callable
 from .._base import shutdown
 from .._base.errors import CommAborted, PeerFailure
 from . import procs
-from .census import Roster, decode_ranks, encode_ranks
+from .census import Roster, decode_ranks, encode_ranks, watched
 from .service import Service, StoreHost, root_of
 
-#: How many ranks each rank watches with heartbeat detection.
-WATCH = 3
 _COUNT = itertools.count(1)
 #: How often a blocked object collective knocks on silent peers elsewhere.
 _KNOCK_EVERY = 0.25
@@ -61,21 +59,8 @@ _KNOCK_EVERY = 0.25
 _FALLBACK_EVERY = 2.0
 #: The host rank writes ``host`` as it starts; after this the others stop looking.
 _HOST_KNOWN_AFTER = 5.0
-#: How long ``goodbye`` waits for a beat in flight to end.
-_QUIESCE_WITHIN = 5.0
 #: Store errors: torch raises DistError subclasses (or RuntimeError) for a broken store.
 _STORE_ERRORS = (RuntimeError, ValueError)
-
-
-def watched(rank: int, world_size: int) -> list[int]:
-    """The ranks ``rank`` watches: its successor and two more a third of the ring apart
-    (a block of consecutive ranks that dies together, one node, is still watched)."""
-    out: list[int] = []
-    for offset in (1, 1 + world_size // 3, 1 + (2 * world_size) // 3):
-        r = (rank + offset) % world_size
-        if r != rank and r not in out:
-            out.append(r)
-    return out[:WATCH]
 
 
 class Liveness:
@@ -165,12 +150,9 @@ class Liveness:
         self._keep()
 
     def goodbye(self) -> None:
-        """``close()``: say goodbye now (blocking, bounded), then leave the service.
-
-        Abort news not sent yet goes out first, from this thread. Once this returns,
-        this member makes no more store requests (a beat in flight has ended; later
-        ones see the goodbye): ``forget`` may delete the keys. Said once: again (the
-        ``close()`` of a communicator that ``shrink()`` retired) writes nothing.
+        """``close()``: say goodbye now (blocking, bounded) and leave the service; abort news
+        not out yet goes first. After it this member makes no store request (a beat in flight
+        has ended, the next ones see the goodbye): ``forget`` may delete the keys. Said once.
         """
         with self._lock:
             self._closed = True
@@ -188,7 +170,7 @@ class Liveness:
         self._keep()
         svc = self._service
         if svc is not None:
-            svc.quiesce(_QUIESCE_WITHIN)
+            svc.quiesce(5.0)  # a beat in flight: a few store requests
 
     def hold(self) -> None:
         """Keep this process's service (its pulse, which the peers' census knocks on) up, even
