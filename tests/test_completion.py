@@ -327,3 +327,39 @@ def test_ops_nobody_awaits_are_settled_by_later_issues_in_bursts_without_a_threa
     assert no_thread  # never the backlog's ring: issuing kept the queue short
     assert 0 < open_now <= 16  # every 16th issue settles, in one burst, what finished before it
     assert left == 0
+
+
+@pytest.mark.timeout(30)
+def test_the_completion_thread_drops_an_op_only_after_reporting_it() -> None:
+    # The backend's op (a torch Work) dies where its last reference goes; its destructor
+    # took about 5 us of the completion thread's time before the wake-up when it went first.
+    settled_at_drop: list[bool] = []
+    ledger = Ledger(0, deadlines=DeadlineService(), on_abort=lambda _e: None)
+    sink = Sink(ledger)
+    completer = Completer(
+        "test-completer", lambda: sink, _wait, _is_done,  # type: ignore[arg-type, return-value]
+        lambda exc, _t: ac.CommAborted(f"failed: {exc}"),
+    )
+    with ledger.lock:
+        work = ledger.reserve("all_reduce", 7)
+
+    class Dying(Op):
+        def __del__(self) -> None:
+            settled_at_drop.append(work._state != _PENDING)
+
+    op = Dying()
+    completer.watch(op, work, None)
+    finished = op.finished
+    del op  # only the completer holds the op now
+
+    async def main() -> Any:
+        asyncio.get_running_loop().call_later(0.05, finished.set)
+        return await work
+
+    assert asyncio.run(main()) == 7
+    assert completer.thread is not None and sink.succeeded == [(1, completer.thread.name)]
+    deadline = time.monotonic() + 5
+    while not settled_at_drop and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert settled_at_drop == [True]
+    completer.stop(join_timeout=5)

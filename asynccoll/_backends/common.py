@@ -312,11 +312,12 @@ class Completer:
                 if len(ready) >= self.batch:
                     sink().succeed_all(ready)
                     ready = []
-            del item
         if ready:
             sink().succeed_all(ready)
         if not fifo:
             self._limit = self.backlog
+        # The last op's torch Work dies here, after its waiters were woken (its destructor
+        # took about 5 us before the wake-up); none outlives this call (see ``_run``).
 
     def _rung_meanwhile(self) -> bool:
         """Consume rings that came while draining; True if one asked to wait."""
