@@ -227,22 +227,18 @@ class Ledger:
 
     def succeed(self, target: Target, value: Any = None) -> None:
         """``target`` completed (any thread)."""
+        self.succeed_all((target,), value)
+
+    def succeed_all(self, targets: Iterable[Target], value: Any = None) -> None:
+        """Several targets completed: their waiters are woken once per loop. ``value``:
+        their result where it is known only now (an object collective's); None keeps
+        the one known at issue (an in-place op's tensor)."""
         if self.state is not _OK:
             return  # aborted: its Works already failed; a late "success" is not one
         wake = Wakeups()
         done: list[int] = []
-        self._succeed(target, value, wake, done)
-        self._recorder.ended_all(done, "done", now())
-        wake.deliver()
-
-    def succeed_all(self, targets: Iterable[Target]) -> None:
-        """Several targets completed: their waiters are woken once per loop."""
-        if self.state is not _OK:
-            return
-        wake = Wakeups()
-        done: list[int] = []
         for target in targets:
-            self._succeed(target, None, wake, done)
+            self._succeed(target, value, wake, done)
         self._recorder.ended_all(done, "done", now())
         wake.deliver()
 
