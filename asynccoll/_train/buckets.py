@@ -61,6 +61,24 @@ def assign(
     return [members for _, members in done]
 
 
+def storages(buckets: Sequence[Sequence[int]], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each bucket's buffer (``len`` of its members + one flag each), carved out of ONE
+    zeroed storage per (dtype, device): one allocation for all the buckets of a kind."""
+    sizes = [sum(params[i].numel() for i in members) + len(members) for members in buckets]
+    totals: dict[tuple[torch.dtype, torch.device], int] = {}
+    for members, size in zip(buckets, sizes):
+        key = (params[members[0]].dtype, params[members[0]].device)
+        totals[key] = totals.get(key, 0) + size
+    flat = {key: torch.zeros(total, dtype=key[0], device=key[1]) for key, total in totals.items()}
+    offsets = dict.fromkeys(totals, 0)
+    out = []
+    for members, size in zip(buckets, sizes):
+        key = (params[members[0]].dtype, params[members[0]].device)
+        out.append(flat[key][offsets[key]:offsets[key] + size])
+        offsets[key] += size
+    return out
+
+
 class Bucket:
     """The flat buffer of one bucket and the views of its parameters' gradients."""
 
@@ -70,14 +88,14 @@ class Bucket:
     )
 
     def __init__(
-        self, index: int, members: Sequence[int], params: Sequence[torch.Tensor], grad_views: bool
+        self, index: int, members: Sequence[int], params: Sequence[torch.Tensor], grad_views: bool,
+        buffer: torch.Tensor,
     ) -> None:
         self.index = index
         self.members = list(members)  # parameter indices, in buffer order
         self.params = [params[i] for i in members]
-        first = self.params[0]
         self.numel = sum(p.numel() for p in self.params)
-        self.buffer = torch.zeros(self.numel + len(self.params), dtype=first.dtype, device=first.device)
+        self.buffer = buffer  # zeros, numel + one flag per member (``storages``)
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in self.params:
