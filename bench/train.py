@@ -18,7 +18,11 @@ weights, same batches everywhere):
   sizes (each row's ``buckets_as_vs`` says whether the sizes really agree);
 * ``naive``: ``loss.backward()`` then every ``p.grad`` all-reduced (AVG) in one
   ``comm.coalescing()`` block, as a new user would write it;
-* ``local``: no communication at all (the floor of any synchronised step).
+* ``local``: no communication at all (the floor of any synchronised step);
+* ``flat``: the step of ``local`` plus ONE blocking torch ``all_reduce`` of a flat
+  buffer as large as all the gradients (nothing copied into it, nothing overlapped
+  with backward): the same compute and the same bytes reduced, done one after the
+  other. Its parameters are not synchronised (like ``local``).
 
 A step is forward, backward, gradient sync, ``SGD(momentum=0.9).step()`` and
 ``zero_grad()``. Variants run in blocks of ``--steps`` steps, one variant's
@@ -142,6 +146,13 @@ class _Variant:
                 first_bucket_mb=mb if mb is not None else first_bucket_mb,
             )
         self.params = list(self.model.parameters())
+        self.flat = torch.zeros(sum(p.numel() for p in self.params)) if self.kind == "flat" else None
+        if self.kind in ("local", "flat"):
+            # A block as large as the gradients, freed: what DDP's and GradSync's bucket
+            # rebuild frees after their first step, and what keeps glibc from handing the
+            # step's gradients back to the kernel each step (``_Team``). Without it the
+            # floors paged 4 MiB of gradients in again every step (992 faults).
+            torch.ones(sum(p.numel() for p in self.params))
         self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9)
         self.times: list[float] = []
         self.cpu: list[float] = []  # this process's CPU time per step, every thread
@@ -178,6 +189,8 @@ class _Variant:
             return
         if self.sync is not None:
             await self.sync.wait()
+        elif self.flat is not None:
+            torch.distributed.all_reduce(self.flat)
         elif self.name == "naive":
             async with self.comm.coalescing():
                 for p in self.params:
@@ -276,7 +289,8 @@ class _Team:
     whole milliseconds of a step. DDP frees its construction-time bucket (24 MiB for
     6 x Linear(1024)) when it rebuilds its buckets, which raises glibc's mmap and
     trim thresholds for the whole process; every variant in the same process then
-    stopped paging its gradients in each step, DDP's neighbours included.
+    stopped paging its gradients in each step, DDP's neighbours included. (GradSync
+    now frees its first bucket storage after its first step too.)
     """
 
     def __init__(self, ctx: Any, name: str, args: argparse.Namespace, world_size: int) -> None:
@@ -336,7 +350,7 @@ def _bench_model(teams: list[_Team], model: str, args: argparse.Namespace) -> di
             team.ask("block")
     got = {team.name: team.ask("result") for team in teams}
     # Same data, same number of steps: every synchronising variant ends with the same parameters.
-    synced = [n for n in got if _kind(n)[0] != "local"]
+    synced = [n for n in got if _kind(n)[0] not in ("local", "flat")]
     worst = 0.0
     for n in synced[1:]:
         for a, b in zip(got[n]["params"], got[synced[0]]["params"]):
@@ -455,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["mlp", "small"])
     ap.add_argument("--variants", nargs="+", default=["ddp", "gradsync", "ddp_thread", "gradsync_thread", "local"],
-                    help="ddp, gradsync, gradsync_opt (wait(opt)), naive, local; _thread: backward in a thread; "
+                    help="ddp, gradsync, gradsync_opt (wait(opt)), naive, local, flat; _thread: backward in a thread; "
                     "@MB: bucket size (ddp@4 gradsync@4)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--first-bucket-mb", type=float, default=1.0)
@@ -466,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if "ddp" not in args.variants:
         ap.error("--variants must include ddp (the reference)")
-    bad = [v for v in args.variants if _kind(v)[0] not in ("ddp", "gradsync", "gradsync_opt", "naive", "local")]
+    bad = [v for v in args.variants if _kind(v)[0] not in ("ddp", "gradsync", "gradsync_opt", "naive", "local", "flat")]
     if bad:
         ap.error(f"unknown variants: {bad}")
     if args.quick:
