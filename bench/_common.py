@@ -14,12 +14,12 @@ import asyncio
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 #: Above this 1-minute load average a figure is not a verdict (issue 20).
@@ -36,10 +36,18 @@ def quiet(*snapshots: dict[str, Any]) -> bool:
     return all(s["loadavg"][0] <= QUIET_LOAD for s in snapshots)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def store_server(timeout: float = 120.0) -> Any:
+    """A TCPStore server on a port the OS picks; the ranks join it as clients (``.port``).
+
+    Keep it referenced until the ranks are done. Picking a free port first and letting
+    rank 0 bind it later raced with every other socket on the machine: the bench smoke
+    test (five benches side by side, ~30 processes) failed about one run in eight when a
+    rank connected to a port something else had taken meanwhile ("Connection reset by
+    peer").
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
 
 def pct(values: Sequence[float], q: float) -> float:

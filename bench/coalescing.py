@@ -43,7 +43,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import QUIET_LOAD, free_port, machine, progress, quiet, spawn
+from bench._common import QUIET_LOAD, machine, progress, quiet, spawn, store_server
 
 MODES = ("separate", "pipelined", "coalesced", "flattened", "by_hand", "torch_cm", "torch_sep")
 
@@ -55,7 +55,7 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
     import asynccoll as ac
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, ws, rank == 0, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     comm = await ac.init("gloo", rank=rank, world_size=ws, store=dist.PrefixStore("ac/", store), timeout=60)
     dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=ws)
 
@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ws = 2
     before = machine()
-    results = spawn(_rank, (ws, free_port(), args), ws, limit=900.0)
+    server = store_server()
+    results = spawn(_rank, (ws, server.port, args), ws, limit=900.0)
+    del server
 
     samples, cpu = results[0]["wall"], results[0]["cpu"]
     table = {}

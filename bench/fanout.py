@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench._common import free_port, machine, median, pct, run_loop, spawn
+from bench._common import machine, median, pct, run_loop, spawn, store_server
 
 
 async def _ours(comm: Any, waiters: int) -> tuple[float, float]:
@@ -88,7 +88,7 @@ def _rank(rank: int, port: int, waiters: int, reps: int, loop: str) -> dict[str,
         import asynccoll as ac
 
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         rows: dict[str, list[tuple[float, float]]] = {"asynccoll": [], "floor": []}
         for rep in range(reps + 1):  # rep 0: warm-up
             comm = await ac.init("gloo", rank=rank, world_size=2, store=dist.PrefixStore(f"r{rep}/", store))
@@ -110,7 +110,9 @@ def _rank(rank: int, port: int, waiters: int, reps: int, loop: str) -> dict[str,
 
 def measure(waiters: int, reps: int, loop: str) -> dict[str, Any]:
     before = machine()
-    raw = spawn(_rank, (free_port(), waiters, reps, loop), 2)[0]
+    server = store_server()
+    raw = spawn(_rank, (server.port, waiters, reps, loop), 2)[0]
+    del server
     out: dict[str, Any] = {"waiters": waiters, "reps": reps, "loop": loop, "machine": before}
     for m, v in raw.items():
         out[m] = {

@@ -47,7 +47,6 @@ from typing import Any
 
 from bench._common import (
     FloorBridge,
-    free_port,
     machine,
     median,
     orders,
@@ -55,6 +54,7 @@ from bench._common import (
     progress,
     run_loop,
     spawn,
+    store_server,
 )
 
 ns = time.perf_counter_ns
@@ -420,7 +420,7 @@ def _rank(
         import asynccoll as ac
 
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
         if groups == "shared":  # every variant on the default group's one Gloo backend
             gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
@@ -493,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     n_issue, n_tl = (3, 60) if args.smoke else ((7, 500) if args.quick else (15, 3000))
     before = machine()
-    results = spawn(_rank, (2, free_port(), args.loop, n_issue, n_tl, args.groups), 2)
+    server = store_server()
+    results = spawn(_rank, (2, server.port, args.loop, n_issue, n_tl, args.groups), 2)
+    del server
     res = {"loop": args.loop, "groups": args.groups, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "machine": before, "machine_after": machine(), **results[0]}
     print(tables(res))

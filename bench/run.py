@@ -44,7 +44,6 @@ from typing import Any
 from bench._common import (
     FloorBridge,
     Runtime,
-    free_port,
     machine,
     median,
     orders,
@@ -52,6 +51,7 @@ from bench._common import (
     progress,
     run_loop,
     spawn,
+    store_server,
 )
 
 SMALL = [8, 64, 512, 4096, 32768]
@@ -337,7 +337,7 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
         import asynccoll as ac
 
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
         rt = Runtime(loop)
         if cfg.groups == "shared":  # one Gloo group under all three modes
@@ -374,7 +374,9 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
 def run(cfg: Config, loop: str = "asyncio", world_size: int = 2) -> dict[str, Any]:
     """Spawn the ranks, run the benchmark, return rank 0's results."""
     before = machine()
-    results = spawn(_rank, (world_size, free_port(), cfg, loop), world_size)
+    server = store_server()
+    results = spawn(_rank, (world_size, server.port, cfg, loop), world_size)
+    del server
     return {
         "loop": loop, "world_size": world_size, "cpus": os.cpu_count(), "machine": before, "machine_after": machine(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": cfg.as_dict(), **results[0],

@@ -56,7 +56,6 @@ import json
 import multiprocessing as mp
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -67,16 +66,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine
+from bench._common import machine, store_server
 
 MODELS = {"mlp": (6, 1024), "small": (100, 128)}
 BATCH = 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(layers: int, width: int) -> Any:
@@ -212,7 +205,7 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
     loop.set_default_executor(
         concurrent.futures.ThreadPoolExecutor(2, initializer=torch.set_num_threads, initargs=(args.threads,))
     )
-    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
     comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
     listener = concurrent.futures.ThreadPoolExecutor(1)  # the driver's pipe, read off the loop
@@ -260,7 +253,7 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
         listener.shutdown(wait=False)
         await comm.close()
         dist.destroy_process_group()
-    # Closed; rank 0 serves the store, so it stays until every rank has closed.
+    # Closed; every rank exits on the driver's word, once all have closed.
     conn.send(("ok", None))
     if conn.poll(60):
         conn.recv()
@@ -295,7 +288,8 @@ class _Team:
 
     def __init__(self, ctx: Any, name: str, args: argparse.Namespace, world_size: int) -> None:
         self.name = name
-        port = _free_port()
+        self.server = store_server()  # this variant's store, for its ranks only
+        port = self.server.port
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         for r in range(world_size):
@@ -326,7 +320,7 @@ class _Team:
         return self.collect()
 
     def close(self) -> None:
-        """Every rank closes its communicator, then all exit (rank 0 last serves the store)."""
+        """Every rank closes its communicator, then all exit; then the store goes."""
         try:
             self.ask("exit")
             self.send("bye")
@@ -336,6 +330,7 @@ class _Team:
             p.join(30)
             if p.is_alive():
                 p.kill()
+        self.server = None
 
 
 def _bench_model(teams: list[_Team], model: str, args: argparse.Namespace) -> dict[str, Any]:
