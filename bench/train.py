@@ -141,10 +141,11 @@ class _Variant:
         self.params = list(self.model.parameters())
         self.flat = torch.zeros(sum(p.numel() for p in self.params)) if self.kind == "flat" else None
         if self.kind in ("local", "flat"):
-            # A block as large as the gradients, freed: what DDP's and GradSync's bucket
-            # rebuild frees after their first step, and what keeps glibc from handing the
-            # step's gradients back to the kernel each step (``_Team``). Without it the
-            # floors paged 4 MiB of gradients in again every step (992 faults).
+            # A block as large as the gradients, freed: what DDP's bucket rebuild frees
+            # after its first step (GradSync frees one when it builds its buckets), and
+            # what keeps glibc from handing the step's gradients back to the kernel each
+            # step (``_Team``). Without it the floors paged 4 MiB of gradients in again
+            # every step (992 faults).
             torch.ones(sum(p.numel() for p in self.params))
         self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9)
         self.times: list[float] = []
@@ -283,7 +284,7 @@ class _Team:
     6 x Linear(1024)) when it rebuilds its buckets, which raises glibc's mmap and
     trim thresholds for the whole process; every variant in the same process then
     stopped paging its gradients in each step, DDP's neighbours included. (GradSync
-    now frees its first bucket storage after its first step too.)
+    frees one block of its buckets' size before allocating them, to the same end.)
     """
 
     def __init__(self, ctx: Any, name: str, args: argparse.Namespace, world_size: int) -> None:

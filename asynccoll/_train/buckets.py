@@ -64,10 +64,10 @@ def assign(
 def storages(buckets: Sequence[Sequence[int]], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each bucket's buffer (``len`` of its members + one flag each), carved out of ONE
     zeroed storage per (dtype, device): one allocation for all the buckets of a kind."""
+    keys = [(params[members[0]].dtype, params[members[0]].device) for members in buckets]
     sizes = [sum(params[i].numel() for i in members) + len(members) for members in buckets]
     totals: dict[tuple[torch.dtype, torch.device], int] = {}
-    for members, size in zip(buckets, sizes):
-        key = (params[members[0]].dtype, params[members[0]].device)
+    for key, size in zip(keys, sizes):
         totals[key] = totals.get(key, 0) + size
     for (dtype, device), total in totals.items():
         if device.type == "cpu":
@@ -82,8 +82,7 @@ def storages(buckets: Sequence[Sequence[int]], params: Sequence[torch.Tensor]) -
     flat = {key: torch.zeros(total, dtype=key[0], device=key[1]) for key, total in totals.items()}
     offsets = dict.fromkeys(totals, 0)
     out = []
-    for members, size in zip(buckets, sizes):
-        key = (params[members[0]].dtype, params[members[0]].device)
+    for key, size in zip(keys, sizes):
         out.append(flat[key][offsets[key]:offsets[key] + size])
         offsets[key] += size
     return out
