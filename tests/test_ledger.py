@@ -308,7 +308,7 @@ def test_abort_fails_every_kind_of_waiting_as_settling_each_work_would() -> None
         called: list[ac.Work] = []
         callback.add_done_callback(called.append)
         deadline = time.monotonic() + 5.0
-        while (other_loop._waiters is None or blocked._event is None) and time.monotonic() < deadline:
+        while (other_loop._waiters is None or blocked._waiters is None) and time.monotonic() < deadline:
             await asyncio.sleep(0.001)  # the other thread's waiter and the blocked wait() are in
         await asyncio.sleep(0)
         tasks[3].cancel()

@@ -154,9 +154,8 @@ class FlightRecorder:
 
     def ended_all(self, seqs: Iterable[int], state: str, t: float, error: str | None = None) -> None:
         """:meth:`ended` for each of ``seqs`` (a coalesced batch's members, the Works an abort failed)."""
-        pop, end = self._open.pop, (state, t, error)
-        for seq in seqs:
-            rec = pop(seq, None)
+        end = (state, t, error)
+        for rec in map(self._open.pop, seqs, itertools.repeat(None)):
             if rec is not None:
                 rec[_STATE:_CSEQ] = end
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import functools
+import operator
 import threading
 from typing import Any, Callable, Iterable, Sequence
 
@@ -37,6 +39,8 @@ from .._base.recorder import FlightRecorder, now, outcome
 from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
 
 Target = Work | Bundle
+
+_poke_of = operator.attrgetter("_poke")
 
 
 class State(str, enum.Enum):
@@ -89,6 +93,8 @@ def abort_errors(error: BaseException) -> Callable[[], CommAborted]:
         text, cause = str(error), error.__cause__
     else:
         text, cause = f"communicator aborted: {error}", error
+    if cause is None:  # ``comm.abort()``: no frame of ours per Work (an abort fails thousands)
+        return functools.partial(CommAborted, text)
 
     def make_aborted() -> CommAborted:
         exc = CommAborted(text)
@@ -360,7 +366,7 @@ class Ledger:
         issue order, up to its first failure. Not for ``fail``: what a queue finished
         after an op that failed is not trusted (the transport is suspect)."""
         with self.lock:
-            pokes = {work._poke for work in self.pending.values()}
+            pokes = set(map(_poke_of, self.pending.values()))
         for poke in pokes:
             if poke is not None:
                 poke(False)
@@ -374,13 +380,14 @@ class Ledger:
         make = abort_errors(error)
         if wake.later is None:
             wake.later = []  # kept tensors are freed after the waiters ran (``Wakeups``)
-        seqs = []
+        seqs: list[int] = []
+        append = seqs.append
         for work in works:
             if work._settle(_FAILED, make(), wake):
-                if type(work) is BatchWork:
-                    self._members_failed(work)
+                if work._fans_out:  # a coalesced batch: each member has its own error
+                    self._members_failed(work)  # type: ignore[arg-type]
                 else:
-                    seqs.append(work.seq)
+                    append(work.seq)
         state, text = outcome(make())
         self._recorder.ended_all(seqs, state, now(), text)
 

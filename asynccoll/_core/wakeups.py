@@ -1,8 +1,16 @@
-"""Wake-ups gathered while settling a burst of Works (``work.py``), delivered once per loop."""
+"""Waking whoever waits on a Work (``work.py``).
+
+``Wakeups`` gathers the wake-ups of a burst of settled Works and delivers them
+once per loop. A Work keeps its waiters in one list: asyncio futures (resolved by
+the Work itself) and the kinds below, each of which wakes itself (``notify``): a
+trio task, a thread blocked in ``Work.wait()``, a done callback.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 from typing import Any, Callable
 
 _get_running_loop = asyncio._get_running_loop
@@ -75,3 +83,77 @@ class Wakeups:
 def _run_all(items: list[tuple[Callable[[Any], Any], Any]]) -> None:
     for fn, arg in items:
         fn(arg)
+
+
+# ------------------------------------------------- who waits on a Work
+class TrioWaiter:
+    """A trio task parked on a Work; woken on its own run through the run's token."""
+
+    __slots__ = ("task", "token")
+
+    def __init__(self, task: Any, token: Any) -> None:
+        self.task = task
+        self.token = token
+
+    def notify(self, work: Any, wake: Wakeups) -> None:  # the Work settled: wake on the trio thread
+        wake.add(self.token, TrioWaiter.wake, self)
+
+    def wake(self) -> None:  # on the trio thread (Wakeups call it with the waiter)
+        task, self.task = self.task, None
+        if task is not None:
+            import trio
+
+            trio.lowlevel.reschedule(task)
+
+
+class Blocked(threading.Event):
+    """A thread blocked in ``Work.wait()``."""
+
+    def notify(self, work: Any, wake: Wakeups) -> None:
+        self.set()
+
+
+class Callback:
+    """A done callback: run on ``loop`` (None: at once, on the settling thread)."""
+
+    __slots__ = ("loop", "fn")
+
+    def __init__(self, loop: Any, fn: Callable[[Any], Any]) -> None:
+        self.loop = loop
+        self.fn = fn
+
+    def notify(self, work: Any, wake: Wakeups) -> None:
+        if self.loop is None:
+            work._run_callback(self.fn)
+        else:
+            wake.add(self.loop, work._run_callback, self.fn)
+
+
+#: The waiters that are not asyncio futures (each wakes itself: ``notify``).
+OTHER_WAITERS = frozenset((TrioWaiter, Blocked, Callback))
+
+
+def trio_token() -> Any:
+    """The current trio run's token, or None outside trio."""
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return None
+    try:
+        return trio.lowlevel.current_trio_token()
+    except RuntimeError:  # not inside trio.run
+        return None
+
+
+def succeed_future(fut: asyncio.Future[Any], value: Any) -> None:
+    fut.set_result(value)
+
+
+def fail_future(fut: asyncio.Future[Any], exc: Any) -> None:
+    fut.set_exception(exc)
+
+
+def resolve_future(item: tuple[asyncio.Future[Any], tuple[Callable[[asyncio.Future[Any], Any], None], Any]]) -> None:
+    """On the waiter's loop: give its future the Work's outcome (unless it was cancelled)."""
+    fut, (how, value) = item
+    if not fut.done():
+        how(fut, value)

@@ -18,11 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import threading
 from typing import Any, Callable, Generator, Sequence
 
-from .wakeups import Wakeups
+from .wakeups import (
+    OTHER_WAITERS,
+    Blocked,
+    Callback,
+    TrioWaiter,
+    Wakeups,
+    fail_future,
+    resolve_future,
+    succeed_future,
+    trio_token,
+)
 
 _PENDING = 0
 _DONE = 1
@@ -47,8 +56,6 @@ class Work:
         "_value",
         "_lock",
         "_waiters",
-        "_callbacks",
-        "_event",
         "_keep",
         "_stream_hook",
         "_poke",
@@ -66,9 +73,9 @@ class Work:
         # Tensors that must outlive the operation (allocator safety, §3).
         self._keep = keep
         self._lock = threading.Lock()
-        self._waiters: list[Any] | None = None  # of awaiting tasks, any loop: asyncio futures, _TrioWaiter s
-        self._callbacks: list[tuple[asyncio.AbstractEventLoop | None, Callable[[Work], Any]]] | None = None
-        self._event: threading.Event | None = None
+        # Whoever waits, in one list: asyncio futures of awaiting tasks (any loop), and
+        # the other kinds (``_OTHERS``: a trio task, a blocked ``wait()``, a done callback).
+        self._waiters: list[Any] | None = None
         # Set by device backends: makes a stream wait for the op (``wait_stream``).
         self._stream_hook: Callable[[Any], None] | None = None
         # Set by the backend's completion queue (``set_poke``); None once settled.
@@ -91,36 +98,29 @@ class Work:
             if state == _FAILED or value is not None:
                 self._value = value
             waiters, self._waiters = self._waiters, None
-            callbacks, self._callbacks = self._callbacks, None
-            event = self._event
-        if wake.later is not None:  # a burst (an abort): what it lets go of is freed after its waiters ran
-            wake.later.extend((self._keep, replaced))  # (kept flat: no object per Work for the collector)
+        later = wake.later
+        if later is not None:  # a burst (an abort): what it lets go of is freed after its waiters ran
+            later.extend((self._keep, replaced))  # (kept flat: no object per Work for the collector)
         self._keep = self._poke = None
-        if event is not None:
-            event.set()
         if waiters is not None:
             value, running, resolve = self._value, wake.running, None
             for fut in waiters:
-                if type(fut) is _TrioWaiter:
-                    wake.add(fut.token, _TrioWaiter.wake, fut)
+                if type(fut) in OTHER_WAITERS:
+                    fut.notify(self, wake)
                     continue
                 loop = fut.get_loop()
                 if loop is running:  # this thread's loop: the future only schedules its task
-                    if not fut.done():  # (a cancelled wait)
+                    try:
                         if state == _FAILED:
                             fut.set_exception(value)
                         else:
                             fut.set_result(value)
+                    except asyncio.InvalidStateError:  # a cancelled wait
+                        pass
                     continue
                 if resolve is None:
-                    resolve = (_fail, value) if state == _FAILED else (_succeed, value)
-                wake.add(loop, _resolve, (fut, resolve))
-        if callbacks is not None:
-            for loop, fn in callbacks:
-                if loop is None:
-                    self._run_callback(fn)
-                else:
-                    wake.add(loop, self._run_callback, fn)
+                    resolve = (fail_future, value) if state == _FAILED else (succeed_future, value)
+                wake.add(loop, resolve_future, (fut, resolve))
         return True
 
     def _fan_out(self, state: int, value: Any) -> None:
@@ -158,7 +158,7 @@ class Work:
         if self._state != _PENDING:
             return
         self._poke = poke
-        if self._waiters is not None or self._callbacks is not None or self._event is not None:
+        if self._waiters is not None:
             self._nudge(True)
 
     def _nudge(self, wait: bool) -> None:
@@ -210,13 +210,13 @@ class Work:
         in the thread that settles the Work. A Work already settled runs ``fn`` soon
         (on the loop) or at once (without one).
         """
-        loop: Any = _get_running_loop() or _trio_token()
+        loop: Any = _get_running_loop() or trio_token()
         with self._lock:
             pending = self._state == _PENDING
             if pending:
-                if self._callbacks is None:
-                    self._callbacks = []
-                self._callbacks.append((loop, fn))
+                if self._waiters is None:
+                    self._waiters = []
+                self._waiters.append(Callback(loop, fn))
         if pending:
             self._nudge(True)
             return
@@ -234,13 +234,17 @@ class Work:
         ``timeout`` raises the builtin ``TimeoutError``; the operation keeps running.
         """
         if self._state == _PENDING:
+            blocked = Blocked()
             with self._lock:
-                if self._state == _PENDING and self._event is None:
-                    self._event = threading.Event()
-                event = self._event
-            self._nudge(True)
-            if event is not None and not event.wait(timeout):
-                raise TimeoutError(f"{self!r} not done after {timeout} s")
+                pending = self._state == _PENDING
+                if pending:
+                    if self._waiters is None:
+                        self._waiters = []
+                    self._waiters.append(blocked)
+            if pending:
+                self._nudge(True)
+                if not blocked.wait(timeout):
+                    raise TimeoutError(f"{self!r} not done after {timeout} s")
         return self.result()
 
     def set_stream_hook(self, hook: Callable[[Any], None]) -> None:
@@ -259,7 +263,7 @@ class Work:
 
     def __await__(self) -> Generator[Any, None, Any]:
         # Not a generator itself: a waiting task drives its asyncio future directly,
-        # and settling the Work gives that future the Work's outcome (``_resolve``),
+        # and settling the Work gives that future the Work's outcome (``resolve_future``),
         # so waking a task costs no frame of ours (an abort wakes thousands).
         poked = self._poke
         if poked is not None and self._state == _PENDING:
@@ -285,7 +289,7 @@ class Work:
     async def _trio_wait(self, poked: Any) -> Any:
         import trio
 
-        waiter = _TrioWaiter(trio.lowlevel.current_task(), trio.lowlevel.current_trio_token())
+        waiter = TrioWaiter(trio.lowlevel.current_task(), trio.lowlevel.current_trio_token())
         with self._lock:
             pending = self._state == _PENDING
             if pending:
@@ -343,7 +347,7 @@ class BatchWork(Work):
         if poke not in self._pokes:
             self._pokes.append(poke)
         self._poke = self._relay
-        if self._waiters is not None or self._callbacks is not None or self._event is not None:
+        if self._waiters is not None:
             self._nudge(True)
 
     def _poke_all(self, ring: bool) -> None:
@@ -384,8 +388,6 @@ class MemberWork(Work):
         self._keep = keep
         self._lock = batch._lock
         self._waiters = None
-        self._callbacks = None
-        self._event = None
         self._stream_hook = None
         self._poke = batch._relay
         self._batch = batch
@@ -415,53 +417,10 @@ class MemberWork(Work):
         return self.result()
 
 
-class _TrioWaiter:
-    """A trio task parked on a Work; woken on its own run through the run's token."""
-
-    __slots__ = ("task", "token")
-
-    def __init__(self, task: Any, token: Any) -> None:
-        self.task = task
-        self.token = token
-
-    def wake(self) -> None:  # on the trio thread (Wakeups call it with the waiter)
-        task, self.task = self.task, None
-        if task is not None:
-            import trio
-
-            trio.lowlevel.reschedule(task)
-
-
-def _trio_token() -> Any:
-    """The current trio run's token, or None outside trio."""
-    trio = sys.modules.get("trio")
-    if trio is None:
-        return None
-    try:
-        return trio.lowlevel.current_trio_token()
-    except RuntimeError:  # not inside trio.run
-        return None
-
-
 def _ready(work: Work) -> Generator[Any, None, Any]:
     """``await`` of a settled Work: its result at once."""
     return work.result()
     yield  # pragma: no cover - unreachable: it makes this a generator
-
-
-def _succeed(fut: asyncio.Future[Any], value: Any) -> None:
-    fut.set_result(value)
-
-
-def _fail(fut: asyncio.Future[Any], exc: Any) -> None:
-    fut.set_exception(exc)
-
-
-def _resolve(item: tuple[asyncio.Future[Any], tuple[Callable[[asyncio.Future[Any], Any], None], Any]]) -> None:
-    """On the waiter's loop: give its future the Work's outcome (unless it was cancelled)."""
-    fut, (how, value) = item
-    if not fut.done():
-        how(fut, value)
 
 
 class Bundle:
