@@ -211,12 +211,13 @@ class Work:
         (on the loop) or at once (without one).
         """
         loop: Any = _get_running_loop() or trio_token()
+        callback = Callback(loop, fn)  # made outside the lock: no frame of ours runs while it is held
         with self._lock:
             pending = self._state == _PENDING
             if pending:
                 if self._waiters is None:
                     self._waiters = []
-                self._waiters.append(Callback(loop, fn))
+                self._waiters.append(callback)
         if pending:
             self._nudge(True)
             return
@@ -445,8 +446,13 @@ class Bundle:
 
     def set_poke(self, poke: Callable[[bool], None]) -> None:
         """Install ``poke`` on every member (``Work.set_poke``); members of one batch share it."""
+        works = self.works
+        batch = getattr(works[0], "_batch", None)
+        if batch is not None and works is batch.members:  # a whole coalesced batch, handed on as is
+            batch.set_poke(poke)
+            return
         batch = None
-        for work in self.works:
+        for work in works:
             if type(work) is MemberWork:
                 if work._batch is not batch:
                     batch = work._batch
