@@ -159,6 +159,106 @@ def test_abort_from_signal_handler_task_and_racing_threads() -> None:
     assert results[0] == ["aborted"]
 
 
+_SIGNAL_ABORT = """
+import asyncio, faulthandler, random, signal, sys, threading, time
+import torch, torch.distributed as dist
+import asynccoll as ac
+
+async def main(reps):
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    rng = random.Random(0)
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang ends the process, with every stack
+    t = torch.ones(8)
+    for rep in range(reps):
+        comm = await ac.init("gloo", rank=0, world_size=1, store=dist.PrefixStore(f"r{rep}/", store))
+        signal.signal(signal.SIGALRM, lambda *_: comm.abort("SIGALRM"))
+        signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0005, 0.005))
+        try:
+            while True:  # most of the time inside asynccoll, holding its locks
+                works = [comm.all_reduce(t) for _ in range(8)]
+                for w in works:
+                    await w
+        except ac.CommAborted as exc:
+            assert "SIGALRM" in str(exc), exc
+        assert comm.state == "aborted", comm.state
+        await comm.close()
+    # A handler that interrupted the user's own code aborts at once, on this thread.
+    comm = await ac.init("gloo", rank=0, world_size=1, store=dist.PrefixStore("sync/", store))
+    signal.signal(signal.SIGUSR1, lambda *_: comm.abort("SIGUSR1"))
+    signal.raise_signal(signal.SIGUSR1)
+    assert comm.state == "aborted", comm.state  # synchronous: done when the handler returned
+    await comm.close()
+    end = time.monotonic() + 5
+    while any(th.name == "asynccoll-abort" for th in threading.enumerate()) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not any(th.name == "asynccoll-abort" for th in threading.enumerate())
+    print("ok", reps, flush=True)
+
+asyncio.run(main(int(sys.argv[1])))
+"""
+
+
+def test_abort_from_a_signal_handler_that_interrupted_asynccoll_never_hangs() -> None:
+    """docs/guides/faults.md: abort is callable from a signal handler. A handler
+    (``signal.signal``) runs on the main thread between two bytecodes; a loop that
+    issues ops is mostly inside asynccoll, holding its locks. Without the abort
+    running aside there, the first or second of these rounds hung."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_ABORT, "40"], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0 and "ok 40" in proc.stdout, proc.stderr[-4000:]
+
+
+_IDLE_LOOP_ABORT = """
+import asyncio, signal, subprocess, sys, time
+import torch, torch.distributed as dist
+import asynccoll as ac
+
+RANK1 = '''
+import asyncio, sys, torch.distributed as dist, asynccoll as ac
+async def main():
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False)
+    await ac.init("gloo", rank=1, world_size=2, store=store, timeout=30)
+    await asyncio.sleep(20)
+asyncio.run(main())
+'''
+
+async def rank0():
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    peer = subprocess.Popen([sys.executable, "-c", RANK1, str(store.port)])
+    try:
+        comm = await ac.init("gloo", rank=0, world_size=2, store=store, timeout=30)
+        signal.signal(signal.SIGALRM, lambda *_: comm.abort("SIGALRM"))
+        work = comm.all_reduce(torch.ones(2))  # the peer never joins
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        t0 = time.monotonic()
+        try:
+            await work
+        except ac.CommAborted:
+            print("woke after", time.monotonic() - t0, flush=True)
+    finally:
+        peer.kill()
+        peer.wait()
+
+asyncio.run(rank0())
+"""
+
+
+def test_abort_from_a_signal_handler_wakes_an_idle_loop() -> None:
+    """A ``signal.signal`` handler aborts while the loop sits in select() with nothing
+    else to do (a plain ``asyncio.run``: no wake-up fd): the waiter still wakes.
+    Without the abort's threadsafe wake-up it slept until the op's 30 s timeout."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _IDLE_LOOP_ABORT], capture_output=True, text=True, timeout=45)
+    assert proc.returncode == 0 and "woke after" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    assert float(proc.stdout.split("woke after")[1]) < 5.0, proc.stdout
+
+
 async def abort_reaches_peers(comm: ac.Communicator) -> float:
     if comm.rank == 0:
         await asyncio.sleep(0.3)

@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Callable, Mapping
 import anyio
 import torch
 
-from .._base.aio import settle_within
+from .._base import aio, signals
 from .._base.deadlines import service as deadline_service
 from .._base.errors import CommAborted, InvalidArgument, PeerFailure
 from .._base.ops import OpKind, OpSpec, ReduceOp
@@ -355,9 +355,9 @@ class Communicator:
         that finished before the abort, unseen (not awaited yet), keeps its result.
 
         Synchronous, callable from any thread, idempotent, bounded: it never waits
-        for the network or for peers.
+        for the network or for peers (nor, in a signal handler, for its own thread).
         """
-        self._ledger.abort(CommAborted(reason or "aborted by the user"))
+        signals.call(self._ledger.abort, CommAborted(reason or "aborted by the user"))
 
     def _abort(self, cause: BaseException) -> None:  # a peer's failure or abort news (liveness)
         self._diag.settle()  # a verdict already in reach is what the held ops raise
@@ -380,7 +380,7 @@ class Communicator:
         pending = list(ledger.pending.values())
         if pending:
             limit = self.timeout if timeout is None else validate.timeout(timeout, self.timeout)
-            left = await settle_within(pending, limit)
+            left = await aio.settle_within(pending, limit)
             if left:
                 ledger.abort(CommAborted(f"close(): {left} op(s) still pending after {limit} s"))
         ledger.end_close()

@@ -99,7 +99,10 @@ class Parts:
         if loop is None:
             self.ledger.release()
         else:
-            loop.call_soon(self._waiters_ran)
+            # Threadsafe, on the loop's own thread too: a signal handler may have
+            # called abort() while the loop sat in select(), which call_soon does not
+            # wake (the waiters' futures only call_soon): this also writes its wake-up fd.
+            loop.call_soon_threadsafe(self._waiters_ran)
 
     def _waiters_ran(self) -> None:
         """After an abort on a loop, behind the waiters it woke: wake the other threads."""
