@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from ports import unused_port
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -79,11 +79,6 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _start(script: Path, *args: object) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=os.getcwd(), PYTHONUNBUFFERED="1")
@@ -130,7 +125,7 @@ def test_init_that_waits_for_a_peer_exits_promptly_and_quietly(tmp_path: Path, r
     within seconds (the issue measured 18-38 s, minutes with the default timeout)."""
     script = tmp_path / "init.py"
     script.write_text(_INIT)
-    proc = _start(script, rank, _free_port(), 60 if how == "sigint" else 3, loop)
+    proc = _start(script, rank, unused_port(), 60 if how == "sigint" else 3, loop)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "starting"
         time.sleep(1.0)
@@ -177,7 +172,7 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[st
 def test_store_host_killed_survivors_name_it_and_exit_quietly(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
-    procs = _launch(script, 3, _free_port(), "kill")
+    procs = _launch(script, 3, unused_port(), "kill")
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -201,7 +196,7 @@ def test_store_host_killed_survivors_name_it_and_exit_quietly(tmp_path: Path) ->
 def test_store_host_finishing_first_leaves_everyone_quiet(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
-    procs = _launch(script, 3, _free_port(), "normal")
+    procs = _launch(script, 3, unused_port(), "normal")
     outs = _finish(procs, 90)
     for p, (out, err) in zip(procs, outs):
         assert out.split()[-1:] == ["closed"], (out, err)

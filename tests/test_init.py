@@ -19,6 +19,7 @@ import torch.distributed as dist
 import trio
 import uvloop
 from backends import LOOPS, gather
+from ports import unused_port
 
 import asynccoll as ac
 from asynccoll._bootstrap import rendezvous, stores
@@ -33,11 +34,6 @@ def _run(loop: str, fn: Callable[[], Awaitable[Any]]) -> Any:
         return trio.run(fn)
     return asyncio.run(fn())
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 BAD_ARGS: list[tuple[dict[str, Any], str]] = [
@@ -76,7 +72,7 @@ def test_bad_init_arguments_are_invalid_argument(loop: str) -> None:
     async def main() -> None:
         for extra, what in BAD_ARGS:
             kwargs: dict[str, Any] = dict(
-                backend="gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=_free_port(), timeout=5
+                backend="gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=unused_port(), timeout=5
             )
             kwargs.update(extra)
             with pytest.raises(ac.InvalidArgument, match=what):
@@ -92,7 +88,7 @@ def test_bad_environment_is_invalid_argument(loop: str, monkeypatch: pytest.Monk
         for var, raw in (("MASTER_PORT", "abc"), ("RANK", "zero"), ("WORLD_SIZE", "0"), ("MASTER_PORT", "0")):
             monkeypatch.setenv("RANK", "0")
             monkeypatch.setenv("WORLD_SIZE", "1")
-            monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+            monkeypatch.setenv("MASTER_PORT", str(unused_port()))
             monkeypatch.setenv(var, raw)
             with pytest.raises(ac.InvalidArgument, match=var):
                 await ac.init("gloo", timeout=5)
@@ -139,7 +135,7 @@ def test_a_store_that_never_answers_is_a_timeout() -> None:
 
     async def main() -> None:
         with pytest.raises(ac.CollectiveTimeout, match="did not arrive"):
-            await ac.init("gloo", rank=1, world_size=2, master_addr="127.0.0.1", master_port=_free_port(), timeout=1)
+            await ac.init("gloo", rank=1, world_size=2, master_addr="127.0.0.1", master_port=unused_port(), timeout=1)
 
     _run("asyncio", main)
 
@@ -159,7 +155,7 @@ def test_wrap_checks_its_arguments() -> None:
 
 async def two_on_one_address(ctx: RankContext) -> list[float]:
     if ctx.rank == 0:
-        ctx.store.set("port", str(_free_port()))
+        ctx.store.set("port", str(unused_port()))
     port = int(ctx.store.get("port"))
     key = ("127.0.0.1", port)
     args = dict(rank=ctx.rank, world_size=2, master_addr="127.0.0.1", master_port=port, timeout=30)

@@ -564,11 +564,9 @@ _SIGINT_RANK = textwrap.dedent(
 
 @pytest.mark.timeout(60)
 def test_ctrl_c_during_a_long_op_exits_promptly(tmp_path: Any) -> None:
-    import socket
+    from ports import unused_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     script = tmp_path / "rank.py"
     script.write_text(_SIGINT_RANK)
     env = dict(os.environ, PYTHONPATH=os.getcwd())

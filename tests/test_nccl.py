@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from ports import unused_port
 
 import asynccoll as ac
 import streams
@@ -33,12 +33,6 @@ HAS_CUDA = torch.cuda.is_available()
 NCCL_MISSING = nccl.missing()
 needs_nccl = pytest.mark.skipif(NCCL_MISSING is not None, reason=f"needs CUDA + nccl4py: {NCCL_MISSING}")
 no_cuda = pytest.mark.skipif(HAS_CUDA, reason="checks behaviour without CUDA")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ===================================================================== import, init
@@ -108,7 +102,7 @@ def test_create_turns_an_unloadable_nccl4py_into_backend_unavailable(monkeypatch
 @no_cuda
 def test_init_nccl_without_cuda_is_backend_unavailable() -> None:
     async def main() -> None:
-        await ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+        await ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port())
 
     with pytest.raises(ac.BackendUnavailable, match="CUDA"):
         asyncio.run(main())
@@ -124,7 +118,7 @@ def test_create_without_cuda_is_backend_unavailable() -> None:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_auto_falls_back_to_gloo(loop: str) -> None:
     async def main() -> None:
-        comm = await ac.init(backend="auto", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+        comm = await ac.init(backend="auto", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port())
         try:
             assert "cuda" not in comm._backends and comm.device == torch.device("cpu")
             t = torch.arange(4.0)
@@ -374,7 +368,7 @@ async def gpu_init_close_cycles(comm: Any) -> dict[str, Any]:
     threads0 = threading.active_count()
     mem0 = torch.cuda.memory_allocated(dev)
     for _ in range(3):
-        port = free_port()
+        port = unused_port()
         async with ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, device=dev) as c:
             t = torch.ones(1024, device=dev)
             await c.all_reduce(t)
@@ -421,7 +415,7 @@ def test_gpu_init_picks_local_rank_device() -> None:
     async def main() -> None:
         os.environ["LOCAL_RANK"] = "0"
         try:
-            async with ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()) as c:
+            async with ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port()) as c:
                 assert c.device == torch.device("cuda", 0) and c.backend == "nccl"
         finally:
             del os.environ["LOCAL_RANK"]
