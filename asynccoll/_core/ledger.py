@@ -124,6 +124,9 @@ class Ledger:
         #: Orders issuing against abort/close: an op is in ``pending`` before abort
         #: takes its snapshot, or sees the new state and raises.
         self.lock = threading.Lock()
+        #: The lock of every Work issued here (``Work._lock``): held for a few bytecodes,
+        #: never while taking another lock (so it may be taken while ``lock`` is held).
+        self.work_lock = threading.Lock()
         self.state = _OK
         self.closing = False
         self.error: BaseException | None = None
@@ -164,7 +167,7 @@ class Ledger:
         if self.state is not _OK or self.closing:
             raise self.unusable()
         seq = self._seq = self._seq + 1
-        work = Work(op, seq, value, keep)
+        work = Work(op, seq, value, keep, self.work_lock)
         self.pending[seq] = work
         if spec is not None:
             self._recorder.issued(seq, op, spec, now())
@@ -187,7 +190,7 @@ class Ledger:
                 raise self.unusable()
             seq = self._seq = self._seq + 1
             if batch is None:
-                batch = BatchWork(seq, abort_error)
+                batch = BatchWork(seq, abort_error, self.work_lock)
                 self.pending[seq] = batch
             work = MemberWork(op, seq, value, keep, batch)
             batch.members.append(work)

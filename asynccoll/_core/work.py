@@ -65,16 +65,21 @@ class Work:
     #: True for a :class:`BatchWork` (settling it settles its members).
     _fans_out = False
 
-    def __init__(self, op: str, seq: int, value: Any = None, keep: Any = None) -> None:
+    def __init__(
+        self, op: str, seq: int, value: Any = None, keep: Any = None, lock: threading.Lock | None = None
+    ) -> None:
         self.op = op
         self.seq = seq
         self._state = _PENDING
         self._value = value  # the result (known at issue for in-place ops), or the exception
         # Tensors that must outlive the operation (allocator safety, §3).
         self._keep = keep
-        self._lock = threading.Lock()
+        # Orders settling against taking a waiter. The ledger gives all its Works one
+        # (``Ledger.work_lock``: no object per op; held only for a few bytecodes,
+        # never while taking another).
+        self._lock = lock if lock is not None else threading.Lock()
         # Whoever waits, in one list: asyncio futures of awaiting tasks (any loop), and
-        # the other kinds (``_OTHERS``: a trio task, a blocked ``wait()``, a done callback).
+        # the other kinds (``OTHER_WAITERS``: a trio task, a blocked ``wait()``, a done callback).
         self._waiters: list[Any] | None = None
         # Set by device backends: makes a stream wait for the op (``wait_stream``).
         self._stream_hook: Callable[[Any], None] | None = None
@@ -332,8 +337,10 @@ class BatchWork(Work):
 
     _fans_out = True
 
-    def __init__(self, seq: int, clone: Callable[[BaseException], BaseException]) -> None:
-        super().__init__("coalesced", seq)
+    def __init__(
+        self, seq: int, clone: Callable[[BaseException], BaseException], lock: threading.Lock | None = None
+    ) -> None:
+        super().__init__("coalesced", seq, lock=lock)
         self.members: list[MemberWork] = []
         #: Members whose success has not been reported yet (set when the batch is issued).
         self.remaining = 0
