@@ -36,9 +36,11 @@ _KIT = os.path.join(_PACKAGE, "testing") + os.sep
 
 def call(fn: Callable[[Any], object], arg: Any) -> None:
     """``fn(arg)``, here; or on a short-lived thread of its own (it ends with the
-    call) when this is a signal handler that interrupted asynccoll (above)."""
+    call) when this is a signal handler that interrupted asynccoll (above). Not a
+    daemon: a handler that aborts and then exits (``sys.exit``) has the interpreter
+    wait for the abort, which is bounded, instead of finalizing under it."""
     if interrupted_us():
-        threading.Thread(target=fn, args=(arg,), name="asynccoll-abort", daemon=True).start()
+        threading.Thread(target=fn, args=(arg,), name="asynccoll-abort").start()
     else:
         fn(arg)
 
