@@ -216,14 +216,7 @@ class Work:
         (on the loop) or at once (without one).
         """
         loop: Any = _get_running_loop() or trio_token()
-        callback = Callback(loop, fn)  # made outside the lock: no frame of ours runs while it is held
-        with self._lock:
-            pending = self._state == _PENDING
-            if pending:
-                if self._waiters is None:
-                    self._waiters = []
-                self._waiters.append(callback)
-        if pending:
+        if self._take(Callback(loop, fn)):
             self._nudge(True)
             return
         if loop is None:
@@ -241,17 +234,23 @@ class Work:
         """
         if self._state == _PENDING:
             blocked = Blocked()
-            with self._lock:
-                pending = self._state == _PENDING
-                if pending:
-                    if self._waiters is None:
-                        self._waiters = []
-                    self._waiters.append(blocked)
-            if pending:
+            if self._take(blocked):
                 self._nudge(True)
                 if not blocked.wait(timeout):
                     raise TimeoutError(f"{self!r} not done after {timeout} s")
         return self.result()
+
+    def _take(self, waiter: Any) -> bool:
+        """Add ``waiter`` while the Work is pending (True); False once it settled. The
+        waiter is made by the caller: no frame of ours runs while the lock is held."""
+        with self._lock:
+            if self._state != _PENDING:
+                return False
+            if self._waiters is None:
+                self._waiters = [waiter]
+            else:
+                self._waiters.append(waiter)
+            return True
 
     def set_stream_hook(self, hook: Callable[[Any], None]) -> None:
         """For device backends, at submit: ``wait_stream(s)`` will call ``hook(s)``, which
@@ -279,7 +278,7 @@ class Work:
             if loop is None:  # not asyncio: trio (anything else raises there)
                 return self._trio_wait(poked).__await__()
             fut = loop.create_future()
-            with self._lock:
+            with self._lock:  # ``_take`` inlined: this is every awaited op's path
                 pending = self._state == _PENDING
                 if pending:
                     if self._waiters is None:
@@ -296,15 +295,8 @@ class Work:
         import trio
 
         waiter = TrioWaiter(trio.lowlevel.current_task(), trio.lowlevel.current_trio_token())
-        with self._lock:
-            pending = self._state == _PENDING
-            if pending:
-                if self._waiters is None:
-                    self._waiters = []
-                self._waiters.append(waiter)
-                late = poked is None and self._poke is not None
-        if pending:
-            if late:
+        if self._take(waiter):
+            if poked is None and self._poke is not None:  # the poke came before the registration
                 self._nudge(True)
 
             def abort(_: Any) -> Any:
