@@ -8,6 +8,8 @@ exact in every dtype used, including bfloat16.
 
 from __future__ import annotations
 
+import contextvars
+import threading
 from typing import Any
 
 import anyio
@@ -193,6 +195,20 @@ async def _interleaved(comm: Any) -> dict[str, Any]:
         captured = list(group.works)
     assert captured == [work]
     _check("other task", out, torch.full((3,), float(10 * sum(range(1, ws + 1)))))
+    # another thread in the body's context, while the body's task runs (it joins the thread
+    # without awaiting): not captured either
+    from_thread = torch.full((2,), 5.0)
+    issued: list[ac.Work] = []
+    async with comm.coalescing() as group3:
+        comm.all_reduce(torch.ones(1))
+        context = contextvars.copy_context()  # holds the batch
+        thread = threading.Thread(target=context.run, args=(lambda: issued.append(comm.all_reduce(from_thread)),))
+        thread.start()
+        thread.join(20)
+    assert len(group3.works) == 1 and issued and issued[0] not in group3.works
+    with anyio.fail_after(20):
+        await issued[0]
+    _check("other thread", from_thread, torch.full((2,), 5.0 * ws))
     _check("batched", mine, torch.full((4,), float(sum(range(1, ws + 1)))))
     # a task created before the body, running concurrently with it
     gate, finished = anyio.Event(), anyio.Event()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+import types
 from pathlib import Path
 from typing import Any
 
@@ -488,6 +489,34 @@ def test_flight_record_cseq_skips_point_to_point_ops() -> None:
     snap = rec.snapshot()
     assert [(r["seq"], r.get("cseq")) for r in snap] == [(1, 1), (2, None), (3, 2)]
     assert snap[1]["peer"] == 1
+
+
+@pytest.mark.parametrize("kinds", [
+    ("all_reduce", "broadcast", "reduce", "all_gather"),  # recorded in one pass
+    ("all_reduce", "send", "barrier", "scatter", "broadcast"),  # one by one: p2p moves the cseqs
+])
+def test_flight_record_of_a_batch_is_its_members_recorded_one_by_one(kinds: tuple[str, ...]) -> None:
+    """A batch's records (``issued_batch``) equal what ``issued`` makes for each member,
+    after a p2p op that already moved the cseqs: ops, dtypes, shapes, roots, cseqs."""
+    def spec(i: int, kind: str) -> OpSpec | None:
+        t = torch.ones(i + 1, dtype=torch.float64 if i % 2 else torch.float32)
+        if kind == "barrier":
+            return None
+        if kind == "scatter":
+            return OpSpec(OpKind.SCATTER, None, t, peer=1)
+        return OpSpec(OpKind(kind), t, reduce_op=ReduceOp.MAX if i % 2 else ReduceOp.SUM, peer=i % 3)
+
+    members = [(types.SimpleNamespace(seq=3 + i, op=k), spec(i, k)) for i, k in enumerate(kinds)]
+    batched, single = FlightRecorder(), FlightRecorder()
+    for rec in (batched, single):
+        rec.issued(1, "all_reduce", _spec(2), 1.0)
+        rec.issued(2, "send", OpSpec(OpKind.SEND, torch.ones(2), peer=1), 1.0)
+    batched.issued_batch([w for w, _ in members], [s for _, s in members], 2.0, batch=3)
+    for w, s in members:
+        single.issued(w.seq, w.op, s, 2.0, batch=3)
+    assert batched.snapshot() == single.snapshot()
+    assert batched.snapshot()[2]["cseq"] == 2  # the first member, after the send: its seq - 1
+    assert batched.open_seqs() == single.open_seqs() == [1, 2] + [w.seq for w, _ in members]
 
 
 def test_flight_record_reused_seq_replaces_stale_records() -> None:

@@ -31,6 +31,9 @@ now = time.time
 _SEQ, _OP, _DTYPE, _SHAPE, _PEER, _REDUCE, _BATCH, _T0, _STATE, _T1, _ERROR, _CSEQ = range(12)
 _P2P = ("send", "recv")
 _SCATTER = OpKind.SCATTER
+#: Batch members recorded one by one (``_record``): a p2p op moves the cseqs after it,
+#: scatter's record reads its output; every other member's record is built in one pass.
+_ONE_BY_ONE = frozenset(_P2P + ("scatter", "barrier"))
 
 
 def outcome(error: BaseException | None) -> tuple[str, str | None]:
@@ -122,10 +125,20 @@ class FlightRecorder:
             for old in itertools.islice(ring, min(evicted, before)):
                 if old[_STATE] is None:
                     opened.pop(old[_SEQ], None)
-        for work, spec in zip(works, specs):
-            rec = record(work.seq, work.op, spec, t, batch)
-            append(rec)
-            opened[work.seq] = rec
+        if _ONE_BY_ONE.isdisjoint([w.op for w in works]):  # the common batch: _record's layout, inlined
+            p2p = self._p2p
+            records = [
+                [w.seq, w.op, s.tensor.dtype, s.tensor.shape, s.peer, s.reduce_op, batch, t, None, 0.0, None, w.seq - p2p]
+                for w, s in zip(works, specs)
+            ]
+            ring.extend(records)
+            for rec in records:
+                opened[rec[_SEQ]] = rec
+        else:
+            for work, spec in zip(works, specs):
+                rec = record(work.seq, work.op, spec, t, batch)
+                append(rec)
+                opened[work.seq] = rec
         if evicted > before:  # a batch longer than the ring: its first members are out already
             for work in works[: evicted - before]:
                 opened.pop(work.seq, None)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from typing import TYPE_CHECKING, Any, Generator
 
 from .._base.aio import current_task as _current_task
@@ -61,6 +62,7 @@ _NEW, _OPEN, _EXITED = 0, 1, 2
 
 _get_running_loop = asyncio._get_running_loop
 _asyncio_task = asyncio.current_task
+_thread_id = threading.get_ident
 
 
 class Batch:
@@ -72,12 +74,13 @@ class Batch:
     backend handed ``works`` whole hands the ledger back the batch's own list.
     """
 
-    __slots__ = ("ledger", "task", "loop", "open", "backends", "specs", "works", "head")
+    __slots__ = ("ledger", "task", "loop", "thread", "open", "backends", "specs", "works", "head")
 
     def __init__(self, ledger: Ledger, task: object, loop: asyncio.AbstractEventLoop | None) -> None:
         self.ledger = ledger
         self.task = task
         self.loop = loop  # the task's asyncio loop; None under trio
+        self.thread = _thread_id()  # the thread that runs it
         self.open = True
         self.backends: list[Backend] = []
         self.specs: list[OpSpec] = []
@@ -96,8 +99,9 @@ class Batch:
         if not self.open:
             return None
         loop = self.loop
-        if loop is not None:  # asyncio: this thread runs the loop, and the loop runs the task
-            if _get_running_loop() is not loop or _asyncio_task(loop) is not self.task:
+        if loop is not None:  # asyncio: on the loop's thread, and the loop runs the task
+            # (not ``_get_running_loop() is loop``: on CPython 3.11 it makes a getpid() syscall)
+            if _thread_id() != self.thread or _asyncio_task(loop) is not self.task:
                 return None
         elif _current_task() is not self.task:  # trio (None on a thread outside it)
             return None
