@@ -328,6 +328,39 @@ def test_abort_fails_every_kind_of_waiting_as_settling_each_work_would() -> None
     asyncio.run(main())
 
 
+def test_an_abort_takes_the_works_shared_lock_once_and_still_settles_a_work_locked_alone() -> None:
+    """Settling is one pass under the lock a ledger's Works share (``settle_all``): an
+    abort of a hundred takes it once, not a hundred times; a Work with a lock of its own
+    among them is settled on its own, like the rest."""
+
+    class CountingLock:
+        def __init__(self) -> None:
+            self.inner, self.entered = threading.Lock(), 0
+
+        def __enter__(self) -> bool:
+            self.entered += 1
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.inner.__exit__(*exc)
+
+    ledger, aborted = _ledger()
+    ledger.work_lock = lock = CountingLock()  # type: ignore[assignment]
+    with ledger.lock:
+        works = [ledger.reserve("all_reduce") for _ in range(100)]
+        alone = ac.Work("all_reduce", 101)  # a Work made with a lock of its own
+        ledger.pending[alone.seq] = alone
+    called: list[ac.Work] = []
+    works[7].add_done_callback(called.append)  # (takes the lock once, before the abort)
+    before = lock.entered
+    ledger.abort(ac.CommAborted("stop"))
+    assert lock.entered - before == 1
+    errors = [w.exception() for w in [*works, alone]]
+    assert all(isinstance(e, ac.CommAborted) for e in errors)
+    assert len({id(e) for e in errors}) == len(errors)  # each Work its own exception
+    assert called == [works[7]] and len(aborted) == 1 and not ledger.pending
+
+
 def test_no_success_is_reported_after_abort_and_state_leads_the_error() -> None:
     ledger, _ = _ledger()
     with ledger.lock:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
 from .._base.recorder import FlightRecorder, now, outcome
-from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work
+from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work, settle_all
 
 Target = Work | Bundle
 
@@ -246,10 +246,32 @@ class Ledger:
             return  # aborted: its Works already failed; a late "success" is not one
         wake = Wakeups()
         done: list[int] = []
+        run: list[Work] = []  # consecutive plain Works: settled in one pass, in order
         for target in targets:
+            if type(target) is Work:
+                run.append(target)
+                continue
+            if run:
+                self._succeed_run(run, value, wake, done)
+                run = []
             self._succeed(target, value, wake, done)
+        if run:
+            self._succeed_run(run, value, wake, done)
         self._recorder.ended_all(done, "done", now())
         wake.deliver()
+
+    def _succeed_run(self, works: list[Work], value: Any, wake: Wakeups, done: list[int]) -> None:
+        """Plain Works that completed: settled in one pass (``settle_all``); the seqs of
+        those it settled go to ``done``."""
+        if len(works) == 1:  # one op (an awaited one, most often): no lists
+            self._succeed(works[0], value, wake, done)
+            return
+        pop = self.pending.pop
+        for work in works:
+            pop(work.seq, None)
+        settled: list[Work] = []
+        settle_all(works, _DONE, value, wake, None, settled)
+        done.extend([w.seq for w in settled])
 
     def _succeed(self, target: Target, value: Any, wake: Wakeups, done: list[int]) -> None:
         """Settle ``target``'s Works; the seqs of those it settled go to ``done`` (recorded
@@ -383,14 +405,15 @@ class Ledger:
         make = abort_errors(error)
         if wake.later is None:
             wake.later = []  # kept tensors are freed after the waiters ran (``Wakeups``)
+        settled: list[Work] = []
+        settle_all(works, _FAILED, None, wake, make, settled)
         seqs: list[int] = []
         append = seqs.append
-        for work in works:
-            if work._settle(_FAILED, make(), wake):
-                if work._fans_out:  # a coalesced batch: each member has its own error
-                    self._members_failed(work)  # type: ignore[arg-type]
-                else:
-                    append(work.seq)
+        for work in settled:  # recorded by this pass only if it settled them (else: by whoever did)
+            if work._fans_out:  # a coalesced batch: each member has its own error
+                self._members_failed(work)  # type: ignore[arg-type]
+            else:
+                append(work.seq)
         state, text = outcome(make())
         self._recorder.ended_all(seqs, state, now(), text)
 

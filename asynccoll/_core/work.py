@@ -39,7 +39,7 @@ _FAILED = 2
 
 _get_running_loop = asyncio._get_running_loop
 
-__all__ = ["BatchWork", "Bundle", "MemberWork", "Wakeups", "Work"]
+__all__ = ["BatchWork", "Bundle", "MemberWork", "Wakeups", "Work", "settle_all"]
 
 
 class Work:
@@ -88,45 +88,8 @@ class Work:
 
     # ------------------------------------------------------------------ settle
     def _settle(self, state: int, value: Any, wake: Wakeups) -> bool:
-        """Mark the outcome (any thread; only the ledger calls this). Waiters go to
-        ``wake``, and what the Work lets go of to ``wake.later`` if it is collecting.
-
-        Returns False if the Work was already settled.
-        """
-        with self._lock:
-            if self._state != _PENDING:
-                return False
-            if self._fans_out:  # a batch: its members first, before anyone is woken
-                self._fan_out(state, value)
-            self._state = state
-            replaced = self._value
-            if state == _FAILED or value is not None:
-                self._value = value
-            waiters, self._waiters = self._waiters, None
-        later = wake.later
-        if later is not None:  # a burst (an abort): what it lets go of is freed after its waiters ran
-            later.extend((self._keep, replaced))  # (kept flat: no object per Work for the collector)
-        self._keep = self._poke = None
-        if waiters is not None:
-            value, running, resolve = self._value, wake.running, None
-            for fut in waiters:
-                if type(fut) in OTHER_WAITERS:
-                    fut.notify(self, wake)
-                    continue
-                loop = fut.get_loop()
-                if loop is running:  # this thread's loop: the future only schedules its task
-                    try:
-                        if state == _FAILED:
-                            fut.set_exception(value)
-                        else:
-                            fut.set_result(value)
-                    except asyncio.InvalidStateError:  # a cancelled wait
-                        pass
-                    continue
-                if resolve is None:
-                    resolve = (fail_future, value) if state == _FAILED else (succeed_future, value)
-                wake.add(loop, resolve_future, (fut, resolve))
-        return True
+        """:func:`settle_all` for this Work alone; False if it was already settled."""
+        return settle_all((self,), state, value, wake) == 1
 
     def _fan_out(self, state: int, value: Any) -> None:
         """A batch writes its outcome into its members here (:class:`BatchWork`)."""
@@ -415,6 +378,75 @@ class MemberWork(Work):
             with contextlib.suppress(Exception):  # the batch failed: this member's own outcome is below
                 yield from self._batch.__await__()
         return self.result()
+
+
+def settle_all(
+    works: Sequence[Work], state: int, value: Any, wake: Wakeups,
+    make: Callable[[], Any] | None = None, into: list[Work] | None = None,
+) -> int:
+    """The one way Works finish (any thread; only the ledger calls it): each of ``works``
+    still pending takes ``state`` and ``value`` (or ``make()``, one per Work: an abort
+    gives each its own exception; a success with None keeps the result known at issue).
+    Returns how many it settled (the others had settled already); ``into`` (if given)
+    gets those Works.
+
+    One pass under the lock the Works share (``Ledger.work_lock``; a Work with a lock
+    of its own is settled on its own): a burst of a thousand (an abort) takes it once,
+    not a thousand times. Then their waiters go to ``wake``, and what they let go of
+    (kept tensors, replaced results) to ``wake.later`` if it is collecting.
+    """
+    settled = 0
+    woken: list[tuple[Work, list[Any]]] = []
+    alone: list[Work] | None = None
+    later = wake.later
+    lock = works[0]._lock
+    with lock:
+        for work in works:
+            if work._state != _PENDING:
+                continue
+            if work._lock is not lock:
+                alone = [work] if alone is None else alone + [work]
+                continue
+            v = value if make is None else make()
+            if work._fans_out:  # a batch: its members first, before anyone is woken
+                work._fan_out(state, v)
+            work._state = state
+            if later is not None:  # a burst (an abort): freed after its waiters ran
+                later.append(work._value)
+                later.append(work._keep)
+            if state == _FAILED or v is not None:
+                work._value = v
+            work._keep = work._poke = None
+            if work._waiters is not None:
+                woken.append((work, work._waiters))
+                work._waiters = None
+            settled += 1
+            if into is not None:
+                into.append(work)
+    running = wake.running
+    for work, waiters in woken:
+        v, resolve = work._value, None
+        for fut in waiters:
+            if type(fut) in OTHER_WAITERS:
+                fut.notify(work, wake)
+                continue
+            loop = fut.get_loop()
+            if loop is running:  # this thread's loop: the future only schedules its task
+                try:
+                    if state == _FAILED:
+                        fut.set_exception(v)
+                    else:
+                        fut.set_result(v)
+                except asyncio.InvalidStateError:  # a cancelled wait
+                    pass
+                continue
+            if resolve is None:
+                resolve = (fail_future, v) if state == _FAILED else (succeed_future, v)
+            wake.add(loop, resolve_future, (fut, resolve))
+    if alone is not None:
+        for work in alone:
+            settled += settle_all((work,), state, value, wake, make, into)
+    return settled
 
 
 def _ready(work: Work) -> Generator[Any, None, Any]:
