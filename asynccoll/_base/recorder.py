@@ -27,7 +27,8 @@ DEFAULT_CAPACITY = 4096
 #: The recorder's clock: wall time, so that the ranks' records line up in one timeline.
 now = time.time
 
-# Record layout (a list, mutated once by ``ended``: _STATE, _T1, _ERROR as one slice).
+# Record layout (a list, mutated once by ``ended``: _T1 and _ERROR, then _STATE, which a
+# reader on another thread checks first: three index stores cost half a slice's).
 _SEQ, _OP, _DTYPE, _SHAPE, _PEER, _REDUCE, _BATCH, _T0, _STATE, _T1, _ERROR, _CSEQ = range(12)
 _P2P = ("send", "recv")
 _SCATTER = OpKind.SCATTER
@@ -163,14 +164,17 @@ class FlightRecorder:
         The first outcome recorded stays."""
         rec = self._open.pop(seq, None)
         if rec is not None:
-            rec[_STATE:_CSEQ] = state, t, error
+            rec[_T1] = t
+            rec[_ERROR] = error
+            rec[_STATE] = state
 
     def ended_all(self, seqs: Iterable[int], state: str, t: float, error: str | None = None) -> None:
         """:meth:`ended` for each of ``seqs`` (a coalesced batch's members, the Works an abort failed)."""
-        end = (state, t, error)
         for rec in map(self._open.pop, seqs, itertools.repeat(None)):
             if rec is not None:
-                rec[_STATE:_CSEQ] = end
+                rec[_T1] = t
+                rec[_ERROR] = error
+                rec[_STATE] = state
 
     def failed(self, seq: int, error: BaseException, t: float) -> None:
         """Record that op ``seq`` failed with ``error`` (its state read from the error's type)."""

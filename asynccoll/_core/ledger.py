@@ -124,8 +124,9 @@ class Ledger:
         #: Orders issuing against abort/close: an op is in ``pending`` before abort
         #: takes its snapshot, or sees the new state and raises.
         self.lock = threading.Lock()
-        #: The lock of every Work issued here (``Work._lock``): held for a few bytecodes,
-        #: never while taking another lock (so it may be taken while ``lock`` is held).
+        #: The lock of every Work issued here (``Work._lock``): held for a few bytecodes
+        #: per Work (``settle_all`` holds it once for a whole burst), never while taking
+        #: another lock (so it may be taken while ``lock`` is held).
         self.work_lock = threading.Lock()
         self.state = _OK
         self.closing = False

@@ -75,8 +75,8 @@ class Work:
         # Tensors that must outlive the operation (allocator safety, §3).
         self._keep = keep
         # Orders settling against taking a waiter. The ledger gives all its Works one
-        # (``Ledger.work_lock``: no object per op; held only for a few bytecodes,
-        # never while taking another).
+        # (``Ledger.work_lock``: no object per op; held for a few bytecodes per Work,
+        # once for a whole burst by ``settle_all``, never while taking another).
         self._lock = lock if lock is not None else threading.Lock()
         # Whoever waits, in one list: asyncio futures of awaiting tasks (any loop), and
         # the other kinds (``OTHER_WAITERS``: a trio task, a blocked ``wait()``, a done callback).
