@@ -162,11 +162,7 @@ class FlightRecorder:
         ``"aborted"``, ``"mismatch"``, or ``"skipped"``: settled on this rank without
         reaching the peers, ``asynccoll.testing.skip_collective``) at wall time ``t``.
         The first outcome recorded stays."""
-        rec = self._open.pop(seq, None)
-        if rec is not None:
-            rec[_T1] = t
-            rec[_ERROR] = error
-            rec[_STATE] = state
+        self.ended_all((seq,), state, t, error)
 
     def ended_all(self, seqs: Iterable[int], state: str, t: float, error: str | None = None) -> None:
         """:meth:`ended` for each of ``seqs`` (a coalesced batch's members, the Works an abort failed)."""

@@ -405,7 +405,9 @@ def settle_all(
             if work._state != _PENDING:
                 continue
             if work._lock is not lock:
-                alone = [work] if alone is None else alone + [work]
+                if alone is None:
+                    alone = []
+                alone.append(work)
                 continue
             v = value if make is None else make()
             if work._fans_out:  # a batch: its members first, before anyone is woken
