@@ -133,7 +133,7 @@ async def _one_kind(ctx: Any, name: str) -> dict[str, Any]:
                     comm.all_reduce(torch.ones(4))
                     comm.all_reduce(torch.ones(5 if _odd(comm) else 3))
                 raise AssertionError("the batch did not raise")
-            except ac.CollectiveMismatch as exc:
+            except ac.AsyncCollError as exc:  # the mismatch, or a peer's news of it (below)
                 errors: list[BaseException] = [exc]
                 errors += [w.exception() for w in group.works]  # type: ignore[misc]
         else:
