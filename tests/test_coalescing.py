@@ -61,25 +61,26 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 class _SubmitSpy:
-    """Records (kind, numel) of every ``backend.submit`` call on the comm's CPU backend."""
+    """Records (kind, numel) of every op the comm's CPU backend starts on its group
+    (``_issue``: past the memory gate, where a batch's flattened ops go)."""
 
     def __init__(self, comm: Any) -> None:
         self.backend = comm._backends["cpu"]
         self.calls: list[tuple[str, int]] = []
-        orig = self.backend.submit
+        orig = self.backend._issue
 
-        def submit(spec: OpSpec, work: ac.Work) -> None:
+        def issue(spec: OpSpec, work: ac.Work) -> None:
             t = spec.tensor if spec.tensor is not None else spec.output
             self.calls.append((spec.kind.value, 0 if t is None else t.numel()))
             orig(spec, work)
 
-        self.backend.submit = submit
+        self.backend._issue = issue
 
     def __enter__(self) -> _SubmitSpy:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        del self.backend.submit  # back to the class's method
+        del self.backend._issue  # back to the class's method
 
 
 async def _sum_check(comm: Any) -> None:

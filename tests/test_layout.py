@@ -254,7 +254,7 @@ def test_the_reader_sees_the_package() -> None:
     assert "asynccoll._core.work" in edges["asynccoll._core.ledger"]
     assert "asynccoll._core.validate" in edges["asynccoll._core.communicator"]
     assert "asynccoll._backends.flatten" in edges["asynccoll._backends.torch_pg"]
-    assert "asynccoll._core.backend" in edges["asynccoll._backends.flatten"]  # under TYPE_CHECKING
+    assert "asynccoll._core.backend" in edges["asynccoll._core.coalescing"]  # under TYPE_CHECKING
     # ``from . import m`` is an edge to the module m, not to the package.
     assert "asynccoll._backends.nccl" not in edges["asynccoll._backends.nccl.launcher"]
     # The cycle finder: each strongly connected component once, nothing acyclic.

@@ -169,6 +169,11 @@ class Completer:
             self._limit = 2 * len(fifo)
             self._ring(False)
 
+    def hurry(self) -> None:
+        """Have the thread wait for the queued ops until the queue is empty (an op held
+        back behind them goes when they have finished, and someone must see that)."""
+        self._ring(True)
+
     def _poke(self, ring: bool) -> None:
         """A Work's poke (``Work.set_poke``): settle what finished, here; or ring."""
         if ring:

@@ -1,11 +1,11 @@
 """Coalesced batches for backends without a native group call (Gloo, wrapped groups).
 
-``submit_batch(backend, specs, works)`` runs a batch as few collectives
+``submit_batch(submit, specs, works, rank, world_size)`` runs a batch as few collectives
 as it can: members that share a *flat key* are packed into one contiguous buffer
-and run as ONE collective through ``backend.submit``; results are copied back
+and run as ONE collective through ``submit``; results are copied back
 into each member's output, then every member Work settles (or all fail together).
 
-Flat keys (everything else runs as itself, through ``backend.submit``):
+Flat keys (everything else runs as itself, through ``submit``):
 
 =================  ===========================================  ===========================
 kind               key                                          flat layout
@@ -32,15 +32,12 @@ building leaves the whole batch unstarted.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .._base.ops import OpKind, OpSpec
 from .._core.work import Bundle, Work
-
-if TYPE_CHECKING:
-    from .._core.backend import Backend
 
 _AR, _BC, _AG, _RS = OpKind.ALL_REDUCE, OpKind.BROADCAST, OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER
 
@@ -102,15 +99,22 @@ def _alike(specs: Sequence[OpSpec]) -> list[torch.Tensor] | None:
     return tensors
 
 
-def submit_batch(backend: Backend, specs: Sequence[OpSpec], works: Sequence[Work], rank: int, world_size: int) -> None:
-    """Issue a batch on ``backend``, flattening what can be flattened (module docstring)."""
+def submit_batch(
+    submit: Callable[[OpSpec, Work | Bundle], None],
+    specs: Sequence[OpSpec],
+    works: Sequence[Work],
+    rank: int,
+    world_size: int,
+) -> None:
+    """Issue a batch through ``submit`` (a backend's own, past its gate), flattening
+    what can be flattened (module docstring)."""
     if len(specs) == 1:
-        backend.submit(specs[0], works[0])
+        submit(specs[0], works[0])
         return
     tensors = _alike(specs)
     if tensors is not None:  # the common batch: one flat all_reduce, with the caller's own lists
         spec, bundle = _flatten(specs, works, rank, world_size, tensors)
-        backend.submit(spec, bundle)
+        submit(spec, bundle)
         return
     issue: list[tuple[OpSpec, Work | Bundle]] = []
     for idx in plan(specs):
@@ -120,7 +124,7 @@ def submit_batch(backend: Backend, specs: Sequence[OpSpec], works: Sequence[Work
         else:
             issue.append(_flatten([specs[i] for i in idx], [works[i] for i in idx], rank, world_size))
     for spec, work in issue:
-        backend.submit(spec, work)
+        submit(spec, work)
 
 
 # --------------------------------------------------------------------------- packing

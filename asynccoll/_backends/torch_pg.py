@@ -1,13 +1,19 @@
 """Backend over a torch ``ProcessGroup`` object: Gloo, or any group given to ``wrap()``.
 
 Completion follows the common discipline (``common.Completer``): collectives are
-queued in issue order (Gloo runs them in that order) and settled by whoever asks
-first, or by a thread that waits on them in order. Point-to-point ops get a queue
+queued in issue order and settled by whoever asks first, or by a thread that waits
+on them in order (Gloo starts them in issue order, but runs them on several
+threads at once). Point-to-point ops get a queue
 of their own whose thread waits on each at once (started with the first send or
 recv): Gloo's send and recv works complete only inside ``wait()``
 (``is_completed()`` never turns true by itself, and they have no future), so a
 pending recv must not stand in front of collectives whose completion a peer may
 be waiting for.
+
+Memory order: every call passes a :class:`~.gate.MemoryGate` first, which holds an op
+whose memory an op in flight touches until that op has finished (its fix-up and
+copy-back included), and every op called after it, so calling order is execution
+order for each byte, as on NCCL's one stream; independent ops still overlap.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import operator
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,9 +29,11 @@ from torch._C import _distributed_c10d as c10d
 
 from .._base.errors import InvalidArgument, PeerFailure
 from .._base.ops import OpKind, OpSpec, ReduceOp
-from .._core.backend import ANY, Backend, Capabilities
+from .._core.backend import ANY, Backend, Capabilities, Sink
 from .._core.work import Bundle, Work
+from . import flatten
 from .common import Completer, avg_fixup, kind_of, strand, translate
+from .gate import MemoryGate, spans
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -86,6 +94,7 @@ class TorchGroupBackend(Backend):
         self._waiter = self._completer(f"asynccoll-{name}-waiter")
         # Gloo's send and recv finish only inside wait(): that thread waits on each at once.
         self._p2p_waiter = self._completer(f"asynccoll-{name}-p2p-waiter", eager=True)
+        self._gate = MemoryGate()
         self._aborted = False
         #: Set by the communicator: names the ranks that failed (heartbeat census).
         self.census: Callable[[], tuple[int, ...]] | None = None
@@ -109,7 +118,7 @@ class TorchGroupBackend(Backend):
         return opts
 
     def _completer(self, name: str, eager: bool = False) -> Completer:
-        return Completer(name, lambda: self.sink, _wait, _is_done, self._error, eager=eager)
+        return Completer(name, lambda: self._settled, _wait, _is_done, self._error, eager=eager)
 
     def _reduce(
         self, spec: OpSpec, tensor: torch.Tensor, result: torch.Tensor | None = None
@@ -130,7 +139,23 @@ class TorchGroupBackend(Backend):
         return err
 
     # -- Backend -----------------------------------------------------------
+    def bind(self, sink: Sink) -> None:
+        super().bind(sink)
+        self._settled = _Settled(sink, self._gate)
+
     def submit(self, spec: OpSpec, work: Work | Bundle) -> None:
+        works: Sequence[Work] = (work,) if isinstance(work, Work) else work.works
+        if not self._gate.run(spans((spec,)), works, self._issue, spec, work):
+            self._waiter.hurry()  # held: the ops it waits for must be seen to finish
+
+    def submit_batch(self, specs: Sequence[OpSpec], works: Sequence[Work]) -> None:
+        """A coalesced batch: one flattened collective per (kind, dtype, op), see ``flatten``."""
+        issue = flatten.submit_batch
+        if not self._gate.run(spans(specs), works, issue, self._issue, specs, works, self._pg.rank(), self._world_size):
+            self._waiter.hurry()
+
+    def _issue(self, spec: OpSpec, work: Work | Bundle) -> None:
+        """Start ``spec`` on the group now (the gate let it through)."""
         pg, kind, t = self._pg, spec.kind, spec.tensor
         if kind is OpKind.ALL_REDUCE and spec.reduce_op is ReduceOp.SUM and spec.timeout <= self._timeout:
             try:  # the most common op, without the general dispatch below
@@ -177,14 +202,9 @@ class TorchGroupBackend(Backend):
         waiter = self._p2p_waiter if kind is OpKind.SEND or kind is OpKind.RECV else self._waiter
         waiter.watch(tw, work, fixup)
 
-    def submit_batch(self, specs: Sequence[OpSpec], works: Sequence[Work]) -> None:
-        """A coalesced batch: one flattened collective per (kind, dtype, op), see ``flatten``."""
-        from . import flatten
-
-        flatten.submit_batch(self, specs, works, self._pg.rank(), self._world_size)
-
     def abort(self) -> None:
         self._aborted = True
+        self._gate.close()
         self._waiter.stop()
         self._p2p_waiter.stop()
         pg = self._pg
@@ -228,6 +248,35 @@ class TorchGroupBackend(Backend):
         # Otherwise the last reference goes here, on the executor thread. No
         # pg.shutdown(): measured here, it makes ~1 in 3 processes abort at exit
         # ("terminate called without an active exception").
+
+
+class _Settled:
+    """The sink the completion queues report to: the communicator's, then the gate,
+    which lets the held ops that waited for these go (a failure aborts: nothing more
+    goes)."""
+
+    __slots__ = ("_sink", "_gate")
+
+    def __init__(self, sink: Sink, gate: MemoryGate) -> None:
+        self._sink = sink
+        self._gate = gate
+
+    def succeed(self, target: Work | Bundle, value: Any = None) -> None:
+        self._sink.succeed(target, value)
+        self._release((target,))
+
+    def succeed_all(self, targets: Iterable[Work | Bundle]) -> None:
+        self._sink.succeed_all(targets)
+        self._release(targets)
+
+    def fail(self, target: Work | Bundle, exc: BaseException) -> None:
+        self._sink.fail(target, exc)
+
+    def _release(self, targets: Iterable[Work | Bundle]) -> None:
+        for works, exc in self._gate.finished(targets):
+            # A held op the group refused when its turn came: the peers may have
+            # started it, so it fails (and the communicator aborts), as a lost one does.
+            self._sink.fail(Bundle(works, works[0].op), exc)
 
 
 #: Aborted groups released while the interpreter exits: kept, never destroyed.
