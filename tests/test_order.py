@@ -234,3 +234,22 @@ def test_spans_merge_and_cover_non_contiguous_tensors() -> None:
     m = torch.zeros(4, 4)
     col = m[:, 1]  # strided: its whole storage counts
     assert spans([_spec(col)]) == [(m.data_ptr(), m.data_ptr() + 64)]
+
+
+async def chain_awaiting_only_the_last(comm: ac.Communicator, depth: int) -> list[float]:
+    """``depth`` all_reduces of one tensor, only the last one awaited: each held op must
+    be driven to its turn by the backend, not by someone awaiting it. The 100 ops in
+    front fill the completion queue past its backlog, whose ring merges the held ops'
+    rings into one drain (before the fix: a hang in 3 runs of 3)."""
+    others = [torch.ones(4) for _ in range(100)]  # past the completion queue's backlog (64)
+    for x in others:
+        comm.all_reduce(x)
+    t = torch.ones(4)
+    works = [comm.all_reduce(t) for _ in range(depth)]
+    await works[-1]
+    return t.tolist()
+
+
+def test_a_chain_of_held_ops_completes_when_only_the_last_is_awaited() -> None:
+    depth = 20
+    assert run_ranks(chain_awaiting_only_the_last, world_size=2, args=(depth,), timeout=60) == [[2.0**depth] * 4] * 2

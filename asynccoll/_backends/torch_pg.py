@@ -141,7 +141,7 @@ class TorchGroupBackend(Backend):
     # -- Backend -----------------------------------------------------------
     def bind(self, sink: Sink) -> None:
         super().bind(sink)
-        self._settled = _Settled(sink, self._gate)
+        self._settled = _Settled(sink, self._gate, self._waiter.hurry)
 
     def submit(self, spec: OpSpec, work: Work | Bundle) -> None:
         works: Sequence[Work] = (work,) if isinstance(work, Work) else work.works
@@ -253,13 +253,16 @@ class TorchGroupBackend(Backend):
 class _Settled:
     """The sink the completion queues report to: the communicator's, then the gate,
     which lets the held ops that waited for these go (a failure aborts: nothing more
-    goes)."""
+    goes). While the gate still holds ops, ``hurry`` keeps the completion thread
+    waiting on what is in flight: a held op has no poke, so nobody awaiting it (or an
+    op behind it) could otherwise bring its turn."""
 
-    __slots__ = ("_sink", "_gate")
+    __slots__ = ("_sink", "_gate", "_hurry")
 
-    def __init__(self, sink: Sink, gate: MemoryGate) -> None:
+    def __init__(self, sink: Sink, gate: MemoryGate, hurry: Callable[[], None]) -> None:
         self._sink = sink
         self._gate = gate
+        self._hurry = hurry
 
     def succeed(self, target: Work | Bundle, value: Any = None) -> None:
         self._sink.succeed(target, value)
@@ -277,6 +280,8 @@ class _Settled:
             # A held op the group refused when its turn came: the peers may have
             # started it, so it fails (and the communicator aborts), as a lost one does.
             self._sink.fail(Bundle(works, works[0].op), exc)
+        if self._gate.holding:
+            self._hurry()
 
 
 #: Aborted groups released while the interpreter exits: kept, never destroyed.
