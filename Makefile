@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:  `make demo`  and  `make test`.
-# Both create ./.venv on first use (CPU torch pinned, so no CUDA wheels are pulled).
+# Both create ./.venv on first use (CPU torch pinned, so no CUDA wheels are pulled; the
+# simulated-GPU tests bind to nccl4py with cuda-bindings 12: the test and nccl-cu12 extras).
 PY      ?= python3
 VENV    ?= .venv
 TORCH   ?= torch==2.13.0
@@ -13,7 +14,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,nccl-cu12]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -42,7 +43,7 @@ chaos: venv
 
 # The documentation (docs/), warnings as errors; and the sdist + wheel checked in a fresh venv.
 $(BIN)/.docs-installed: pyproject.toml $(BIN)/.installed
-	$(BIN)/pip install -q -e ".[test,docs,dist]"
+	$(BIN)/pip install -q -e ".[test,nccl-cu12,docs,dist]"
 	touch $@
 
 docs: $(BIN)/.docs-installed

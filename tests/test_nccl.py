@@ -4,7 +4,8 @@
   ``backend="auto"`` falls back to Gloo without CUDA, device choice.
 * Contract: the real :class:`NcclLib` over the real ``nccl.core`` (importable on a
   CPU machine): result codes, reduce ops, config, group and shrink entry points.
-  These must run in CI (``test`` extra installs nccl4py[cu12]); they do not skip.
+  These must run in CI (``make venv``: the ``test`` and ``nccl-cu12`` extras; ``make test-cu13``:
+  ``nccl-cu13``); they do not skip.
 * GPU (world size 1, one GPU): run only where torch sees CUDA and nccl4py works
   (``make gpu-test``). The simulated-GPU tests are in ``test_simgpu_*.py``.
 """
@@ -68,7 +69,7 @@ def test_missing_checks_each_import_with_cuda_present(absent: str) -> None:
         return importlib.import_module(name)
 
     reason = nccl.missing(cuda_available=lambda: True, importer=importer)
-    assert reason is not None and absent in reason and "asynccoll[nccl]" in reason
+    assert reason is not None and absent in reason and "asynccoll[nccl-cu1" in reason
 
 
 def test_missing_checks_that_libnccl_loads() -> None:
