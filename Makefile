@@ -8,7 +8,7 @@ BIN      = $(VENV)/bin
 # Two pytest workers: most tests wait on ranks, timers and process starts, not on a core.
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test bench venv clean gpu-test docs dist-check coverage mutations flake-hunt chaos
+.PHONY: demo test test-cu13 bench venv clean gpu-test docs dist-check coverage mutations flake-hunt chaos
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,21 @@ test: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The simulated GPU's doubles are autospecs of the installed cuda-bindings and nccl4py:
+# run its tests (and the NCCL and streams ones) under cuda-bindings 13 too, in a venv of
+# their own (CPU torch, the nccl-cu13 extra). .ci/run runs both majors.
+VENV13 ?= .venv-cu13
+$(VENV13)/bin/.installed: pyproject.toml
+	$(PY) -m venv $(VENV13)
+	$(VENV13)/bin/pip install -q --upgrade pip
+	$(VENV13)/bin/pip install -q "$(TORCH)"
+	$(VENV13)/bin/pip install -q -e ".[test,nccl-cu13]"
+	touch $@
+
+test-cu13: $(VENV13)/bin/.installed
+	$(VENV13)/bin/python -c "import sys, cuda.bindings as b; v = b.__version__; print('cuda-bindings', v); sys.exit(v[:3] != '13.')"
+	$(VENV13)/bin/python -m pytest -q $(PYTEST_ARGS) tests/test_simgpu_*.py tests/test_nccl.py tests/test_streams.py tests/test_doctor.py
 
 bench: venv
 	$(BIN)/python -m bench
@@ -77,4 +92,4 @@ gpu-test:
 	$(GPU_VENV)/bin/python -m bench.gpu --report
 
 clean:
-	rm -rf $(VENV) bench/results docs/_build dist
+	rm -rf $(VENV) $(VENV13) bench/results docs/_build dist
