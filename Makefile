@@ -78,18 +78,29 @@ coverage: venv
 mutations: venv
 	$(BIN)/python -m tests.mutations
 
-# On a CUDA machine: a CUDA torch build, the nccl extra, then every test (the GPU tests
-# skip without CUDA, here they run) and the GPU benchmark, printed as ONE report
-# (also in bench/results/gpu_report.txt).
+# The GPU run, on a CUDA machine (tools/gpu_run.py): the GPU tests, then the GPU bench, each
+# phase time-boxed (7 minutes in all), the report written into GPU_OUT as it goes. It uses
+# the Python it is given and installs nothing (NO_VENV=1, the default); without a CUDA GPU
+# it says so in seconds. INSTALL=1 first makes GPU_VENV with GPU_TORCH and the test and
+# GPU_EXTRA extras (network needed): make gpu-test INSTALL=1 GPU_EXTRA=nccl-cu12.
+GPU_OUT   ?= bench/results/gpu
 GPU_TORCH ?= torch
+GPU_EXTRA ?= nccl-cu13
 GPU_VENV  ?= .venv-gpu
+NO_VENV   ?= 1
+ifeq ($(INSTALL),1)
+GPU_PY = $(GPU_VENV)/bin/python
+else
+GPU_PY = $(PY)
+endif
 gpu-test:
+ifeq ($(INSTALL),1)
 	$(PY) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/pip install -q --upgrade pip
 	$(GPU_VENV)/bin/pip install -q "$(GPU_TORCH)"
-	$(GPU_VENV)/bin/pip install -q -e ".[test,nccl]"
-	$(GPU_VENV)/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-test needs a CUDA GPU')"
-	$(GPU_VENV)/bin/python -m bench.gpu --report
+	$(GPU_VENV)/bin/pip install -q -e ".[test,$(GPU_EXTRA)]"
+endif
+	$(GPU_PY) tools/gpu_run.py --out $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) $(VENV13) bench/results docs/_build dist
