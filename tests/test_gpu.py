@@ -54,7 +54,7 @@ def test_side_stream_ops_see_their_inputs_and_outlive_freed_inputs(loop: str) ->
     (res,) = on_gpu(gr.side_stream_order, loop=loop)
     assert res["bad"] == [], res  # wrong bytes: ran before the fill, or read a reused block
     # The host never waited for the GPU: the loop was done with time to spare.
-    assert res["pending_at_end"] and res["loop_s"] < res["gpu_sleep_s"] / 2, res
+    assert res["pending_at_end"] and res["loop_s"] < res["gpu_sleep_s"], res
 
 
 # ===================================================================== abort, close
