@@ -32,4 +32,8 @@ assert asyncio.run(main()) == [1.0, 1.0, 1.0]
 cli = subprocess.run([sys.executable, "-m", "asynccoll.diagnose", "--help"], capture_output=True, text=True,
                      timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
 assert cli.returncode == 0 and "trace_dir" in cli.stdout, cli.stderr
-print(f"asynccoll {ac.__version__} from {Path(ac.__file__).parent}: import, one-rank all_reduce, diagnose: ok")
+# The doctor where no extra is installed (no nccl4py, cuda-bindings or libnccl): says so, exits 0.
+doc = subprocess.run([sys.executable, "-m", "asynccoll.doctor"], capture_output=True, text=True,
+                     timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+assert doc.returncode == 0 and "absent     nccl4py, cuda-bindings, cuda-core" in doc.stdout, (doc.stdout, doc.stderr)
+print(f"asynccoll {ac.__version__} from {Path(ac.__file__).parent}: import, one-rank all_reduce, diagnose, doctor: ok")

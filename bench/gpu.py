@@ -2,7 +2,8 @@
 
     python -m bench.gpu [--json out.json] [--iters 1000] [--size 8]
     python -m bench.gpu --sim [--iters 2000]     (no GPU: host cost on the simulated GPU, bench/gpu_sim.py)
-    python -m bench.gpu --report                  (make gpu-test: the GPU tests, then this bench: one report)
+
+The GPU run (``make gpu-test``, ``tools/gpu_run.py``) runs the GPU tests, then this.
 
 Measures, against torch.distributed's own NCCL group (``all_reduce(async_op=True)``):
 
@@ -44,7 +45,8 @@ def _ns_per(fn: Callable[[], Any], n: int) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------- asynccoll
-async def _asynccoll(iters: int, size: int, loop_name: str) -> dict[str, Any]:
+async def measure_asynccoll(iters: int, size: int, loop_name: str) -> dict[str, Any]:
+    """asynccoll's NCCL backend at world size 1 under the running loop (``loop_name`` labels it)."""
     import torch.distributed as dist
 
     import asynccoll as ac
@@ -125,7 +127,8 @@ def _cycles_per_us() -> float:
 
 
 # ------------------------------------------------------------------ torch baseline
-def _torch(iters: int, size: int) -> dict[str, Any]:
+def measure_torch(iters: int, size: int) -> dict[str, Any]:
+    """torch's own ProcessGroupNCCL at world size 1, the same measures (its ``async_op`` works)."""
     import torch.distributed as dist
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -199,15 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--size", type=int, default=8, help="elements per all_reduce (float32)")
     ap.add_argument("--sim", action="store_true", help="the host cost on the simulated GPU (no GPU needed)")
-    ap.add_argument("--report", action="store_true", help="run every test on this GPU, then the bench: one report")
     ap.add_argument("--out", help="--sim: the directory for gpu_sim.json/.png (default bench/results)")
     args = ap.parse_args(argv)
     if args.sim:
         from bench import gpu_sim
 
         return gpu_sim.main(n=args.iters if args.iters != 1000 else 2000, out_dir=args.out)
-    if args.report:
-        return report(args.iters, args.size)
 
     from asynccoll._backends import nccl
 
@@ -217,14 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {kind} ({reason})")
         return 0
 
-    rows = [asyncio.run(_asynccoll(args.iters, args.size, "asynccoll asyncio"))]
+    rows = [asyncio.run(measure_asynccoll(args.iters, args.size, "asynccoll asyncio"))]
     try:
         import uvloop
     except ImportError:
         print("uvloop not installed: skipping the uvloop run", file=sys.stderr)
     else:
-        rows.append(uvloop.run(_asynccoll(args.iters, args.size, "asynccoll uvloop")))
-    rows.append(_torch(args.iters, args.size))
+        rows.append(uvloop.run(measure_asynccoll(args.iters, args.size, "asynccoll uvloop")))
+    rows.append(measure_torch(args.iters, args.size))
 
     print(f"world size 1, {torch.cuda.get_device_name()}, all_reduce of {args.size} float32, {args.iters} ops")
     print(_table(rows))
@@ -238,87 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=2)
     return 0
-
-
-def _tests(xml: str) -> dict[str, Any]:
-    """Run the whole suite here (GPU tests no longer skip); counts, failures, what used the GPU."""
-    import subprocess
-    import xml.etree.ElementTree as ET
-
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests"]
-    t0 = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)) or ".")
-    res: dict[str, Any] = {"seconds": time.monotonic() - t0, "exit": out.returncode, "tail": out.stdout[-3000:],
-                           "failed": [], "skipped": [], "gpu": [], "counts": {}}
-    try:
-        root = ET.parse(xml).getroot()
-    except (OSError, ET.ParseError) as exc:
-        res["error"] = f"no junit report: {exc}"
-        return res
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
-    for case in root.iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            counts["failed"] += 1
-            res["failed"].append(name)
-        elif case.find("skipped") is not None:
-            counts["skipped"] += 1
-            res["skipped"].append(f"{name}: {case.find('skipped').get('message', '')}")  # type: ignore[union-attr]
-        else:
-            counts["passed"] += 1
-            if "gpu" in name or "nccl-1" in name or "[cuda]" in name:
-                res["gpu"].append(name)
-    res["counts"] = counts
-    return res
-
-
-def report(iters: int, size: int) -> int:
-    """``make gpu-test``: every test on this machine's GPU, then the bench; one report, printed and
-    written to ``bench/results/gpu_report.txt`` (with the JSON beside it)."""
-    from asynccoll._backends import nccl
-
-    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(results, exist_ok=True)
-    load0 = os.getloadavg()
-    tests = _tests(os.path.join(results, "gpu_tests.xml"))
-    lines = ["asynccoll GPU report", "=" * 20]
-    reason = nccl.missing()
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    try:
-        import nccl.core as nc
-
-        versions = str(nc.get_version())
-    except Exception as exc:  # noqa: BLE001 - reported as is
-        versions = f"nccl4py unavailable: {exc}"
-    lines += [f"device: {dev}; torch {torch.__version__} (CUDA {torch.version.cuda}); {versions}",
-              f"load {load0[0]:.2f}, {os.cpu_count()} CPUs; NCCL usable: {reason or 'yes'}", "",
-              f"tests: {tests['counts']} in {tests['seconds']:.0f} s (exit {tests['exit']})",
-              f"tests that ran on the GPU: {len(tests['gpu'])}"]
-    lines += [f"  FAILED {name}" for name in tests["failed"]]
-    gpu_skips = [s for s in tests["skipped"] if "CUDA" in s or "NCCL" in s or "GPU" in s]
-    lines += [f"  skipped (GPU) {s}" for s in gpu_skips[:20]]
-    if "error" in tests:
-        lines.append(f"  {tests['error']}")
-    bench: list[dict[str, Any]] = []
-    if reason is None:
-        bench = [asyncio.run(_asynccoll(iters, size, "asynccoll asyncio"))]
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            bench.append(uvloop.run(_asynccoll(iters, size, "asynccoll uvloop")))
-        bench.append(_torch(iters, size))
-        lines += ["", f"bench: world size 1, all_reduce of {size} float32, {iters} ops", _table(bench)]
-    else:
-        lines += ["", f"bench: skipped ({reason})"]
-    text = "\n".join(lines)
-    print(text)
-    with open(os.path.join(results, "gpu_report.txt"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(results, "gpu_report.json"), "w") as f:
-        json.dump({"load": load0, "tests": tests, "bench": bench}, f, indent=2)
-    return 0 if tests["exit"] == 0 else 1
 
 
 if __name__ == "__main__":

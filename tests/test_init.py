@@ -377,3 +377,63 @@ def test_init_returns_once_every_rank_has_built_its_backends() -> None:
     results = run_ranks(close_at_once, world_size=2, backend=None, timeout=60)
     assert results[0]["took"] >= 0.9, results  # rank 0 waited for rank 1's creation to end
     assert results[1]["state"] == "ok", results
+
+
+async def _nccl_refuses(rdv: Any, prefix: str, device: Any, timeout: float) -> Any:
+    # What NCCL says to two ranks of one communicator on one GPU (before 2.30).
+    raise ac.BackendUnavailable("NCCL init (rank 0/2, cuda:0) failed: NCCL error 5 (invalid usage): "
+                                "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 1b000")
+
+
+def _ours(names: set[str], rank: int) -> set[str]:
+    """Threads of asynccoll's, less the rank worker's executor (``asynccoll-rank<R>_<N>``)."""
+    return {n for n in names if n.startswith("asynccoll") and not n.startswith(f"asynccoll-rank{rank}_")}
+
+
+async def auto_with_nccl_refused(ctx: RankContext) -> dict[str, Any]:
+    """``init("auto")`` whose NCCL part fails after Gloo is up: Gloo is released, its
+    threads end, and the communicator's keys are deleted once both ranks are out."""
+    import threading
+
+    from asynccoll._bootstrap.build import Factories
+    from asynccoll._bootstrap.init import init_with
+
+    store = ctx.store
+
+    async def both(name: str) -> None:
+        store.add(name, 1)
+        while int(store.add(name, 0)) < ctx.world_size:
+            await anyio.sleep(0.01)
+
+    kw: dict[str, Any] = dict(rank=ctx.rank, world_size=ctx.world_size, store=store, timeout=30)
+    warm = await ac.init("gloo", **kw)  # once-per-store keys (creation counters) exist from here on
+    await warm.close()
+    for _ in range(200):  # the liveness service of the warm-up unlists itself as it ends
+        if Service.threads() == 0:
+            break
+        await anyio.sleep(0.025)
+    for name in ("b1", "b2", "b3"):
+        store.add(name, 0)
+    await both("b1")
+    before, threads = store.num_keys(), {t.name for t in threading.enumerate()}
+    await both("b2")
+    factories = Factories(nccl=_nccl_refuses, nccl_missing=lambda: None)  # as where CUDA and nccl4py are
+    try:
+        await init_with(factories, "auto", **kw)
+        error = "no error"
+    except ac.BackendUnavailable as exc:
+        error = str(exc)
+    await both("b3")
+    left: set[str] = set()
+    for _ in range(200):  # threads that are ending
+        left = _ours({t.name for t in threading.enumerate()} - threads, ctx.rank)
+        if not left:
+            break
+        await anyio.sleep(0.025)
+    return {"error": error, "keys": store.num_keys() - before, "threads": sorted(left)}
+
+
+def test_auto_whose_nccl_fails_releases_gloo_and_its_keys() -> None:
+    for res in run_ranks(auto_with_nccl_refused, world_size=2, backend=None, timeout=90):
+        assert "Duplicate GPU" in res["error"], res
+        assert res["keys"] == 0 and res["threads"] == [], res  # were: 5 keys, Gloo left to the GC

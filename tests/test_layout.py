@@ -52,6 +52,7 @@ ROOMS: dict[str, set[str]] = {
     # The top: the public names, the CLI and the test kit stand on everything.
     "__init__": {"*"},
     "diagnose": {"*"},
+    "doctor": {"*"},
     "store": set(),  # python -m asynccoll.store: torch's TCPStore, nothing of asynccoll
     "testing": {"*"},
 }

@@ -4,20 +4,17 @@
   ``backend="auto"`` falls back to Gloo without CUDA, device choice.
 * Contract: the real :class:`NcclLib` over the real ``nccl.core`` (importable on a
   CPU machine): result codes, reduce ops, config, group and shrink entry points.
-  These must run in CI (``test`` extra installs nccl4py[cu12]); they do not skip.
-* GPU (world size 1, one GPU): run only where torch sees CUDA and nccl4py works
-  (``make gpu-test``). The simulated-GPU tests are in ``test_simgpu_*.py``.
+  These must run in CI (``make venv``: the ``test`` and ``nccl-cu12`` extras; ``make test-cu13``:
+  ``nccl-cu13``); they do not skip.
+The real-GPU tests are in ``test_gpu.py``, the simulated-GPU ones in ``test_simgpu_*.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import subprocess
 import sys
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -68,7 +65,7 @@ def test_missing_checks_each_import_with_cuda_present(absent: str) -> None:
         return importlib.import_module(name)
 
     reason = nccl.missing(cuda_available=lambda: True, importer=importer)
-    assert reason is not None and absent in reason and "asynccoll[nccl]" in reason
+    assert reason is not None and absent in reason and "asynccoll[nccl-cu1" in reason
 
 
 def test_missing_checks_that_libnccl_loads() -> None:
@@ -245,182 +242,6 @@ def test_caps_bool_reduces_except_avg_and_fp8_needs_sm90() -> None:
     old = caps.for_device((8, 9))
     assert fp8 not in old.reduce[ReduceOp.SUM] and "sm_90" in (old.refusal(ReduceOp.SUM, fp8) or "")
     assert old.move is None  # every dtype still moves (as bytes where not native)
-
-
-# ============================================================== GPU (world size 1)
-def _run_ranks(fn: Any, **kw: Any) -> list[Any]:
-    try:
-        from asynccoll.testing import run_ranks
-    except ImportError as exc:  # pragma: no cover - written concurrently
-        pytest.skip(f"asynccoll.testing.run_ranks unavailable: {exc}")
-    return run_ranks(fn, world_size=1, backend="nccl", timeout=120, **kw)
-
-
-async def gpu_all_collectives(comm: Any) -> list[str]:
-    """Every collective at world size 1; returns the list of mismatches."""
-    dev = comm.device
-    bad: list[str] = []
-    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64,
-              torch.int8, torch.uint8, torch.int32, torch.int64]
-    for dt in dtypes:
-        for op in ac.ReduceOp:
-            t = torch.arange(1, 9, device=dev).to(dt)
-            want = t.clone()
-            got = await comm.all_reduce(t, op)
-            if not torch.equal(got, want):
-                bad.append(f"all_reduce {dt} {op}: {got.tolist()}")
-        x = torch.arange(6, device=dev).to(dt)
-        if not torch.equal(await comm.broadcast(x.clone(), 0), x):
-            bad.append(f"broadcast {dt}")
-        r = x.clone()
-        await comm.reduce(r, 0, ac.ReduceOp.MAX)
-        if not torch.equal(r, x):
-            bad.append(f"reduce {dt}")
-        out = torch.empty_like(x)
-        if not torch.equal(await comm.all_gather(out, x), x):
-            bad.append(f"all_gather {dt}")
-        out = torch.empty_like(x)
-        if not torch.equal(await comm.reduce_scatter(out, x, ac.ReduceOp.SUM), x):
-            bad.append(f"reduce_scatter {dt}")
-        out = torch.empty_like(x)
-        if not torch.equal(await comm.all_to_all(out, x), x):
-            bad.append(f"all_to_all {dt}")
-        out = torch.empty_like(x)
-        if not torch.equal(await comm.gather(x, 0, out), x):
-            bad.append(f"gather {dt}")
-        out = torch.empty_like(x)
-        if not torch.equal(await comm.scatter(out, 0, x), x):
-            bad.append(f"scatter {dt}")
-    b = torch.tensor([True, False, True], device=dev)
-    if not torch.equal(await comm.all_reduce(b), b):
-        bad.append("all_reduce bool")
-    await comm.barrier()
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        a = cupy.arange(4, dtype=cupy.float32)
-        await comm.all_reduce(a)
-        cupy.cuda.get_current_stream().synchronize()
-        if a.tolist() != [0.0, 1.0, 2.0, 3.0]:
-            bad.append("cupy all_reduce")
-    return bad
-
-
-async def gpu_stream_order(comm: Any) -> dict[str, Any]:
-    """The op waits for the caller's stream at call time; wait_stream orders without a host block."""
-    dev = comm.device
-    n = 1 << 20
-    x = torch.zeros(n, device=dev)
-    out = torch.empty(n, device=dev)
-    torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time on the current stream
-    x.fill_(3.0)  # queued behind the sleep
-    t0 = time.monotonic()
-    w = comm.all_gather(out, x)  # out-of-place: running early would copy zeros
-    side = torch.cuda.Stream(dev)
-    w.wait_stream(side)
-    issue_s = time.monotonic() - t0
-    with torch.cuda.stream(side):
-        y = out * 2
-    early = w.done()
-    await w
-    side.synchronize()
-    return {"gather_ok": bool((out == 3).all()), "y_ok": bool((y == 6).all()), "issue_s": issue_s, "early": early}
-
-
-async def gpu_allocator_safety(comm: Any) -> bool:
-    dev = comm.device
-    n = 1 << 22
-    x = torch.full((n,), 7.0, device=dev)
-    out = torch.empty(n, device=dev)
-    torch.cuda._sleep(int(2e8))
-    w = comm.all_gather(out, x)
-    del x  # the backend and the Work keep it alive until the op completes
-    junk = [torch.full((n,), -1.0, device=dev) for _ in range(8)]
-    r = await w
-    del junk
-    return bool((r == 7).all())
-
-
-async def gpu_abort_stuck(comm: Any) -> dict[str, Any]:
-    dev = comm.device
-    t = torch.ones(16, device=dev)
-    torch.cuda._sleep(int(5e9))  # seconds of GPU time: the all_reduce is stuck behind it
-    w = comm.all_reduce(t)
-    await asyncio.sleep(0.2)
-    t0 = time.monotonic()
-    comm.abort("test")
-    try:
-        await asyncio.wait_for(w, 5)
-        raised = None
-    except BaseException as exc:  # noqa: BLE001
-        raised = type(exc).__name__
-    return {"elapsed": time.monotonic() - t0, "raised": raised, "is_aborted": isinstance(w.exception(), ac.CommAborted)}
-
-
-async def gpu_init_close_cycles(comm: Any) -> dict[str, Any]:
-    import gc
-
-    dev = comm.device
-    await comm.all_reduce(torch.ones(4, device=dev))
-    torch.cuda.synchronize()
-    threads0 = threading.active_count()
-    mem0 = torch.cuda.memory_allocated(dev)
-    for _ in range(3):
-        port = unused_port()
-        async with ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=port, device=dev) as c:
-            t = torch.ones(1024, device=dev)
-            await c.all_reduce(t)
-            await c.barrier()
-            del t
-    gc.collect()
-    torch.cuda.synchronize()
-    return {"threads": threading.active_count() - threads0, "mem": torch.cuda.memory_allocated(dev) - mem0}
-
-
-@needs_nccl
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_gpu_every_collective(loop: str) -> None:
-    (bad,) = _run_ranks(gpu_all_collectives, loop=loop)
-    assert bad == []
-
-
-@needs_nccl
-def test_gpu_stream_ordering_and_wait_stream() -> None:
-    (res,) = _run_ranks(gpu_stream_order)
-    assert res["gather_ok"] and res["y_ok"], res
-    assert res["issue_s"] < 0.05 and not res["early"], res  # no host block behind the GPU sleep
-
-
-@needs_nccl
-def test_gpu_allocator_safety() -> None:
-    assert _run_ranks(gpu_allocator_safety) == [True]
-
-
-@needs_nccl
-def test_gpu_abort_while_stuck_is_bounded() -> None:
-    (res,) = _run_ranks(gpu_abort_stuck)
-    assert res["elapsed"] < 5.0 and res["raised"] == "CommAborted" and res["is_aborted"], res
-
-
-@needs_nccl
-def test_gpu_init_close_cycles_leak_nothing() -> None:
-    (res,) = _run_ranks(gpu_init_close_cycles)
-    assert res == {"threads": 0, "mem": 0}, res
-
-
-@needs_nccl
-def test_gpu_init_picks_local_rank_device() -> None:
-    async def main() -> None:
-        os.environ["LOCAL_RANK"] = "0"
-        try:
-            async with ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port()) as c:
-                assert c.device == torch.device("cuda", 0) and c.backend == "nccl"
-        finally:
-            del os.environ["LOCAL_RANK"]
-
-    asyncio.run(main())
 
 
 def test_backend_class_is_exported() -> None:

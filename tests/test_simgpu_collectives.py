@@ -17,7 +17,7 @@ import asynccoll as ac
 from asynccoll.testing.simgpu import SimCluster
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
-          torch.int32, torch.int64, torch.bool, torch.complex64]
+          torch.int32, torch.int64, torch.uint32, torch.uint64, torch.bool, torch.complex64]
 OPS = list(ac.ReduceOp)
 
 

@@ -64,7 +64,8 @@ def test_an_init_that_reports_an_error_is_aborted(code: Any, expect: type) -> No
             return comm
 
         sim.nccl.module.Communicator.init.side_effect = broken
-        with pytest.raises(expect):
+        # NCCL's own words (ncclGetLastError, e.g. "Duplicate GPU detected") name the cause.
+        with pytest.raises(expect, match=f"NCCL error {int(code)} .*: simulated NCCL error {int(code)}$"):
             sim.backends(1)
         assert sim.nccl.live() == []  # the half-built communicator was aborted
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .._backends import gloo
 from .._backends.torch_pg import TorchGroupBackend
-from .._base.errors import AsyncCollError, BackendUnavailable, InvalidArgument
+from .._base.errors import AsyncCollError, BackendUnavailable, CollectiveMismatch, InvalidArgument
 from .._core.backend import Backend
 from .._core.communicator import Communicator
 from .._core.seams import Membership
@@ -35,6 +35,10 @@ from .stores import STORES, exclusive
 
 #: Seconds Gloo's connect timeout outlasts ours.
 _GLOO_MARGIN = 30.0
+#: Creation errors after which every rank still reaches the store, so each can count
+#: itself out of the communicator's keys (``forget``); at most this many seconds.
+_REFUSED = (BackendUnavailable, CollectiveMismatch, InvalidArgument)
+_FORGET_S = 5.0
 
 
 async def build_gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroupBackend:
@@ -174,24 +178,31 @@ async def connect(
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous."""
     prefix = await comm_prefix(rdv, timeout)
-    await agree_options(rdv, prefix, {
-        "backend": backend, "nccl": use_nccl, "check": check, "heartbeat": heartbeat, "world_size": rdv.world_size,
-        "name": getattr(group, "name", None),
-    }, timeout)
     backends: dict[str | None, Backend] = {}
-    if backend in ("gloo", "auto"):
-        backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
-    if use_nccl:
-        backends["cuda"] = nccl_backend or await factories.nccl(rdv, prefix, device, timeout)
-    cuda = backends.get("cuda")
-    dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
-    diagnostics = await build_diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
     try:
+        await agree_options(rdv, prefix, {
+            "backend": backend, "nccl": use_nccl, "check": check, "heartbeat": heartbeat,
+            "world_size": rdv.world_size, "name": getattr(group, "name", None),
+        }, timeout)
+        if backend in ("gloo", "auto"):
+            backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
+        if use_nccl:
+            backends["cuda"] = nccl_backend or await factories.nccl(rdv, prefix, device, timeout)
+        diagnostics = await build_diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
         await all_created(rdv, prefix, timeout)
-    except BaseException:
+    except BaseException as exc:
+        # A backend that failed ("auto": NCCL refused two ranks on one GPU) must not
+        # leave the one built before it running (Gloo's threads and sockets).
         for be in set(backends.values()):
             be.release()
+        if isinstance(exc, _REFUSED):  # the store is fine: the last rank out deletes the keys
+            try:
+                await off_loop(functools.partial(forget, rdv, prefix), min(timeout, _FORGET_S), "store")
+            except AsyncCollError:
+                pass  # keys left behind: the creation error is the one to report
         raise
+    cuda = backends.get("cuda")
+    dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
     # for; otherwise a slower census-only beat that names ranks Gloo lost.
     detect = heartbeat is not None or use_nccl

@@ -98,10 +98,18 @@ def reducible(
     if dt in COMPLEX:
         t = torch.view_as_real(t)
         dt = t.dtype
-    if op is ReduceOp.AVG and not dt.is_floating_point:
+    if op is ReduceOp.AVG and not dt.is_floating_point and dt not in UNSIGNED:
         post.append(functools.partial(t.div_, ws, rounding_mode="floor"))  # as Gloo and torch: floor
         op = ReduceOp.SUM
     return t, op
+
+
+#: Unsigned integers average with NCCL's own ncclAvg: for an integer type it is a sum, then
+#: a division by nranks (``ncclDevSumPostDiv``, NCCL src/enqueue.cc ``hostToDevRedOp``), which
+#: truncates: the floor, as for the signed types' fix-up. That fix-up (``div_`` with
+#: ``rounding_mode="floor"``) does not exist in torch for uint16/32/64 (NotImplementedError
+#: "div_floor" not implemented for 'UInt32', torch 2.13): it would fail on the comm stream.
+UNSIGNED = frozenset(getattr(torch, n) for n in ("uint8", "uint16", "uint32", "uint64") if hasattr(torch, n))
 
 
 def _need(ok: bool, spec: OpSpec, what: str) -> None:

@@ -32,6 +32,14 @@ def abort_quietly(comm: Any) -> None:
         pass
 
 
+def last_error(comm: Any) -> str:
+    """``ncclGetLastError``: the text of NCCL's last warning in this process ("" if none)."""
+    try:
+        return str(comm.get_last_error() or "").strip()
+    except Exception:  # noqa: BLE001 - NcclInvalid on a freed handle: the status code alone is reported
+        return ""
+
+
 def wait_ready(comm: Any, lib: Any, deadline: float, what: str, cancel: threading.Event | None = None) -> None:
     """Poll a new communicator until it leaves InProgress; abort it on failure."""
     delay = 1e-4
@@ -44,10 +52,12 @@ def wait_ready(comm: Any, lib: Any, deadline: float, what: str, cancel: threadin
         if status == SUCCESS:
             return
         if status != IN_PROGRESS:
+            last = last_error(comm)  # NCCL's own words (e.g. "Duplicate GPU detected"), before abort frees it
             abort_quietly(comm)
             text = lib.error_string(status)
             cls = PeerFailure if status in PEER_ERRORS else BackendUnavailable
-            raise cls(f"{what} failed: NCCL error {status} ({text})") from NcclError(status, text)
+            raise cls(f"{what} failed: NCCL error {status} ({text})" + (f": {last}" if last else "")) from NcclError(
+                status, text)
         if time.monotonic() > deadline or (cancel is not None and cancel.is_set()):
             abort_quietly(comm)
             raise CollectiveTimeout(f"{what}: peers did not arrive in time (still ncclInProgress)")
@@ -123,14 +133,9 @@ class CommHandle:
     def failure(self, status: int) -> CommAborted:
         """The contract's exception for an NCCL error code (``PeerFailure`` for a peer's)."""
         text = self.lib.error_string(status)
-        last = ""
         with self._lock:
             comm = None if self.stopping else self._comm
-            if comm is not None:
-                try:
-                    last = str(comm.get_last_error() or "")
-                except Exception:  # noqa: BLE001, S110 - the status code alone is reported
-                    pass
+            last = "" if comm is None else last_error(comm)
         msg = f"NCCL reported error {status} ({text}) on rank {self.rank}" + (f": {last}" if last else "")
         exc: CommAborted = PeerFailure(msg) if status in PEER_ERRORS else CommAborted(msg)
         exc.__cause__ = NcclError(status, text)

@@ -31,11 +31,18 @@ PEER_ERRORS = (SYSTEM_ERROR, REMOTE_ERROR)
 
 #: The first libnccl with ``ncclCommRevoke`` (NCCL 2.28.7-1 release; NVIDIA/nccl ae7aed19).
 REVOKE_SINCE = (2, 28, 7)
+#: The first libnccl with ``ncclCommShrink`` (NCCL 2.27; ``python -m asynccoll.doctor`` reports it).
+SHRINK_SINCE = (2, 27, 0)
 #: The first libnccl with ``ncclCommGrow``/``ncclCommGetUniqueId`` (NCCL 2.29.2-1; ebd1e929).
 GROW_SINCE = (2, 29, 2)
 
 
-_HOW = "pip install 'asynccoll[nccl]' (nccl4py[cu12]: nccl4py, cuda-bindings, nvidia-nccl-cu12)"
+def _how() -> str:
+    """The install line for this torch's CUDA major (extras ``nccl-cu12``, ``nccl-cu13``)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    extra = f"nccl-cu{major}" if major in ("12", "13") else "nccl-cu12' or 'asynccoll[nccl-cu13"
+    return (f"pip install 'asynccoll[{extra}]' (nccl4py, cuda-bindings and libnccl of torch's CUDA major; "
+            "python -m asynccoll.doctor shows what is installed)")
 
 
 def library_problem(importer: Callable[[str], Any] = importlib.import_module) -> str | None:
@@ -44,12 +51,12 @@ def library_problem(importer: Callable[[str], Any] = importlib.import_module) ->
         try:
             importer(mod)
         except Exception as exc:  # noqa: BLE001 - ImportError, or OSError from a broken native library
-            return f"NCCL backend needs {mod.split('.')[0]}: importing {mod} failed ({exc}); {_HOW}"
+            return f"NCCL backend needs {mod.split('.')[0]}: importing {mod} failed ({exc}); {_how()}"
     try:
         nc = importer("nccl.core")
         nc.get_version()  # loads libnccl.so
     except Exception as exc:  # noqa: BLE001 - OSError/RuntimeError: libnccl missing or unloadable
-        return f"NCCL backend cannot load libnccl ({exc}); {_HOW}"
+        return f"NCCL backend cannot load libnccl ({exc}); {_how()}"
     return None
 
 
