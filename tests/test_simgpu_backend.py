@@ -331,6 +331,22 @@ def test_auto_backend_mixes_cpu_gloo_and_cuda_nccl() -> None:
         assert gpu.errors == []
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+def test_nccl_init_ops_and_close_on_every_loop(loop: str) -> None:
+    """API.md §10: NCCL's init (off the loop, bounded) and its Works on each loop; on
+    trio the init once failed with "no running event loop" (found on the real GPU)."""
+    with SimCluster() as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> float:
+            g = gpu.tensor([1.0 + comm.rank])
+            await comm.all_reduce(g)
+            return float(gpu.host(g).item())
+
+        assert sim.run_comms(2, body, loop=loop) == [3.0, 3.0]
+        assert gpu.errors == []
+
+
 # ====================================================================== shrink
 @pytest.mark.parametrize("abort_pending", [False, True])
 def test_shrink_excludes_ranks_renumbers_and_passes_the_flag(abort_pending: bool) -> None:

@@ -3,7 +3,6 @@ non-blocking init (:func:`create`), and joining a grown communicator (:func:`joi
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -12,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..._base.aio import run_in_thread
 from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument
 from . import agree
 from .handle import abort_quietly, wait_ready
@@ -116,28 +116,21 @@ async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any
             raise CollectiveTimeout("NCCL init cancelled")
         return backend
 
-    def orphaned(f: asyncio.Future[Any]) -> None:
-        if not f.cancelled():
-            f.exception()  # retrieved: nobody awaits it after a timeout or a cancellation
-
-    loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(None, build)
-    fut.add_done_callback(orphaned)
-    try:
-        return await asyncio.wait_for(asyncio.shield(fut), timeout)
-    except asyncio.TimeoutError:
-        cancel.set()  # the executor thread aborts the half-built communicator
-        raise CollectiveTimeout(f"NCCL init: peers did not arrive within {timeout} s") from None
-    except asyncio.CancelledError:
-        cancel.set()
-        raise
+    try:  # loop-neutral (asyncio, uvloop, trio); the thread is never left to block exit
+        return await run_in_thread(build, timeout, name="asynccoll-nccl-init")
     except (BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument):
         raise
+    except TimeoutError:
+        cancel.set()  # the thread aborts the half-built communicator
+        raise CollectiveTimeout(f"NCCL init: peers did not arrive within {timeout} s") from None
     except Exception as exc:
         mapped = init_failure(exc, "NCCL init", timeout)
         if mapped is not exc:
             raise mapped from exc
         raise BackendUnavailable(f"NCCL init failed on rank {rank}: {exc}") from exc
+    except BaseException:  # cancelled (asyncio, trio): the thread releases what it builds
+        cancel.set()
+        raise
 
 
 def join_grown(store: Any, rank: int, new_size: int, device: Any, timeout: float, *, lib: Any = None) -> Any:

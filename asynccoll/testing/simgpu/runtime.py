@@ -70,12 +70,13 @@ class SimCluster:
         return backends
 
     def run_comms(self, world_size: int, fn: Callable[[Any], Awaitable[Any]], *, backend: str = "nccl",
-                  timeout: float = 20.0, heartbeat: float | None = 0) -> list[Any]:
+                  timeout: float = 20.0, heartbeat: float | None = 0, loop: str = "asyncio") -> list[Any]:
         """``async with asynccoll.init(backend, ...) as comm: await fn(comm)`` on every rank.
 
         Ranks are threads with their own event loops; rendezvous through one HashStore;
         NCCL is built on this simulator (:meth:`factories`); heartbeats are off unless
-        ``heartbeat`` (seconds, or None for ``init``'s default) says otherwise.
+        ``heartbeat`` (seconds, or None for ``init``'s default) says otherwise. ``loop``:
+        ``"asyncio"``, ``"uvloop"`` or ``"trio"``.
         """
         import torch.distributed as dist
 
@@ -89,7 +90,7 @@ class SimCluster:
                                  heartbeat=heartbeat) as comm:
                 return await fn(comm)
 
-        return run_threads(world_size, rank_main, timeout=timeout * 3)
+        return run_threads(world_size, rank_main, timeout=timeout * 3, loop=loop)
 
     def factories(self) -> Factories:
         """The bootstrap's backend factories (``_bootstrap.build.Factories``) with CUDA and
@@ -114,15 +115,16 @@ class SimCluster:
         self.close()
 
 
-def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60.0) -> list[Any]:
-    """Run ``await fn(rank)`` for every rank, each on its own thread and event loop."""
+def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60.0, loop: str = "asyncio") -> list[Any]:
+    """Run ``await fn(rank)`` for every rank, each on its own thread and event loop
+    (``loop``: ``"asyncio"``, ``"uvloop"`` or ``"trio"``)."""
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
 
     def main(r: int) -> None:
         try:
             _select_device(r)
-            results[r] = asyncio.run(fn(r))  # type: ignore[arg-type]
+            results[r] = _run_on(loop, fn, r)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             errors[r] = exc
 
@@ -137,6 +139,22 @@ def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60
         if exc is not None:
             raise exc
     return results
+
+
+def _run_on(loop: str, fn: Callable[[int], Awaitable[Any]], rank: int) -> Any:
+    if loop == "trio":
+        import trio
+
+        return trio.run(fn, rank)
+    if loop == "uvloop":
+        import uvloop
+
+        runner = uvloop.new_event_loop()
+        try:
+            return runner.run_until_complete(fn(rank))
+        finally:
+            runner.close()
+    return asyncio.run(fn(rank))  # type: ignore[arg-type]
 
 
 def _select_device(rank: int) -> None:
