@@ -14,15 +14,18 @@ It replaces the vendor libraries, never asynccoll's own code:
   communicators whose ``init`` builds NCCL on them (``factories``, ``run_comms``).
 
 Every rule is cited in its module to the CUDA/NCCL/torch source or doc it follows.
-Needs nccl4py and cuda-bindings importable (no GPU, no libnccl call is made).
+Needs nccl4py and cuda-bindings importable (no GPU, no libnccl call is made) and a
+CPU build of torch: on a CUDA build opening one raises :class:`SimulatorUnavailable`
+(a ``unittest.SkipTest``).
 """
 
 from .device import Latch as Latch
 from .device import SimTensor as SimTensor
 from .gpu import SimGPU as SimGPU
+from .gpu import SimulatorUnavailable as SimulatorUnavailable
 from .nccl import SimNccl as SimNccl
 from .runtime import Rdv as Rdv
 from .runtime import SimCluster as SimCluster
 from .runtime import run_threads as run_threads
 
-__all__ = ["Latch", "Rdv", "SimCluster", "SimGPU", "SimNccl", "SimTensor", "run_threads"]
+__all__ = ["Latch", "Rdv", "SimCluster", "SimGPU", "SimNccl", "SimTensor", "SimulatorUnavailable", "run_threads"]

@@ -7,10 +7,21 @@ objects (a new "process"); closing it restores the real ones.
 
 from __future__ import annotations
 
+import unittest
 from typing import Any
+
+import torch
 
 from . import cudart, driver
 from .device import Device
+
+
+class SimulatorUnavailable(unittest.SkipTest):
+    """The simulated GPU cannot open here: it replaces ``torch.cuda``'s classes with
+    subclasses, which only a CPU build of torch allows (a CUDA build refuses them:
+    "object.__new__(ExternalStream) is not safe", seen on torch 2.11+cu130). A
+    ``unittest.SkipTest``, so a test that opens one on a CUDA build is skipped with this
+    reason (pytest and unittest both treat it so); the real-GPU tests run there instead."""
 
 
 class SimGPU(Device):
@@ -19,6 +30,10 @@ class SimGPU(Device):
     def __init__(self, **options: Any) -> None:
         import streams
 
+        if torch.version.cuda is not None:
+            raise SimulatorUnavailable(
+                f"the simulated GPU needs a CPU build of torch; this one ({torch.__version__}) is built for "
+                f"CUDA {torch.version.cuda}, whose torch.cuda classes cannot be replaced")
         super().__init__(**options)
         self.runtime = cudart.TorchCuda(self)
         self.driver = driver.Driver(self)
