@@ -105,6 +105,17 @@ class InvalidArgument(AsyncCollError, ValueError):
     """Bad input to a call. Raised at the call; the communicator stays usable."""
 
 
+class GradSyncError(InvalidArgument, RuntimeError):
+    """:class:`~asynccoll.GradSync` was used in a way it cannot synchronise: a parameter
+    received a gradient twice in one step (no ``await sync.wait()`` in between, outside
+    ``no_sync()``), a gradient that is not dense, or ranks that did not all run the same
+    ``join()`` loop. Raised by ``backward()`` (from GradSync's hook) or ``sync.wait()``;
+    the GradSync and the communicator stay usable. An :class:`InvalidArgument` (the
+    training loop must change), and a ``RuntimeError``, as torch DDP raises for the
+    same misuse.
+    """
+
+
 #: The errors of one operation (its deadline, its fingerprint) that abort the
 #: communicator: the communicator's own error (``comm.error``), and what its other
 #: Works raise, is a plain ``CommAborted`` caused by them (:func:`is_abort_error`).
@@ -125,6 +136,7 @@ __all__ = [
     "CollectiveTimeout",
     "CommAborted",
     "CommClosed",
+    "GradSyncError",
     "InvalidArgument",
     "PeerFailure",
 ]
