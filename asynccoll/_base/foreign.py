@@ -7,14 +7,14 @@ An error is read by its type wherever its library gives one:
 * nccl4py: ``NCCLError.status``, the ``ncclResult_t`` (:func:`status_of`,
   :data:`NCCL_CODES`);
 * torch: ``DistStoreError`` (a store wait whose keys did not come in time),
-  ``DistNetworkError`` (a store connection refused, lost or timed out, or its port
-  taken), ``DistBackendError``;
+  ``DistNetworkError`` (a store connection that failed);
 * Python: ``TimeoutError``, ``ConnectionError``.
 
 Where torch gives no finer type, the kind is read from the message, in
 :data:`TORCH_TEXT` only: Gloo raises a plain ``RuntimeError`` for every transport
-failure, and one ``DistNetworkError`` stands for a port in use, a refused
-connection and a connect that timed out (no errno attribute).
+failure (a ``DistBackendError`` of a wrapped group says no more), and one
+``DistNetworkError`` stands for a port in use, a refused or lost connection and a
+connect that timed out (no errno attribute).
 
 :func:`kind_of` and :func:`nccl_kind` say what an error means (:class:`Kind`); the
 translators make the contract's exception for where it happened: an operation
@@ -47,10 +47,12 @@ class Kind(enum.Enum):
 
 # ------------------------------------------------------------------- torch
 #: Lower-case fragments of torch's messages, in the order they are checked: the one
-#: place that reads message text. Read from torch 2.13.0 (c10d ``socket.cpp``,
-#: ``TCPStore.cpp``; Gloo ``transport/tcp/pair.cc`` "Connection closed by peer",
-#: ``unbound_buffer.cc`` "Timed out waiting ... for recv operation to complete") and
-#: measured there (tests/test_foreign.py quotes each message).
+#: place that reads message text. Read from torch 2.13.0 (CPU build), as it raised
+#: them here: Gloo's ``transport/tcp/pair.cc`` "Connection closed by peer" and
+#: ``unbound_buffer.cc`` "Timed out waiting ... for recv operation to complete";
+#: c10d's TCPStore "... name: EADDRINUSE, message: address already in use", "The
+#: client socket has timed out ...", "Broken pipe", "Connection refused"
+#: (tests/test_foreign.py quotes each). A new torch: measure them again.
 TORCH_TEXT: tuple[tuple[Kind, tuple[str, ...]], ...] = (
     (Kind.IN_USE, ("eaddrinuse", "address already in use")),
     (Kind.TIMEOUT, ("timed out", "timeout")),
