@@ -11,6 +11,7 @@ from ._base.errors import CollectiveMismatch as CollectiveMismatch
 from ._base.errors import CollectiveTimeout as CollectiveTimeout
 from ._base.errors import CommAborted as CommAborted
 from ._base.errors import CommClosed as CommClosed
+from ._base.errors import GradSyncError as GradSyncError
 from ._base.errors import InvalidArgument as InvalidArgument
 from ._base.errors import PeerFailure as PeerFailure
 from ._base.ops import ReduceOp as ReduceOp
@@ -32,6 +33,7 @@ __all__ = [
     "CommClosed",
     "Communicator",
     "GradSync",
+    "GradSyncError",
     "InvalidArgument",
     "PeerFailure",
     "ReduceOp",

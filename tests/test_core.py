@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -171,6 +172,21 @@ def test_invalid_argument_is_a_value_error() -> None:
     for name in ac.__all__:
         assert hasattr(ac, name), name
     assert ac.Work.__module__ == "asynccoll"
+
+
+def test_every_error_that_aborts_the_communicator_is_a_comm_aborted() -> None:
+    """One clause for "the communicator is dead", and the builtin bases kept, so no
+    existing ``except`` changes meaning."""
+    for cls in (ac.PeerFailure, ac.CollectiveTimeout, ac.CollectiveMismatch):
+        assert issubclass(cls, ac.CommAborted), cls
+    assert issubclass(ac.CollectiveTimeout, TimeoutError) and issubclass(ac.CommAborted, RuntimeError)
+    for cls in (ac.CommClosed, ac.BackendUnavailable, ac.InvalidArgument):
+        assert not issubclass(cls, ac.CommAborted), cls
+    for error in (ac.CollectiveTimeout("t", 3, "all_reduce"), ac.CollectiveMismatch("m", 3, {0: {}}, ["op"])):
+        with pytest.raises(ac.CommAborted):
+            raise error
+        copy = pickle.loads(pickle.dumps(error))  # ranks' errors cross processes (run_ranks)
+        assert type(copy) is type(error) and copy.seq == 3 and str(copy) == str(error)
 
 
 # ---------------------------------------------------------------- abort / close

@@ -10,9 +10,12 @@ Gloo may sum in another order).
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
 import copy
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -260,10 +263,11 @@ async def behaviour(comm: ac.Communicator) -> dict[str, Any]:
             pass
     try:
         loss_of(x).backward()
-    except RuntimeError as exc:
-        out["twice"] = "twice" in str(exc)
-    with pytest.raises(RuntimeError, match="twice"):
+    except RuntimeError as exc:  # as torch DDP raises; typed: a GradSyncError (an InvalidArgument)
+        out["twice"] = "twice" in str(exc) and isinstance(exc, ac.GradSyncError)
+    with pytest.raises(ac.InvalidArgument, match="twice") as info:
         await sync.wait()
+    assert isinstance(info.value, ac.GradSyncError) and isinstance(info.value, RuntimeError)
     with sync.no_sync():
         with pytest.raises(ac.InvalidArgument):
             await sync.wait()
@@ -339,6 +343,36 @@ async def bad_arguments(comm: ac.Communicator) -> int:
 
 def test_bad_arguments_raise_invalid_argument() -> None:
     assert run_ranks(bad_arguments, world_size=2, timeout=60) == [7, 7]
+
+
+async def sparse_gradient(comm: ac.Communicator) -> list[bool]:
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    sync = ac.GradSync(comm, emb)
+    with pytest.raises(ac.GradSyncError, match="sparse") as info:
+        emb(torch.tensor([1, 2])).sum().backward()  # raised by GradSync's hook, through autograd
+    emb.weight.grad = None
+    await sync.wait()  # the GradSync and the communicator stay usable
+    sync.close()
+    await comm.barrier()
+    return [isinstance(info.value, t) for t in (ac.InvalidArgument, ac.AsyncCollError, RuntimeError)]
+
+
+def test_a_sparse_gradient_is_a_typed_error() -> None:
+    assert run_ranks(sparse_gradient, world_size=2, timeout=60) == [[True, True, True]] * 2
+
+
+def test_gradsync_raises_only_contract_errors() -> None:
+    """Every error GradSync raises derives from AsyncCollError (``_base/errors.py``'s
+    promise): no module of ``_train/`` builds a builtin exception."""
+    train = Path(ac.__file__).parent / "_train"
+    found = []
+    for path in sorted(train.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                obj = getattr(builtins, node.func.id, None)
+                if isinstance(obj, type) and issubclass(obj, BaseException):
+                    found.append(f"{path.name}:{node.lineno} {node.func.id}")
+    assert not found, found
 
 
 async def gradient_memory(comm: ac.Communicator, grad_views: bool) -> dict[str, Any]:

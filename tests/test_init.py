@@ -126,8 +126,9 @@ def test_store_errors_are_typed() -> None:
         ("Connection refused", ac.InvalidArgument, "no asynccoll/torch store answers"),
     ]
     for text, kind, words in cases:
-        err = stores.store_error(dist.DistNetworkError(text), "127.0.0.1", 29500, 1.0)
-        assert type(err) is kind and words in str(err), (text, err)
+        exc = dist.DistNetworkError(text)
+        err = stores.store_error(exc, "127.0.0.1", 29500, 1.0)
+        assert type(err) is kind and words in str(err) and err.__cause__ is exc, (text, err)
 
 
 def test_a_store_that_never_answers_is_a_timeout() -> None:

@@ -376,6 +376,58 @@ def test_no_success_is_reported_after_abort_and_state_leads_the_error() -> None:
     assert isinstance(ledger.error, ac.CommAborted)
 
 
+def _own_failure(kind: str, work: ac.Work) -> ac.AsyncCollError:
+    if kind == "timeout":
+        return ac.CollectiveTimeout("late", work.seq, work.op)
+    if kind == "mismatch":
+        return ac.CollectiveMismatch("differs", work.seq, {0: {"op": "all_reduce"}, 1: {"op": "broadcast"}}, ["op"])
+    if kind == "peer":
+        return ac.PeerFailure("rank 1 died", [1])
+    return ac.CommAborted("the backend failed")
+
+
+@pytest.mark.parametrize("kind", ["timeout", "mismatch", "peer", "aborted"])
+def test_every_error_after_which_the_communicator_is_aborted_is_a_comm_aborted(kind: str) -> None:
+    """"The communicator is dead" is one ``except ac.CommAborted``: the failed op's own
+    error, the other pending ops', ``comm.error`` and every later call's. A timeout or a
+    mismatch is the failed op's alone; the rest get a plain CommAborted caused by it."""
+    ledger, aborted = _ledger()
+    with ledger.lock:
+        failing = ledger.reserve("all_reduce")
+        other = ledger.reserve("broadcast")
+    error = _own_failure(kind, failing)
+    ledger.fail(failing, error)
+    assert failing.exception() is error and aborted == [ledger.error]
+    seen = [failing.exception(), other.exception(), ledger.error, ledger.unusable()]
+    assert all(isinstance(e, ac.CommAborted) for e in seen), seen
+    if kind in ("timeout", "mismatch"):
+        assert type(other.exception()) is ac.CommAborted and other.exception().__cause__ is error
+        assert type(ledger.error) is ac.CommAborted and ledger.error.__cause__ is error
+    elif kind == "peer":
+        assert isinstance(other.exception(), ac.PeerFailure) and ledger.error is error
+    else:
+        assert type(other.exception()) is ac.CommAborted and ledger.error is error
+
+
+def test_an_expired_deadline_and_an_abort_for_a_foreign_reason_are_comm_aborted() -> None:
+    ledger, _ = _ledger()
+    with ledger.lock:
+        late = ledger.reserve("all_reduce")
+        other = ledger.reserve("broadcast")
+    ledger.expired(late.seq)
+    timeout = late.exception()
+    assert isinstance(timeout, ac.CollectiveTimeout) and isinstance(timeout, ac.CommAborted)
+    assert isinstance(timeout, TimeoutError) and (timeout.seq, timeout.op) == (late.seq, "all_reduce")
+    assert type(other.exception()) is ac.CommAborted and other.exception().__cause__ is timeout
+    foreign, _ = _ledger()
+    with foreign.lock:
+        pending = foreign.reserve("all_reduce")
+    interrupt = KeyboardInterrupt()
+    foreign.abort(interrupt)
+    assert type(pending.exception()) is ac.CommAborted and pending.exception().__cause__ is interrupt
+    assert isinstance(foreign.error, ac.CommAborted)
+
+
 def test_discard_gives_seqs_back_only_when_nothing_came_after() -> None:
     ledger, _ = _ledger()
     with ledger.lock:

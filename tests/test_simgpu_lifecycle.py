@@ -65,7 +65,7 @@ def test_an_init_that_reports_an_error_is_aborted(code: Any, expect: type) -> No
 
         sim.nccl.module.Communicator.init.side_effect = broken
         # NCCL's own words (ncclGetLastError, e.g. "Duplicate GPU detected") name the cause.
-        with pytest.raises(expect, match=f"NCCL error {int(code)} .*: simulated NCCL error {int(code)}$"):
+        with pytest.raises(expect, match=f"NCCL error {int(code)}: .*: simulated NCCL error {int(code)}$"):
             sim.backends(1)
         assert sim.nccl.live() == []  # the half-built communicator was aborted
 

@@ -94,6 +94,13 @@ async def _raise_on_every_rank(ctx: RankContext) -> None:
     raise ValueError(f"failure number {ctx.rank}")
 
 
+async def _timed_out_on_rank1(ctx: RankContext) -> None:
+    if ctx.rank == 1:
+        raise ac.CollectiveTimeout("all_reduce (seq 3) on rank 1 did not complete within its deadline", 3, "all_reduce")
+    cause = ac.CollectiveTimeout("all_reduce (seq 3) on rank 1 did not complete within its deadline", 3, "all_reduce")
+    raise ac.CommAborted("aborted by rank 1") from cause
+
+
 class _NeedsTwoArgs(Exception):
     def __init__(self, a: str, b: str) -> None:
         super().__init__(a)
@@ -202,6 +209,15 @@ def test_several_failures_lowest_rank_wins_and_others_are_listed():
         run_ranks(_raise_on_every_rank, backend=None)
     assert info.value.rank == 0
     assert "rank 1: ValueError: failure number 1" in info.value.__cause__.text
+
+
+def test_the_rank_whose_own_op_failed_wins_over_the_news_of_its_abort():
+    """A CollectiveTimeout is a CommAborted too, but it is the rank's own failure: it is
+    the one re-raised, not the lower rank's CommAborted that only reports the abort."""
+    with pytest.raises(ac.CollectiveTimeout) as info:
+        run_ranks(_timed_out_on_rank1, backend=None)
+    assert info.value.rank == 1 and info.value.seq == 3
+    assert "rank 0: CommAborted: aborted by rank 1" in info.value.__cause__.text
 
 
 def test_exception_that_does_not_unpickle_becomes_runtime_error():

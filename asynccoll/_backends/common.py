@@ -1,5 +1,5 @@
-"""What every backend shares: error translation, the integer-AVG fix-up, and the
-ordered completion thread.
+"""What every backend shares: the integer-AVG fix-up and the ordered completion
+thread. (Their errors are translated in ``_base/foreign.py``, the one boundary.)
 
 Completion discipline (the torch-group backends): an op is an *ordered thing to
 wait on* — a torch Work — queued at submit in issue order in a :class:`Completer`,
@@ -21,60 +21,11 @@ from typing import Any, Callable
 import torch
 
 from .._base import shutdown
-from .._base.errors import CollectiveTimeout, CommAborted, PeerFailure
 from .._base.ops import ReduceOp
 from .._core.backend import Sink
 from .._core.work import Bundle, Work
 
 Target = Work | Bundle
-
-# torch 2.13 gives no type finer than its message for these, so the kind is read
-# from the message, here only: Gloo raises a plain RuntimeError for every transport
-# failure (no DistNetworkError subclass); a TCPStore's constructor raises
-# DistNetworkError alike for a port in use ("... name: EADDRINUSE, message: address
-# already in use"), a connect that times out and a refused connection (measured; no
-# errno attribute).
-_IN_USE = ("eaddrinuse", "address already in use")
-_PEER_LOST = (
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "socket closed",
-    "connection refused",
-    "end of file",
-)
-_TIMED_OUT = ("timed out", "timeout")
-
-
-def kind_of(exc: BaseException) -> str | None:
-    """``"peer"`` (a peer's connection went away), ``"timeout"``, ``"in use"`` (a store
-    server's port is taken), or None, for a torch/Gloo error: by type where torch gives
-    one, else by its message."""
-    low = str(exc).lower()
-    if any(s in low for s in _IN_USE):
-        return "in use"
-    if isinstance(exc, TimeoutError) or any(s in low for s in _TIMED_OUT):
-        return "timeout"  # torch's DistNetworkError covers socket timeouts too
-    if isinstance(exc, torch.distributed.DistNetworkError) or any(s in low for s in _PEER_LOST):
-        return "peer"
-    return None
-
-
-def translate(exc: BaseException, target: Target, backend: str) -> BaseException:
-    """A backend error of ``target`` as one of the contract's exceptions (``__cause__``: ``exc``)."""
-    if isinstance(exc, (CommAborted, CollectiveTimeout)):
-        return exc
-    what = f"{target.op} (seq {target.seq})"
-    kind = kind_of(exc)
-    new: BaseException
-    if kind == "peer":
-        new = PeerFailure(f"{what}: a peer failed: {exc}")
-    elif kind == "timeout":
-        new = CollectiveTimeout(f"{what} timed out in {backend}: {exc}", target.seq, target.op)
-    else:
-        new = CommAborted(f"{what} failed in {backend}: {exc}")
-    new.__cause__ = exc
-    return new
 
 
 def avg_fixup(op: ReduceOp, out: torch.Tensor, world_size: int) -> tuple[ReduceOp, Callable[[], object] | None]:

@@ -28,11 +28,12 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from .._base.errors import InvalidArgument, PeerFailure
+from .._base.foreign import Kind, kind_of, op_error
 from .._base.ops import OpKind, OpSpec, ReduceOp
 from .._core.backend import ANY, Backend, Capabilities, Sink
 from .._core.work import Bundle, Work
 from . import flatten
-from .common import Completer, avg_fixup, kind_of, strand, translate
+from .common import Completer, avg_fixup, strand
 from .gate import MemoryGate, spans
 
 _TORCH_OPS = {
@@ -67,7 +68,7 @@ class _Lost:
 
 def _rejected(what: str, name: str, exc: Exception) -> _Lost:
     """``exc``, raised by torch at issue: a lost peer or timeout as a failed op, else bad arguments."""
-    if kind_of(exc) in ("peer", "timeout"):
+    if kind_of(exc) in (Kind.PEER, Kind.TIMEOUT):
         return _Lost(exc)
     raise InvalidArgument(f"{what}: {name} rejected the arguments: {exc}") from exc
 
@@ -130,7 +131,7 @@ class TorchGroupBackend(Backend):
 
     def _error(self, exc: BaseException, target: Work | Bundle) -> BaseException:
         """The contract's error for a failed op (completion thread)."""
-        err = translate(exc, target, self.name)
+        err = op_error(exc, kind_of(exc), backend=self.name, seq=target.seq, op=target.op)
         census = self.census
         if isinstance(err, PeerFailure) and not err.ranks and census is not None:
             err.ranks = census()  # Gloo does not say which peer it lost

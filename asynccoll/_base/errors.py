@@ -5,7 +5,9 @@ each subclasses the builtin it resembles, so ``except TimeoutError`` and
 ``except ValueError`` keep working for code that does not know asynccoll.
 
 ``CommClosed`` means *you* closed the communicator; ``CommAborted`` means something
-broke it (an explicit ``abort()``, a deadline, a dead peer).
+broke it (an explicit ``abort()``, a deadline, a dead peer, a mismatch): every error
+after which a communicator is aborted is a ``CommAborted``, so "this communicator is
+dead" is one ``except`` clause.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ class AsyncCollError(Exception):
 
 
 class CommAborted(AsyncCollError, RuntimeError):
-    """The communicator was aborted; pending and later operations fail with this.
+    """The communicator was aborted: it can no longer be used. Pending and later
+    operations fail with this.
 
     ``__cause__`` holds what triggered the abort (a timeout, a peer failure, or
-    nothing for an explicit ``abort()``).
+    nothing for an explicit ``abort()``). Every error after which the communicator
+    is aborted is one: :class:`PeerFailure`, :class:`CollectiveTimeout`,
+    :class:`CollectiveMismatch`. Raised by a call that builds a communicator
+    (``init``, ``join``, ``split``, ``shrink``, ``grow``), it means that no new
+    communicator was built (a timeout: the peers did not arrive); the one the call
+    was made on, if any, keeps its own ``state``.
     """
 
 
@@ -40,10 +48,12 @@ class PeerFailure(CommAborted):
         return (type(self), (self.args[0] if self.args else "", self.ranks))
 
 
-class CollectiveTimeout(AsyncCollError, TimeoutError):
+class CollectiveTimeout(CommAborted, TimeoutError):
     """An operation (or ``init``) did not complete within its deadline.
 
-    ``seq`` and ``op`` identify the operation; both are ``None`` for ``init``.
+    ``seq`` and ``op`` identify the operation; both are ``None`` for ``init``. The
+    communicator is aborted (a :class:`CommAborted`), and its other pending
+    operations fail with a ``CommAborted`` caused by this one.
     """
 
     def __init__(self, message: str, seq: int | None = None, op: str | None = None) -> None:
@@ -55,8 +65,11 @@ class CollectiveTimeout(AsyncCollError, TimeoutError):
         return (type(self), (self.args[0] if self.args else "", self.seq, self.op))
 
 
-class CollectiveMismatch(AsyncCollError):
-    """Ranks issued different collectives at the same point (``check="fingerprint"``).
+class CollectiveMismatch(CommAborted):
+    """Ranks issued different collectives at the same point (``check="fingerprint"``),
+    or created a communicator with different options. The communicator is aborted (a
+    :class:`CommAborted`); its other pending operations fail with a ``CommAborted``
+    caused by this one.
 
     ``seq`` is this rank's sequence number of the operation; ``details`` maps each
     rank to what it issued there (``seq``, ``op``, ``dtype``, ``shape``, ``root``,
@@ -92,6 +105,30 @@ class InvalidArgument(AsyncCollError, ValueError):
     """Bad input to a call. Raised at the call; the communicator stays usable."""
 
 
+class GradSyncError(InvalidArgument, RuntimeError):
+    """:class:`~asynccoll.GradSync` was used in a way it cannot synchronise: a parameter
+    received a gradient twice in one step (no ``await sync.wait()`` in between, outside
+    ``no_sync()``), a gradient that is not dense, or ranks that did not all run the same
+    ``join()`` loop. Raised by ``backward()`` (from GradSync's hook) or ``sync.wait()``;
+    the GradSync and the communicator stay usable. An :class:`InvalidArgument` (the
+    training loop must change), and a ``RuntimeError``, as torch DDP raises for the
+    same misuse.
+    """
+
+
+#: The errors of one operation (its deadline, its fingerprint) that abort the
+#: communicator: the communicator's own error (``comm.error``), and what its other
+#: Works raise, is a plain ``CommAborted`` caused by them (:func:`is_abort_error`).
+OP_FAILURES = (CollectiveTimeout, CollectiveMismatch)
+
+
+def is_abort_error(error: BaseException | None) -> bool:
+    """Whether ``error`` stands as a communicator's abort error as it is: a
+    :class:`CommAborted` (a :class:`PeerFailure` too) other than one operation's own
+    failure (:data:`OP_FAILURES`), which the abort error wraps."""
+    return isinstance(error, CommAborted) and not isinstance(error, OP_FAILURES)
+
+
 __all__ = [
     "AsyncCollError",
     "BackendUnavailable",
@@ -99,6 +136,7 @@ __all__ = [
     "CollectiveTimeout",
     "CommAborted",
     "CommClosed",
+    "GradSyncError",
     "InvalidArgument",
     "PeerFailure",
 ]

@@ -54,6 +54,7 @@ from .._base.errors import (
     CommClosed,
     InvalidArgument,
     PeerFailure,
+    is_abort_error,
 )
 from .._core import validate
 from .._core.backend import Backend
@@ -321,9 +322,9 @@ async def _join(
         try:
             joiners = {int(plan["old_size"]) + i: t for i, t in enumerate(plan["tickets"])}
             return await assemble(room, g, rank, size, joiners, opts.watch_interval(), opts.timeout, build)
-        except CommAborted:
-            if time.monotonic() >= deadline:
-                raise
+        except CommAborted as exc:
+            if not is_abort_error(exc) or time.monotonic() >= deadline:
+                raise  # a timeout or a mismatch answers this join, and so does the deadline
             # That grow failed (a participant died, or the members' admission broke):
             # wait for the members' next one.
 

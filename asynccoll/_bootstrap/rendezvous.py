@@ -9,16 +9,14 @@ from typing import Any, Callable, Iterable
 
 import torch.distributed as dist
 
-from .._backends.common import kind_of
 from .._base.aio import run_in_thread
 from .._base.errors import (
     AsyncCollError,
     CollectiveMismatch,
     CollectiveTimeout,
-    CommAborted,
     InvalidArgument,
-    PeerFailure,
 )
+from .._base.foreign import creation_error, kind_of
 from .._core.objects import drop_ops, poll_keys
 from .._faults.census import decode_ranks
 from .args import env_int
@@ -50,13 +48,8 @@ async def off_loop(fn: Callable[[], Any], timeout: float, what: str) -> Any:
         raise
     except TimeoutError:
         raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s") from None
-    except RuntimeError as exc:  # torch gives no finer type for these (torch 2.13)
-        kind = kind_of(exc)
-        if kind == "timeout":
-            raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s: {exc}") from exc
-        if kind == "peer":
-            raise PeerFailure(f"{what}: a peer failed while the communicator was created: {exc}") from exc
-        raise CommAborted(f"{what} failed: {exc}") from exc
+    except RuntimeError as exc:  # torch's store and Gloo errors (DistError subclasses, RuntimeError)
+        raise creation_error(exc, kind_of(exc), what=what, timeout=timeout) from exc
 
 
 async def rendezvous(

@@ -15,9 +15,9 @@ from typing import Any, Callable
 import anyio
 import torch.distributed as dist
 
-from .._backends.common import kind_of
 from .._base.aio import run_in_thread
 from .._base.errors import AsyncCollError, CollectiveTimeout, InvalidArgument
+from .._base.foreign import store_error
 from .._faults.service import Service, mark_host
 
 
@@ -124,23 +124,6 @@ async def exclusive(store: Any, rank: int, timeout: float) -> threading.Lock:
             "(creations on one store run one at a time)"
         )
     return lock
-
-
-def store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Exception:
-    """A TCPStore constructor's error (``DistNetworkError``, ``DistStoreError``) as the
-    contract's; the kind comes from ``common.kind_of`` (torch has no finer type)."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    kind = kind_of(exc)
-    if kind == "in use":
-        return InvalidArgument(
-            f"master_port {port} is already in use on this host (by another process): pick a free "
-            f"port, or pass store= ({text})"
-        )
-    if kind == "timeout":
-        return CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s: {text}")
-    return InvalidArgument(
-        f"no asynccoll/torch store answers at {addr}:{port} (check master_addr and master_port): {text}"
-    )
 
 
 async def _server_listening(addr: str, port: int, timeout: float) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from .._base import aio, signals
 from .._base.deadlines import service as deadline_service
-from .._base.errors import CommAborted, InvalidArgument, PeerFailure
+from .._base.errors import CommAborted, InvalidArgument, PeerFailure, is_abort_error
 from .._base.ops import OpKind, OpSpec, ReduceOp
 from . import validate
 from .backend import Backend
@@ -336,7 +336,7 @@ class Communicator:
             def done(value: Any, exc: BaseException | None) -> None:
                 if exc is None:
                     ledger.succeed(work, value)
-                elif isinstance(exc, CommAborted):  # typed already (a PeerFailure keeps its ranks)
+                elif is_abort_error(exc):  # typed already (a PeerFailure keeps its ranks)
                     ledger.fail(work, exc)
                 else:
                     err = CommAborted(f"{op} (seq {seq}) failed: {exc}")

@@ -34,7 +34,7 @@ import threading
 from typing import Any, Callable, Iterable, Sequence
 
 from .._base.deadlines import DeadlineClient, DeadlineService
-from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure
+from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure, is_abort_error
 from .._base.recorder import FlightRecorder, now, outcome
 from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work, settle_all
 
@@ -89,7 +89,7 @@ def abort_errors(error: BaseException) -> Callable[[], CommAborted]:
             return exc
 
         return make
-    if isinstance(error, CommAborted):
+    if is_abort_error(error):
         text, cause = str(error), error.__cause__
     else:
         text, cause = f"communicator aborted: {error}", error
@@ -324,7 +324,7 @@ class Ledger:
             first = self.state is _OK
             if first:
                 self.state = _ABORTED  # before any waiter can see the error
-                self.error = exc if isinstance(exc, CommAborted) else abort_error(exc)
+                self.error = exc if is_abort_error(exc) else abort_error(exc)
             for work in works:
                 if type(work) is not MemberWork:  # a member's seq may name its batch's entry: that stays
                     self.pending.pop(work.seq, None)
@@ -369,7 +369,7 @@ class Ledger:
         Returns True if this call aborted (False: not ``ok`` any more). Runs
         ``on_abort`` before returning.
         """
-        error = cause if isinstance(cause, CommAborted) else abort_error(cause)
+        error = cause if is_abort_error(cause) else abort_error(cause)
         if self.state is _OK:
             self._settle_finished()
         with self.lock:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .._base.errors import GradSyncError
+
 MIB = 1 << 20
 
 
@@ -139,7 +141,7 @@ class Bucket:
             if scale is not None:
                 view.mul_(scale)
         elif grad.layout is not torch.strided:
-            raise RuntimeError(
+            raise GradSyncError(
                 f"GradSync: parameter {self.members[slot]} has a {grad.layout} gradient; "
                 "only dense gradients are supported"
             )

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .._base.errors import InvalidArgument
+from .._base.errors import GradSyncError, InvalidArgument
 from .._base.ops import ReduceOp
 from . import buckets as _buckets
 from .buckets import MIB, Bucket
@@ -77,6 +77,11 @@ class GradSync:
     backward passes that only accumulate; ``async with sync.join():`` around the
     training loop when ranks may have different numbers of batches;
     :meth:`close` to remove the hooks.
+
+    Errors: bad arguments and calls out of place raise ``InvalidArgument``; a
+    gradient GradSync cannot synchronise (a second one in a step, a sparse one)
+    raises ``GradSyncError`` (an ``InvalidArgument`` and a ``RuntimeError``) from
+    backward or :meth:`wait`; a failure of the communicator, ``CommAborted``.
     """
 
     def __init__(
@@ -224,7 +229,7 @@ class GradSync:
                 return
             ready = self._ready
             if ready[i]:
-                err = RuntimeError(
+                err = GradSyncError(
                     f"GradSync: parameter {i} received a gradient twice in one step; call "
                     "`await sync.wait()` after each backward, or use `with sync.no_sync():` "
                     "for the backward passes that only accumulate"

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._base.errors import InvalidArgument
+from .._base.errors import GradSyncError, InvalidArgument
 from .._base.ops import ReduceOp
 
 
@@ -104,7 +104,7 @@ class Join:
         await comm.all_reduce(candidate, ReduceOp.MAX)
         src = int(candidate.item())
         if src < 0:  # pragma: no cover - the last count is 0 on every rank at once
-            raise RuntimeError("GradSync.join(): no rank was the last to join")
+            raise GradSyncError("GradSync.join(): no rank was the last to join (every rank must run the same join() loop)")
         if sync.module is not None:
             tensors = [p.detach() for p in sync.module.parameters()]
             tensors += [b for b in sync.module.buffers()]

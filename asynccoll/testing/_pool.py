@@ -21,7 +21,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
 
-from .._base.errors import CommAborted
+from .._base.errors import is_abort_error
 from ._errors import RanksTimedOut, RemoteTraceback
 from ._process import (
     DUMP_WAIT,
@@ -241,8 +241,9 @@ class RankPool:
         stacks = self._dump_stacks(stuck) if stuck else {}
         if failures:
             # The root cause first: a rank whose error is only the news of another
-            # rank's abort (CommAborted) yields to the rank that failed on its own.
-            failures.sort(key=lambda f: (isinstance(f[1].error, CommAborted), f[0]))
+            # rank's abort (a CommAborted, not its own op's timeout or mismatch)
+            # yields to the rank that failed on its own.
+            failures.sort(key=lambda f: (is_abort_error(f[1].error), f[0]))
             r, first = failures[0]
             others = [o.summary for rr, o in failures[1:]]
             others += [f"rank {s}: still running, killed after the failure" for s in stuck]

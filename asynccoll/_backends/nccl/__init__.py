@@ -7,9 +7,13 @@ state, abort/revoke/finalize/shrink/grow), ``lanes`` (one launch thread per devi
 ``encode`` (OpSpecs to planned NCCL calls), ``launcher`` (:class:`NcclBackend`: jobs,
 launch, completion), ``agree`` (shrink/grow agreement through the store), ``creation``
 (device choice, polled init, joining a grown communicator).
-Importing this package imports neither nccl4py nor CUDA.
+What nccl4py's errors mean (their result codes) is read in ``_base/foreign.py``, the
+one boundary. Importing this package imports neither nccl4py nor CUDA.
 """
 
+from ..._base.foreign import PEER_ERRORS as PEER_ERRORS
+from ..._base.foreign import REMOTE_ERROR as REMOTE_ERROR
+from ..._base.foreign import SYSTEM_ERROR as SYSTEM_ERROR
 from .caps import CAPS as CAPS
 from .caps import COMPLEX as COMPLEX
 from .caps import NATIVE as NATIVE
@@ -25,10 +29,7 @@ from .launcher import NcclBackend as NcclBackend
 from .launcher import backend_class as backend_class
 from .lib import IN_PROGRESS as IN_PROGRESS
 from .lib import INVALID_ARGUMENT as INVALID_ARGUMENT
-from .lib import PEER_ERRORS as PEER_ERRORS
-from .lib import REMOTE_ERROR as REMOTE_ERROR
 from .lib import SUCCESS as SUCCESS
-from .lib import SYSTEM_ERROR as SYSTEM_ERROR
 from .lib import NcclError as NcclError
 from .lib import NcclLib as NcclLib
 from .lib import library_problem as library_problem

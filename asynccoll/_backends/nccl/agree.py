@@ -16,7 +16,7 @@ import time
 from datetime import timedelta
 from typing import Any, Protocol, Sequence
 
-from ..._base.errors import CollectiveTimeout
+from ..._base.foreign import creation_error, kind_of
 
 MODE, UID = "nccl-grow/mode", "nccl-grow/uid"
 
@@ -48,13 +48,13 @@ def _left(deadline: float) -> timedelta:
 
 def _wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
     """``store.wait`` bounded by ``deadline``; a store that gives up is CollectiveTimeout
-    (torch raises ``DistStoreError`` when the keys did not come in time)."""
+    (torch raises ``DistStoreError`` when the keys did not come in time: ``foreign.kind_of``)."""
     import torch.distributed as dist
 
     try:
         store.wait(keys, _left(deadline))
     except dist.DistStoreError as exc:
-        raise CollectiveTimeout(f"{what}: the other ranks did not arrive in time ({exc})") from exc
+        raise creation_error(exc, kind_of(exc), what=what) from exc
 
 
 def shrink_agreed(

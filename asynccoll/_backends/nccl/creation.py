@@ -13,10 +13,11 @@ import torch
 
 from ..._base.aio import run_in_thread
 from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument
+from ..._base.foreign import creation_error, nccl_kind
 from . import agree
 from .handle import abort_quietly, wait_ready
 from .launcher import NcclBackend
-from .lib import NcclLib, init_failure, missing
+from .lib import NcclLib, missing
 
 
 def device_index(device: Any, count: int, current: Callable[[], int], env: Any = os.environ) -> int:
@@ -118,16 +119,14 @@ async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any
 
     try:  # loop-neutral (asyncio, uvloop, trio); the thread is never left to block exit
         return await run_in_thread(build, timeout, name="asynccoll-nccl-init")
-    except (BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument):
+    except (BackendUnavailable, CommAborted, InvalidArgument):
         raise
     except TimeoutError:
         cancel.set()  # the thread aborts the half-built communicator
         raise CollectiveTimeout(f"NCCL init: peers did not arrive within {timeout} s") from None
     except Exception as exc:
-        mapped = init_failure(exc, "NCCL init", timeout)
-        if mapped is not exc:
-            raise mapped from exc
-        raise BackendUnavailable(f"NCCL init failed on rank {rank}: {exc}") from exc
+        what = f"NCCL init on rank {rank}"
+        raise creation_error(exc, nccl_kind(exc), what=what, timeout=timeout, otherwise=BackendUnavailable) from exc
     except BaseException:  # cancelled (asyncio, trio): the thread releases what it builds
         cancel.set()
         raise
@@ -152,13 +151,11 @@ def join_grown(store: Any, rank: int, new_size: int, device: Any, timeout: float
             wait_ready(comm, lib, deadline, f"NCCL grow (new rank {rank}/{new_size}, cuda:{index})")
         except BaseException as exc:
             runtime.close(True)
-            if isinstance(exc, (BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument)) or not \
-                    isinstance(exc, Exception):
+            if isinstance(exc, (BackendUnavailable, CommAborted, InvalidArgument)) or not isinstance(exc, Exception):
                 raise
-            mapped = init_failure(exc, "NCCL grow", timeout)
-            if mapped is not exc:
-                raise mapped from exc
-            raise BackendUnavailable(f"NCCL grow failed on new rank {rank}: {exc}") from exc
+            what = f"NCCL grow on new rank {rank}"
+            raise creation_error(exc, nccl_kind(exc), what=what, timeout=timeout,
+                                 otherwise=BackendUnavailable) from exc
     return _backend(comm, rank, new_size, index, lib, runtime)
 
 

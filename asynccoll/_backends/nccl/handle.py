@@ -20,8 +20,9 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted, PeerFailure
-from .lib import IN_PROGRESS, INTERNAL_ERROR, PEER_ERRORS, SUCCESS, NcclError, poll_async_error
+from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted
+from ..._base.foreign import creation_error, nccl_kind, op_error
+from .lib import IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, poll_async_error
 
 
 def abort_quietly(comm: Any) -> None:
@@ -48,16 +49,15 @@ def wait_ready(comm: Any, lib: Any, deadline: float, what: str, cancel: threadin
             status = int(comm.get_async_error())
         except Exception as exc:  # NcclInvalid/NCCLError: the communicator is unusable
             abort_quietly(comm)
-            raise BackendUnavailable(f"{what} failed: {exc}") from exc
+            raise creation_error(exc, nccl_kind(exc), what=what, otherwise=BackendUnavailable) from exc
         if status == SUCCESS:
             return
         if status != IN_PROGRESS:
             last = last_error(comm)  # NCCL's own words (e.g. "Duplicate GPU detected"), before abort frees it
             abort_quietly(comm)
             text = lib.error_string(status)
-            cls = PeerFailure if status in PEER_ERRORS else BackendUnavailable
-            raise cls(f"{what} failed: NCCL error {status} ({text})" + (f": {last}" if last else "")) from NcclError(
-                status, text)
+            error = NcclError(status, f"{text}: {last}" if last else text)
+            raise creation_error(error, nccl_kind(status), what=what, otherwise=BackendUnavailable) from error
         if time.monotonic() > deadline or (cancel is not None and cancel.is_set()):
             abort_quietly(comm)
             raise CollectiveTimeout(f"{what}: peers did not arrive in time (still ncclInProgress)")
@@ -131,15 +131,14 @@ class CommHandle:
                 return INTERNAL_ERROR
 
     def failure(self, status: int) -> CommAborted:
-        """The contract's exception for an NCCL error code (``PeerFailure`` for a peer's)."""
+        """The contract's exception for an NCCL error code (``foreign.op_error``: a
+        ``PeerFailure`` for a peer's)."""
         text = self.lib.error_string(status)
         with self._lock:
             comm = None if self.stopping else self._comm
             last = "" if comm is None else last_error(comm)
         msg = f"NCCL reported error {status} ({text}) on rank {self.rank}" + (f": {last}" if last else "")
-        exc: CommAborted = PeerFailure(msg) if status in PEER_ERRORS else CommAborted(msg)
-        exc.__cause__ = NcclError(status, text)
-        return exc
+        return op_error(NcclError(status, text), nccl_kind(status), backend="NCCL", message=msg)
 
     # ------------------------------------------------------------------ stop
     def stop(self, *, revoke: bool | None = None, after: Callable[[], None] | None = None) -> None:

@@ -36,14 +36,15 @@ from typing import Any, Sequence
 
 import torch
 
-from ..._base.errors import CollectiveTimeout, CommAborted, InvalidArgument, PeerFailure
+from ..._base.errors import CollectiveTimeout, CommAborted, InvalidArgument
+from ..._base.foreign import nccl_kind, op_error, status_of
 from ..._base.ops import OpSpec
 from ..._core.backend import Backend
 from ..._core.work import Bundle, Work
 from . import agree, encode, lanes
 from .caps import CAPS
 from .handle import CommHandle
-from .lib import IN_PROGRESS, PEER_ERRORS, SUCCESS, status_of
+from .lib import IN_PROGRESS, SUCCESS
 
 _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
 
@@ -341,17 +342,11 @@ class NcclBackend(Backend):
                 target.wait_event(job.done)
 
     def _translate(self, exc: BaseException, job: _Job) -> BaseException:
-        if isinstance(exc, (CommAborted, CollectiveTimeout, InvalidArgument)):
+        """The contract's error for a job that failed with ``exc`` (``foreign.op_error``)."""
+        if isinstance(exc, InvalidArgument):
             return exc
-        status = status_of(exc)
         w = job.works[0]
-        new: CommAborted
-        if status is not None and status in PEER_ERRORS:
-            new = PeerFailure(f"{w.op} (seq {w.seq}): a peer failed: {exc}")
-        else:
-            new = CommAborted(f"{w.op} (seq {w.seq}) failed in NCCL: {exc}")
-        new.__cause__ = exc
-        return new
+        return op_error(exc, nccl_kind(exc), backend="NCCL", seq=w.seq, op=w.op)
 
     # ------------------------------------------------------------ lifecycle
     def _forget(self) -> None:

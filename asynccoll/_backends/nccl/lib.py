@@ -14,20 +14,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..._base.errors import CollectiveTimeout
 from ..._base.ops import ReduceOp
 
 # ncclResult_t values (nccl.h, stable ABI; the contract tests pin them to
-# ``nccl.bindings.nccl.Result``).
+# ``nccl.bindings.nccl.Result``). The error codes that mean more than "failed"
+# (a peer's, a timeout) belong to the boundary (``_base/foreign.py``).
 SUCCESS = 0
-SYSTEM_ERROR = 2
 INTERNAL_ERROR = 3
 INVALID_ARGUMENT = 4
 INVALID_USAGE = 5
-REMOTE_ERROR = 6
 IN_PROGRESS = 7
-TIMEOUT = 8  # ncclTimeout (nccl.h): a bootstrap or init that did not complete
-PEER_ERRORS = (SYSTEM_ERROR, REMOTE_ERROR)
 
 #: The first libnccl with ``ncclCommRevoke`` (NCCL 2.28.7-1 release; NVIDIA/nccl ae7aed19).
 REVOKE_SINCE = (2, 28, 7)
@@ -79,22 +75,6 @@ class NcclError(RuntimeError):
     def __init__(self, status: int, text: str) -> None:
         super().__init__(f"NCCL error {status}: {text}")
         self.status = status
-
-
-def status_of(exc: BaseException) -> int | None:
-    """The ``ncclResult_t`` of an nccl4py exception, by type: ``NCCLError.status``
-    (nccl.bindings.nccl), or None for anything else (``NcclInvalid``: nccl4py's own
-    argument checks, before NCCL is called)."""
-    status = getattr(exc, "status", None)
-    return int(status) if isinstance(status, int) else None
-
-
-def init_failure(exc: BaseException, what: str, timeout: float) -> BaseException:
-    """An exception of a failed NCCL init/shrink/grow, mapped by type: ``ncclTimeout`` or
-    our own deadline is CollectiveTimeout; the caller reports anything else."""
-    if isinstance(exc, (TimeoutError, CollectiveTimeout)) or status_of(exc) == TIMEOUT:
-        return CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s: {exc}")
-    return exc
 
 
 class NcclLib:
