@@ -17,6 +17,7 @@ from typing import Any
 import nccl.core as nc
 import pytest
 import torch
+import torch.distributed as dist
 from simgpu_util import WAIT, submit, until
 
 import asynccoll as ac
@@ -345,6 +346,34 @@ def test_nccl_init_ops_and_close_on_every_loop(loop: str) -> None:
 
         assert sim.run_comms(2, body, loop=loop) == [3.0, 3.0]
         assert gpu.errors == []
+
+
+def test_init_checks_nccl_and_picks_the_device_off_the_loop() -> None:
+    """Found on an H100: a cold ``init("nccl")`` stalled the loop 17-21 ms. Loading libnccl
+    (the availability check) and initializing CUDA (``torch.cuda.current_device()``) must
+    not happen on the loop's thread."""
+    import dataclasses
+    from unittest import mock
+
+    from asynccoll._bootstrap.init import init_with
+
+    with SimCluster() as sim:
+        seen: list[str] = []
+        factories = sim.factories()
+        checked = dataclasses.replace(
+            factories, nccl_missing=lambda: seen.append(threading.current_thread().name) or None)
+
+        async def main() -> str:
+            loop_thread = threading.current_thread().name
+            with mock.patch.object(torch.cuda, "is_initialized", return_value=False), \
+                    mock.patch.object(torch.cuda, "current_device", side_effect=AssertionError("initializes CUDA")):
+                async with init_with(checked, "nccl", rank=0, world_size=1, store=dist.HashStore(), timeout=20,
+                                     heartbeat=0) as comm:
+                    assert comm.device == torch.device("cuda", 0)
+            return loop_thread
+
+        loop_thread = asyncio.run(main())
+        assert seen and loop_thread not in seen, seen
 
 
 # ====================================================================== shrink

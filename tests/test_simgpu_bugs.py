@@ -248,6 +248,10 @@ def test_7_fp8_reductions_are_refused_at_the_call_below_sm90() -> None:
         async def body90(comm: Any) -> float:
             t = sim.gpu.tensor(torch.ones(4).to(fp8))
             await comm.all_reduce(t)
+            # NCCL has no fp8 AVG on any device (found on an H100): refused at the call,
+            # not a broken communicator later
+            with pytest.raises(ac.InvalidArgument, match="float8_e4m3fn with ReduceOp.AVG"):
+                comm.all_reduce(t, ac.ReduceOp.AVG)
             return float(sim.gpu.host(t).float()[0])
 
         assert sim.run_comms(2, body90) == [2.0, 2.0]

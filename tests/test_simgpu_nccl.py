@@ -151,6 +151,19 @@ def test_fp8_reductions_need_sm90() -> None:
             comm.abort()
 
 
+def test_fp8_avg_is_invalid_on_any_device() -> None:
+    """NCCL has no fp8 ncclAvg (enqueue.cc hostToDevRedOp; measured on an H100, NCCL 2.28.9)."""
+    with SimCluster(capability=(9, 0)) as sim:
+        (comm,) = world(sim, 1)
+        (s,) = streams_of(sim, 1)
+        t = sim.gpu.tensor(torch.ones(2).to(torch.float8_e4m3fn))
+        comm.allreduce(t, t, nc.NcclRedOp.MAX, stream=s)  # other reductions: fine on sm_90
+        with pytest.raises(NCCLError) as info:
+            comm.allreduce(t, t, nc.NcclRedOp.AVG, stream=s)
+        assert info.value.status == Result.InvalidArgument
+        comm.abort()
+
+
 # ====================================================================== revoke
 def test_sim_revoke_follows_ncclcommrevoke() -> None:
     with SimCluster() as sim:

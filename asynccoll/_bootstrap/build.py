@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .._backends import gloo
 from .._backends.torch_pg import TorchGroupBackend
+from .._base.aio import run_in_thread
 from .._base.errors import AsyncCollError, BackendUnavailable, CollectiveMismatch, InvalidArgument
 from .._core.backend import Backend
 from .._core.communicator import Communicator
@@ -73,7 +74,7 @@ async def join_nccl(store: Any, rank: int, new_size: int, device: Any, timeout: 
 
     # The device is resolved here, on the caller's thread (as nccl.create does); the
     # blocking grow runs off the loop on a thread that knows nothing of it.
-    index = nccl.device_index(device, torch.cuda.device_count(), torch.cuda.current_device)
+    index = nccl.device_index(device, torch.cuda.device_count(), nccl.current_device)
     job = functools.partial(nccl.join_grown, store, rank, new_size, index, timeout, lib=lib)
     return await off_loop(job, timeout + 5.0, "nccl grow")
 
@@ -133,7 +134,9 @@ async def build_communicator(
     if backend in ("nccl", "auto"):
         # "auto" serves CUDA tensors with NCCL whenever CUDA, nccl4py, cuda-bindings
         # and libnccl are all usable here; "nccl" insists on them.
-        missing = factories.nccl_missing()
+        # Off the loop: the check loads libnccl and asks CUDA for its devices (a cold
+        # init stalled the loop 17-21 ms on an H100 with both on it).
+        missing = await run_in_thread(factories.nccl_missing, None, name="asynccoll-nccl-check")
         if missing is None:
             use_nccl = True
         elif backend == "nccl":

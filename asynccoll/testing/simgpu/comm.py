@@ -11,7 +11,9 @@ The NCCL rules, each with the line of the NCCL 2.30 source (NVIDIA/nccl) it foll
   sets the communicator's async error (enqueue.cc:3170). nccl4py's own checks
   (``NcclInvalid``, before NCCL is called) leave the group as it was.
 * fp8 reductions below sm_90 are ``ncclInvalidArgument`` ("FP8 reduction support
-  begins with sm90 capable devices", enqueue.cc:3025-3030).
+  begins with sm90 capable devices", enqueue.cc:3025-3030); an fp8 AVG is
+  ``ncclInvalidArgument`` on any device (enqueue.cc ``hostToDevRedOp``: ncclAvg maps
+  the integer and f16/bf16/f32/f64 types only; measured on an H100, NCCL 2.28.9).
 * ``ncclCommRevoke`` (init.cc:2965-3022): flags must be 0; a second revoke, or one
   after finalize/destroy, is ``ncclInvalidArgument``; the communicator reads
   ``ncclInProgress`` until its device work has drained (commRevokeAsync synchronises
@@ -175,6 +177,8 @@ class CommState:
             raise TypeError(f"op must be an nccl.core.NcclRedOp, got {op!r}")
         if dtype in _FP8 and self.sim.gpu.capability[self.device] < (9, 0):
             raise nccl_error(Result.InvalidArgument)  # enqueue.cc: FP8 reduction needs sm90
+        if dtype in _FP8 and op == _nc.NcclRedOp.AVG:
+            raise nccl_error(Result.InvalidArgument)  # enqueue.cc hostToDevRedOp: no fp8 ncclAvg
         return int(op)
 
     def _root(self, root: Any) -> int:
