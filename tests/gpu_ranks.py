@@ -418,8 +418,10 @@ async def coalesced_group(comm: Any) -> list[str]:
 
 async def nccl_group_error_rule(ctx: RankContext) -> dict[str, Any]:
     """NCCL's group error rule, which ``NcclLib.poison_group`` relies on: a call that fails
-    its argument check inside a group makes ``ncclGroupEnd`` fail, and nothing of the group
-    is launched (NCCL src/group.cc). Raw nccl4py, through asynccoll's ``NcclLib``."""
+    its argument check inside a group makes ``ncclGroupEnd`` fail (NCCL src/group.cc).
+    Whether the group's valid members ran is reported (``ran``), not asserted: on the H100
+    with NCCL 2.28.9 (world size 1, non-blocking) they did, though 2.30's group.cc reads
+    "launches nothing" (docs/verified.md). Raw nccl4py, through asynccoll's ``NcclLib``."""
     from asynccoll._backends.nccl import NcclLib, abort_quietly, wait_ready
     from asynccoll._base.ops import ReduceOp
 

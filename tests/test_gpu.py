@@ -126,9 +126,10 @@ def test_coalesced_groups_mix_collectives_and_send_recv_to_self() -> None:
 
 @needs_nccl
 @pytest.mark.timeout(90)
-def test_a_bad_call_in_an_nccl_group_fails_group_end_and_launches_nothing() -> None:
+def test_a_bad_call_in_an_nccl_group_fails_group_end() -> None:
     (res,) = on_gpu(gr.nccl_group_error_rule, backend=None)
-    assert res["group_end"] != "returned" and not res["ran"], res
+    assert res["group_end"].startswith("NCCLError: InvalidArgument"), res
+    print("the group's valid member ran:", res["ran"])  # True on NCCL 2.28.9, an H100 (docs/verified.md)
 
 
 # ======================================================================= lifecycle

@@ -134,8 +134,8 @@ async def build_communicator(
     if backend in ("nccl", "auto"):
         # "auto" serves CUDA tensors with NCCL whenever CUDA, nccl4py, cuda-bindings
         # and libnccl are all usable here; "nccl" insists on them.
-        # Off the loop: the check loads libnccl and asks CUDA for its devices (a cold
-        # init stalled the loop 17-21 ms on an H100 with both on it).
+        # Off the loop: the first check in a process loads libnccl (hundreds of MB) and
+        # asks CUDA for its devices.
         missing = await run_in_thread(factories.nccl_missing, None, name="asynccoll-nccl-check")
         if missing is None:
             use_nccl = True

@@ -24,8 +24,7 @@ def current_device() -> int:
     """The calling thread's current CUDA device, without initializing CUDA here: before
     torch initializes CUDA nobody can have chosen one (``torch.cuda.set_device``
     initializes it), so it is 0; ``torch.cuda.current_device()`` would initialize CUDA
-    on the caller's thread, the event loop's (a cold ``init`` stalled the loop 17-21 ms
-    on an H100)."""
+    on the caller's thread, the event loop's."""
     return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
 
 
