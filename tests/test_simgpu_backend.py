@@ -351,7 +351,7 @@ def test_nccl_init_ops_and_close_on_every_loop(loop: str) -> None:
 def test_init_checks_nccl_and_picks_the_device_off_the_loop() -> None:
     """Loading libnccl (the availability check) and initializing CUDA
     (``torch.cuda.current_device()``) stay off the loop's thread: on an H100 a process's
-    first ``init("nccl")`` stalled the loop 17-21 ms (the GPU test, which does both before
+    first ``init("nccl")`` stalled the loop 15-30 ms (the GPU test, which does both before
     it measures, still sees that stall: see docs/verified.md)."""
     import dataclasses
     from unittest import mock
