@@ -108,3 +108,40 @@ def test_a_peer_that_dies_during_an_object_collective_is_named_at_once(kind: str
         assert res["detected"] < 5.0, res  # the issue: the whole 30 s deadline; a tensor op: ~10 ms
         assert res["shrunk"] < 5.0, res  # the issue: 10 s (half the timeout, no census record)
         assert res["got"] == [0, 1], res
+
+
+def test_shutdown_with_wait_lets_a_job_reading_keys_finish_before_they_are_deleted() -> None:
+    """A job past its wait and reading the keys (its ``get`` slow here) ends before
+    ``shutdown(wait=...)`` returns, so deleting the keys next (``drop_ops``, as a shrink's
+    retire does) cannot leave it blocked in a ``get`` of a missing key (seen once: the
+    store client, shared with the retire, then stalled until the store's timeout)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    entered, results = threading.Event(), []
+
+    class SlowReads:
+        """The store, with reads that take a while once the job is past its wait."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def get(self, key: str) -> Any:
+            entered.set()
+            time.sleep(0.3)
+            return store.get(key)
+
+    src = objects.ObjectChannel(store, 0, 2)
+    src.run(lambda: src.broadcast(1, objects.dumps("state"), 0, 10.0), lambda v, e: None)
+    reader = objects.ObjectChannel(SlowReads(), 1, 2)
+    reader.run(lambda: reader.broadcast(1, None, 0, 10.0), lambda v, e: results.append((v, e)))
+    assert entered.wait(10)
+    t0 = time.monotonic()
+    reader.shutdown(wait=5.0)
+    objects.drop_ops(store, [1], 2)
+    assert results == [("state", None)] and time.monotonic() - t0 < 5.0
+    src.shutdown(wait=5.0)

@@ -77,6 +77,7 @@ class ObjectChannel:
         self._world_size = world_size
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] | None = None
+        self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.watch: Callable[[list[int]], BaseException | None] | None = None
         #: Operations begun here and not released (a failure or an abort ended them), and
@@ -107,7 +108,9 @@ class ObjectChannel:
                 # A daemon thread of its own (a pool's worker would hold interpreter
                 # exit until a pending operation's deadline).
                 self._jobs = queue.SimpleQueue()
-                thread = threading.Thread(target=_serve, args=(self._jobs,), name="asynccoll-objects", daemon=True)
+                thread = self._thread = threading.Thread(
+                    target=_serve, args=(self._jobs,), name="asynccoll-objects", daemon=True
+                )
                 thread.start()
                 shutdown.native(thread)  # store calls
             self._jobs.put(job)
@@ -201,13 +204,21 @@ class ObjectChannel:
                 self._store.delete_key(key)
             self._store.delete_key(f"obj/{seq}/read")
 
-    def shutdown(self) -> None:
-        """Fail queued jobs and the one waiting (at its next poll); the thread then ends."""
+    def shutdown(self, wait: float = 0.0) -> None:
+        """Fail queued jobs and the one waiting (at its next poll); the thread then ends.
+
+        ``wait``: seconds to wait for it to end (before the communicator's keys are
+        deleted: a job between its wait and its ``get`` of a key deleted meanwhile would
+        block in the store, and every request of its store client behind it, until the
+        store's timeout; seen once in a shrink after a death during ``broadcast_state``)."""
         self._stopped.set()
         with self._lock:
             jobs, self._jobs = self._jobs, None
+            thread = self._thread
         if jobs is not None:
             jobs.put(None)
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join(wait)
 
 
 def drop_ops(store: Any, seqs: Iterable[int], world_size: int) -> None:

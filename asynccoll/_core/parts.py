@@ -27,6 +27,10 @@ from .ledger import Ledger
 from .objects import ObjectChannel
 from .seams import Diagnosis, Membership, MembershipFactory
 
+#: How long forgetting a communicator's keys waits for its object channel's thread to
+#: leave the store (a job in a poll ends within ~20 ms; one reading a key, at once).
+_QUIESCE_OBJECTS = 5.0
+
 
 def weakly(method: Callable[[Any], None]) -> Callable[[Any], None]:
     """``method`` called through a weak reference to its object: what background threads
@@ -138,6 +142,8 @@ class Parts:
         liveness = self.liveness
         if forget is not None and (liveness is None or liveness.failure() is None):  # (a store still there)
             objects = self.objects
+            if objects is not None:  # its thread is out of the store before anyone deletes keys
+                objects.shutdown(wait=_QUIESCE_OBJECTS)
             # After an abort, object collectives may have left keys (a clean close finished them all).
             ops = objects.unreleased() if objects is not None and self.ledger.error is not None else ()
             forget(dead, keys, ops)
