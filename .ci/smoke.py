@@ -16,9 +16,13 @@ EXPECTED = sys.argv[1]  # the version that was built
 
 for mod in (ac, asynccoll.testing, streams):
     where = Path(mod.__file__).resolve()
-    assert "site-packages" in where.parts, f"{mod.__name__} imported from {where}, not from the installed package"
+    assert "site-packages" in where.parts, (
+        f"{mod.__name__} imported from {where}, not from the installed package"
+    )
 for pkg in (ac, streams):
-    assert (Path(pkg.__file__).parent / "py.typed").exists(), f"{pkg.__name__}: py.typed not installed"
+    assert (Path(pkg.__file__).parent / "py.typed").exists(), (
+        f"{pkg.__name__}: py.typed not installed"
+    )
 assert ac.__version__ == EXPECTED, (ac.__version__, EXPECTED)
 
 
@@ -29,11 +33,26 @@ async def main() -> list[float]:
 
 
 assert asyncio.run(main()) == [1.0, 1.0, 1.0]
-cli = subprocess.run([sys.executable, "-m", "asynccoll.diagnose", "--help"], capture_output=True, text=True,
-                     timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+cli = subprocess.run(
+    [sys.executable, "-m", "asynccoll.diagnose", "--help"],
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+)
 assert cli.returncode == 0 and "trace_dir" in cli.stdout, cli.stderr
 # The doctor where no extra is installed (no nccl4py, cuda-bindings or libnccl): says so, exits 0.
-doc = subprocess.run([sys.executable, "-m", "asynccoll.doctor"], capture_output=True, text=True,
-                     timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-assert doc.returncode == 0 and "absent     nccl4py, cuda-bindings, cuda-core" in doc.stdout, (doc.stdout, doc.stderr)
-print(f"asynccoll {ac.__version__} from {Path(ac.__file__).parent}: import, one-rank all_reduce, diagnose, doctor: ok")
+doc = subprocess.run(
+    [sys.executable, "-m", "asynccoll.doctor"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+)
+assert doc.returncode == 0 and "absent     nccl4py, cuda-bindings, cuda-core" in doc.stdout, (
+    doc.stdout,
+    doc.stderr,
+)
+print(
+    f"asynccoll {ac.__version__} from {Path(ac.__file__).parent}: import, one-rank all_reduce, diagnose, doctor: ok"
+)

@@ -33,7 +33,10 @@ _P2P = ("send", "recv")
 def _when(t: float | None) -> str:
     if t is None:
         return "?"
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3] + " UTC"
+    return (
+        datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+        + " UTC"
+    )
 
 
 def _op(rec: dict[str, Any]) -> str:
@@ -51,7 +54,9 @@ def _from_timeline(data: dict[str, Any]) -> list[dict[str, Any]]:
             rec = dict(ev.get("args", {}))
             rec["op"] = ev.get("name")
             rec["issued_at"] = ev["ts"] / 1e6
-            rec["ended_at"] = (ev["ts"] + ev.get("dur", 0.0)) / 1e6 if rec.get("state") != "issued" else None
+            rec["ended_at"] = (
+                (ev["ts"] + ev.get("dur", 0.0)) / 1e6 if rec.get("state") != "issued" else None
+            )
             records.append(rec)
     return sorted(records, key=lambda r: r["seq"])
 
@@ -92,28 +97,47 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
     world = max([r["world_size"] or 0 for r in ranks.values()] + [max(ranks) + 1])
     missing = [r for r in range(world) if r not in ranks]
     if missing:
-        problems.append({"kind": "missing", "ranks": missing,
-                         "text": f"no trace files from {_ranks(missing)} (crashed, killed, or another trace_dir?)"})
+        problems.append(
+            {
+                "kind": "missing",
+                "ranks": missing,
+                "text": f"no trace files from {_ranks(missing)} (crashed, killed, or another trace_dir?)",
+            }
+        )
     seen_errors: set[str] = set()
     for data in ranks.values():
         if data["error_type"] and data["error"] not in seen_errors:
             seen_errors.add(data["error"])
             holders = [q for q, d in ranks.items() if d["error"] == data["error"]]
-            problems.append({"kind": "error", "ranks": holders, "error_type": data["error_type"],
-                             "text": f"{_ranks(holders)} recorded {data['error_type']}: {data['error']}"})
+            problems.append(
+                {
+                    "kind": "error",
+                    "ranks": holders,
+                    "error_type": data["error_type"],
+                    "text": f"{_ranks(holders)} recorded {data['error_type']}: {data['error']}",
+                }
+            )
     # An op a rank skipped (asynccoll.testing.skip_collective) never reached its peers:
     # it counts as not issued there, and is reported as such.
     for r, d in sorted(ranks.items()):
         for rec in sorted(d["records"].values(), key=lambda x: x["seq"]):
             if rec["state"] == "skipped":
-                problems.append({"kind": "skipped", "rank": r, "seq": rec["seq"], "op": rec["op"],
-                                 "text": f"rank {r} skipped {_op(rec)}: settled on rank {r} only, it never "
-                                         "reached the other ranks (asynccoll.testing.skip_collective)"})
+                problems.append(
+                    {
+                        "kind": "skipped",
+                        "rank": r,
+                        "seq": rec["seq"],
+                        "op": rec["op"],
+                        "text": f"rank {r} skipped {_op(rec)}: settled on rank {r} only, it never "
+                        "reached the other ranks (asynccoll.testing.skip_collective)",
+                    }
+                )
     # Collectives line up across ranks by ``cseq`` (seq minus this rank's p2p ops):
     # ranks that exchanged point-to-point ops have moved their seqs on, the others not.
     recs = {
         r: {
-            rec.get("cseq", rec["seq"]): rec for rec in d["records"].values()
+            rec.get("cseq", rec["seq"]): rec
+            for rec in d["records"].values()
             if rec["op"] not in _P2P and rec["state"] != "skipped"
         }
         for r, d in ranks.items()
@@ -135,8 +159,16 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 + ("" if recs[q][nxt]["seq"] == rec["seq"] else f" (its seq {recs[q][nxt]['seq']})")
                 for q in others
             )
-            problems.append({"kind": "behind", "rank": r, "seq": rec["seq"], "op": rec["op"], "ranks": others,
-                             "text": f"rank {r} never issued {_op(rec)}; issued by {issued} ({ended})"})
+            problems.append(
+                {
+                    "kind": "behind",
+                    "rank": r,
+                    "seq": rec["seq"],
+                    "op": rec["op"],
+                    "ranks": others,
+                    "text": f"rank {r} never issued {_op(rec)}; issued by {issued} ({ended})",
+                }
+            )
     # Disagreement on what an op was, and on how it ended.
     disagree = 0
     outcome_reported = False
@@ -147,8 +179,11 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         first = have[min(have)]
         seq = first["seq"]
         seqs = {r: rec["seq"] for r, rec in have.items()}
-        where = "" if len(set(seqs.values())) == 1 else " (seq " + ", ".join(
-            f"{s} on rank {r}" for r, s in sorted(seqs.items())) + ")"
+        where = (
+            ""
+            if len(set(seqs.values())) == 1
+            else " (seq " + ", ".join(f"{s} on rank {r}" for r, s in sorted(seqs.items())) + ")"
+        )
         diffs = []
         for field in _COMPARED:
             values = {r: rec.get(field) for r, rec in have.items()}
@@ -156,22 +191,42 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 groups: dict[str, list[int]] = {}
                 for r, v in sorted(values.items()):
                     groups.setdefault(_show(v), []).append(r)
-                diffs.append(f"{field} " + ", ".join(f"{v} on {_ranks(rs)}" for v, rs in groups.items()))
+                diffs.append(
+                    f"{field} " + ", ".join(f"{v} on {_ranks(rs)}" for v, rs in groups.items())
+                )
                 if field == "op":
                     break  # different ops: their other fields say nothing more
         if diffs and disagree < 5:
             disagree += 1
-            problems.append({"kind": "disagree", "seq": seq, "ranks": sorted(have),
-                             "text": f"seq {seq}: ranks disagree: " + "; ".join(diffs) + where})
+            problems.append(
+                {
+                    "kind": "disagree",
+                    "seq": seq,
+                    "ranks": sorted(have),
+                    "text": f"seq {seq}: ranks disagree: " + "; ".join(diffs) + where,
+                }
+            )
         states = {r: rec["state"] for r, rec in have.items()}
-        if not diffs and len(set(states.values())) > 1 and not outcome_reported and key not in behind_at:
+        if (
+            not diffs
+            and len(set(states.values())) > 1
+            and not outcome_reported
+            and key not in behind_at
+        ):
             outcome_reported = True
             by_state: dict[str, list[int]] = {}
             for r, st in sorted(states.items()):
                 by_state.setdefault(st, []).append(r)
-            problems.append({"kind": "outcome", "seq": seq, "op": first["op"],
-                             "text": f"seq {seq} {first['op']} ended differently: "
-                                     + ", ".join(f"{st} on {_ranks(rs)}" for st, rs in by_state.items()) + where})
+            problems.append(
+                {
+                    "kind": "outcome",
+                    "seq": seq,
+                    "op": first["op"],
+                    "text": f"seq {seq} {first['op']} ended differently: "
+                    + ", ".join(f"{st} on {_ranks(rs)}" for st, rs in by_state.items())
+                    + where,
+                }
+            )
     status = {}
     for r, data in ranks.items():
         done = [rec for rec in data["records"].values() if rec["state"] == "done"]
@@ -179,19 +234,40 @@ def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
         unfinished = [rec for rec in data["records"].values() if rec["state"] != "done"]
         first_bad = min(unfinished, key=lambda x: x["seq"]) if unfinished else None
         status[r] = {
-            "last_completed": None if last is None else {"seq": last["seq"], "op": last["op"], "at": last["ended_at"]},
-            "first_unfinished": None if first_bad is None else {
-                "seq": first_bad["seq"], "op": first_bad["op"], "state": first_bad["state"],
-                "error": first_bad.get("error")},
+            "last_completed": None
+            if last is None
+            else {"seq": last["seq"], "op": last["op"], "at": last["ended_at"]},
+            "first_unfinished": None
+            if first_bad is None
+            else {
+                "seq": first_bad["seq"],
+                "op": first_bad["op"],
+                "state": first_bad["state"],
+                "error": first_bad.get("error"),
+            },
             "waiting": data["waiting"],
             "source": data["source"],
         }
         if first_bad is not None and not any(p["kind"] in ("behind", "error") for p in problems):
-            problems.append({"kind": "failed", "rank": r, "seq": first_bad["seq"],
-                             "text": f"rank {r}: {_op(first_bad)} {first_bad['state']}"})
+            problems.append(
+                {
+                    "kind": "failed",
+                    "rank": r,
+                    "seq": first_bad["seq"],
+                    "text": f"rank {r}: {_op(first_bad)} {first_bad['state']}",
+                }
+            )
     # Most telling first: who is behind, who disagrees, how ops ended, then what
     # each rank recorded (a rank aborted by another's news last).
-    order = {"skipped": 0, "behind": 0, "disagree": 1, "outcome": 2, "failed": 3, "missing": 4, "error": 5}
+    order = {
+        "skipped": 0,
+        "behind": 0,
+        "disagree": 1,
+        "outcome": 2,
+        "failed": 3,
+        "missing": 4,
+        "error": 5,
+    }
     problems.sort(key=lambda p: (order[p["kind"]], p.get("error_type") == "CommAborted"))
     return {"ok": not problems, "world_size": world, "problems": problems, "ranks": status}
 
@@ -212,21 +288,27 @@ def render(result: dict[str, Any], directory: str) -> str:
     for r, st in sorted(result["ranks"].items()):
         last = st["last_completed"]
         text = f"rank {r}: " + (
-            f"last completed seq {last['seq']} {last['op']} at {_when(last['at'])}" if last else "completed nothing"
+            f"last completed seq {last['seq']} {last['op']} at {_when(last['at'])}"
+            if last
+            else "completed nothing"
         )
         bad = st["first_unfinished"]
         if bad is not None:
             text += f"; seq {bad['seq']} {bad['op']} {bad['state']}"
         for w in st["waiting"]:
-            text += f"; seq {w['seq']} {'+'.join(w['ops'])} held for the fingerprint of {_ranks(w['waiting_for'])}" \
-                if w["waiting_for"] else ""
+            text += (
+                f"; seq {w['seq']} {'+'.join(w['ops'])} held for the fingerprint of {_ranks(w['waiting_for'])}"
+                if w["waiting_for"]
+                else ""
+            )
         lines.append(text)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m asynccoll.diagnose", description="Explain a hang or mismatch from asynccoll trace files."
+        prog="python -m asynccoll.diagnose",
+        description="Explain a hang or mismatch from asynccoll trace files.",
     )
     parser.add_argument("dir", help="the trace_dir given to asynccoll.init")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -241,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = analyse(ranks)
     if args.json:
-        print(json.dumps({**result, "ranks": {str(k): v for k, v in result["ranks"].items()}}, indent=1))
+        print(
+            json.dumps(
+                {**result, "ranks": {str(k): v for k, v in result["ranks"].items()}}, indent=1
+            )
+        )
     else:
         print(render(result, str(directory)))
     return 0 if result["ok"] else 1

@@ -21,8 +21,20 @@ import sys
 from typing import Any, Callable
 
 #: Distributions whose versions are listed (those that decide the GPU path).
-_DISTS = ("torch", "nccl4py", "cuda-bindings", "cuda-core", "cuda-pathfinder", "nvidia-nccl-cu12",
-          "nvidia-nccl-cu13", "cupy-cuda12x", "cupy-cuda13x", "uvloop", "trio", "anyio")
+_DISTS = (
+    "torch",
+    "nccl4py",
+    "cuda-bindings",
+    "cuda-core",
+    "cuda-pathfinder",
+    "nvidia-nccl-cu12",
+    "nvidia-nccl-cu13",
+    "cupy-cuda12x",
+    "cupy-cuda13x",
+    "uvloop",
+    "trio",
+    "anyio",
+)
 #: The extras of each CUDA major (pyproject.toml).
 _EXTRA = {12: "nccl-cu12", 13: "nccl-cu13"}
 
@@ -121,15 +133,20 @@ def collect() -> dict[str, Any]:
     r["cuda_available"] = bool(_probe(torch.cuda.is_available) is True)
     r["devices"] = _probe(lambda: _devices(torch)) if r["cuda_available"] else []
     r["driver"] = _probe(_driver)
-    r["torch_nccl"] = (_probe(lambda: ".".join(map(str, torch.cuda.nccl.version())))
-                       if r["torch_cuda"] else "none (CPU build)")
+    r["torch_nccl"] = (
+        _probe(lambda: ".".join(map(str, torch.cuda.nccl.version())))
+        if r["torch_cuda"]
+        else "none (CPU build)"
+    )
     lib = _probe(_libnccl)
     r["libnccl"] = lib
     r["features"] = _probe(lambda: _features(lib["version"])) if isinstance(lib, dict) else {}
     from ._backends.nccl import missing
 
     r["nccl_backend"] = _probe(missing) or "usable"
-    r["comm_stream"] = _probe(lambda: _comm_stream(torch)) if r["cuda_available"] else "no CUDA device"
+    r["comm_stream"] = (
+        _probe(lambda: _comm_stream(torch)) if r["cuda_available"] else "no CUDA device"
+    )
     r["advice"] = advice(r)
     return r
 
@@ -140,38 +157,54 @@ def advice(r: dict[str, Any]) -> list[str]:
     pkgs = r.get("packages", {})
     cuda_major = _major(r.get("torch_cuda")) if r.get("torch_cuda") else None
     if cuda_major is None:
-        tips.append("torch is a CPU build: CPU tensors only (backend='gloo'); for CUDA tensors install a CUDA "
-                    "build of torch first, then asynccoll's NCCL extra of the same CUDA major")
+        tips.append(
+            "torch is a CPU build: CPU tensors only (backend='gloo'); for CUDA tensors install a CUDA "
+            "build of torch first, then asynccoll's NCCL extra of the same CUDA major"
+        )
         return tips
     extra = _EXTRA.get(cuda_major, f"nccl-cu{cuda_major}")
     bindings = _major(pkgs.get("cuda-bindings")) if pkgs.get("cuda-bindings") else None
     if not pkgs.get("nccl4py") or bindings is None:
         tips.append(f"torch is built for CUDA {r['torch_cuda']}: pip install 'asynccoll[{extra}]'")
     elif bindings != cuda_major:
-        tips.append(f"cuda-bindings {pkgs['cuda-bindings']} is for CUDA {bindings}, torch for CUDA {cuda_major}: "
-                    f"pip install 'asynccoll[{extra}]' in a fresh environment")
+        tips.append(
+            f"cuda-bindings {pkgs['cuda-bindings']} is for CUDA {bindings}, torch for CUDA {cuda_major}: "
+            f"pip install 'asynccoll[{extra}]' in a fresh environment"
+        )
     lib = r.get("libnccl")
     if isinstance(lib, dict) and _major(lib.get("cuda")) not in (None, cuda_major):
-        tips.append(f"nccl4py loads a libnccl built for CUDA {lib['cuda']} ({lib['path']}), torch is built for "
-                    f"CUDA {cuda_major}: pip install 'asynccoll[{extra}]' (nvidia-nccl-cu{cuda_major})")
+        tips.append(
+            f"nccl4py loads a libnccl built for CUDA {lib['cuda']} ({lib['path']}), torch is built for "
+            f"CUDA {cuda_major}: pip install 'asynccoll[{extra}]' (nvidia-nccl-cu{cuda_major})"
+        )
     torch_nccl = str(r.get("torch_nccl", ""))
     if isinstance(lib, dict) and torch_nccl[:1].isdigit() and torch_nccl != str(lib.get("version")):
-        tips.append(f"torch's NCCL is {torch_nccl}, nccl4py's libnccl {lib['version']}: two NCCL libraries "
-                    "in one process; the NCCL extra of torch's CUDA major installs the one torch uses")
+        tips.append(
+            f"torch's NCCL is {torch_nccl}, nccl4py's libnccl {lib['version']}: two NCCL libraries "
+            "in one process; the NCCL extra of torch's CUDA major installs the one torch uses"
+        )
     if not r.get("cuda_available"):
-        tips.append("torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES, or a container without the GPU)")
+        tips.append(
+            "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES, or a container without the GPU)"
+        )
     return tips
 
 
 def render(r: dict[str, Any]) -> str:
     """The report as text (one screen)."""
-    lines = [f"asynccoll {r['asynccoll']}", f"python     {r['python']}", f"platform   {r['platform']}"]
+    lines = [
+        f"asynccoll {r['asynccoll']}",
+        f"python     {r['python']}",
+        f"platform   {r['platform']}",
+    ]
     if "torch_cuda" not in r:
         return "\n".join([*lines, f"torch      {r['torch']}"])
     built = f"built for CUDA {r['torch_cuda']}" if r["torch_cuda"] else "CPU build"
     lines.append(f"torch      {r['torch']} ({built}); NCCL in torch: {r['torch_nccl']}")
     devices = r["devices"] if isinstance(r["devices"], list) else [r["devices"]]
-    lines.append(f"CUDA       {'available: ' + '; '.join(devices) if r['cuda_available'] else 'not available'}")
+    lines.append(
+        f"CUDA       {'available: ' + '; '.join(devices) if r['cuda_available'] else 'not available'}"
+    )
     lines.append(f"driver     {r['driver']}")
     pkgs = r["packages"]
     lines.append("packages   " + (", ".join(f"{d} {v}" for d, v in pkgs.items() if v) or "none"))
@@ -180,7 +213,9 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"absent     {', '.join(absent)}")
     lib = r["libnccl"]
     if isinstance(lib, dict):
-        lines.append(f"libnccl    {lib['version']} for CUDA {lib['cuda']}, loaded by nccl4py from {lib['path']}")
+        lines.append(
+            f"libnccl    {lib['version']} for CUDA {lib['cuda']}, loaded by nccl4py from {lib['path']}"
+        )
         feats = r["features"]
         if isinstance(feats, dict):
             lines.append("features   " + "; ".join(f"{k} {v}" for k, v in feats.items()))

@@ -43,9 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m asynccoll.store",
         description="Serve torch's TCPStore (libuv) until SIGINT/SIGTERM: a rendezvous store that outlives every rank.",
     )
-    parser.add_argument("--port", type=int, default=29500, help="TCP port (0: pick a free one; default 29500)")
-    parser.add_argument("--host", default=socket.gethostname(),
-                        help="the address ranks should use, as printed (the server listens on every interface)")
+    parser.add_argument(
+        "--port", type=int, default=29500, help="TCP port (0: pick a free one; default 29500)"
+    )
+    parser.add_argument(
+        "--host",
+        default=socket.gethostname(),
+        help="the address ranks should use, as printed (the server listens on every interface)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
@@ -59,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = serve(args.host, args.port)
     except (dist.DistError, RuntimeError) as exc:  # DistNetworkError: the port is taken
-        print(f"asynccoll store: cannot listen on port {args.port}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        print(
+            f"asynccoll store: cannot listen on port {args.port}: {str(exc).splitlines()[0]}",
+            file=sys.stderr,
+        )
         return 1
     print(f"asynccoll store: listening on {args.host}:{store.port}", flush=True)
     while not stop.wait(1.0):

@@ -32,8 +32,23 @@ async def _op(comm: Any, k: int, rng: random.Random, deadline: float, check: lis
     ws, r = comm.world_size, comm.rank
     vals = [_value(k, q) for q in range(ws)]
     kind = rng.choice(
-        ["all_reduce", "all_reduce_max", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all",
-         "gather", "scatter", "barrier", "ring", "batch", "object", "bcast_object", "big"]
+        [
+            "all_reduce",
+            "all_reduce_max",
+            "broadcast",
+            "reduce",
+            "all_gather",
+            "reduce_scatter",
+            "all_to_all",
+            "gather",
+            "scatter",
+            "barrier",
+            "ring",
+            "batch",
+            "object",
+            "bcast_object",
+            "big",
+        ]
     )
     root = rng.randrange(ws)
     dtype = rng.choice([torch.float32, torch.float64, torch.int64])
@@ -105,7 +120,9 @@ async def _op(comm: Any, k: int, rng: random.Random, deadline: float, check: lis
         got = await comm.all_gather_object({"r": r, "k": k}, timeout=deadline)
         expect(got == [{"r": q, "k": k} for q in range(ws)], "all_gather_object")
     elif kind == "bcast_object":
-        got = await comm.broadcast_object(("x", k, root) if r == root else None, root, timeout=deadline)
+        got = await comm.broadcast_object(
+            ("x", k, root) if r == root else None, root, timeout=deadline
+        )
         expect(got == ("x", k, root), "broadcast_object")
     elif kind == "big":
         t = torch.full((1 << 18,), vals[r])
@@ -150,17 +167,22 @@ def _state_errors(got: Any, seed: int, gen: int) -> list[str]:
 
     try:
         want = _state(seed, gen, int(got["epoch"]), list(got["sizes"]))
-        if not torch.equal(got["w"], want["w"]) or not torch.equal(got["opt"]["m"], want["opt"]["m"]):
+        if not torch.equal(got["w"], want["w"]) or not torch.equal(
+            got["opt"]["m"], want["opt"]["m"]
+        ):
             return [f"state of epoch {got['epoch']} arrived with other tensors"]
         if int(got["opt"]["step"]) != got["epoch"] or len(got["sizes"]) != got["epoch"] + 1:
-            return [f"state of epoch {got['epoch']} arrived inconsistent: {got['opt']['step']}, {got['sizes']}"]
+            return [
+                f"state of epoch {got['epoch']} arrived inconsistent: {got['opt']['step']}, {got['sizes']}"
+            ]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         return [f"state arrived malformed: {exc!r}"]
     return []
 
 
-async def _sync(comm: Any, state: dict[str, Any] | None, seed: int, gen: int, deadline: float,
-                check: list[str]) -> dict[str, Any]:
+async def _sync(
+    comm: Any, state: dict[str, Any] | None, seed: int, gen: int, deadline: float, check: list[str]
+) -> dict[str, Any]:
     """After every membership change: the members that hold the state must agree on it,
     and the lowest such rank sends it to everyone (joiners included) with ``broadcast_state``."""
     mine = state["epoch"] if state is not None else None
@@ -171,7 +193,9 @@ async def _sync(comm: Any, state: dict[str, Any] | None, seed: int, gen: int, de
     if not held:  # every holder died before a joiner got it: start over (not a violation)
         return _state(seed, gen, 0, [comm.world_size])
     src = held[0]
-    got = await comm.broadcast_state(state if comm.rank == src else None, src=src, timeout=2 * deadline)
+    got = await comm.broadcast_state(
+        state if comm.rank == src else None, src=src, timeout=2 * deadline
+    )
     check += _state_errors(got, seed, gen)
     return dict(got)
 
@@ -198,8 +222,9 @@ async def _until(coro: Any, stop: asyncio.Event) -> Any:
     return task.result()
 
 
-async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: float, joiner: bool,
-                conn: Any) -> None:
+async def _rank(
+    gen: int, idx: int, world: int, port: int, seed: int, deadline: float, joiner: bool, conn: Any
+) -> None:
     """Process ``idx`` of generation ``gen``: one of its ``world`` first members, or a
     replacement (``joiner``) that joins the group with ``ac.join`` and gets the state."""
     import torch.distributed as dist
@@ -217,12 +242,16 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
 
     holder: list[Any] = [None]
 
-    def abort() -> None:  # only a member has a communicator to abort (the driver aborts members only)
+    def abort() -> (
+        None
+    ):  # only a member has a communicator to abort (the driver aborts members only)
         if holder[0] is not None:
             holder[0].abort("chaos: aborted by the driver")
 
     loop.add_signal_handler(signal.SIGUSR1, abort)
-    long = max(15.0, 3 * deadline)  # creation, shrink's agreement, rebuilds and grows: more than one op
+    long = max(
+        15.0, 3 * deadline
+    )  # creation, shrink's agreement, rebuilds and grows: more than one op
     client = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60))
     store = dist.PrefixStore(f"chaos/{gen}", client)
     state: dict[str, Any] | None
@@ -230,7 +259,9 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
         send("started", idx, os.getpid())
         t0 = time.monotonic()
         try:
-            comm = await _until(ac.join("gloo", store=store, name=GROUP, timeout=JOIN_TIMEOUT), stop)
+            comm = await _until(
+                ac.join("gloo", store=store, name=GROUP, timeout=JOIN_TIMEOUT), stop
+            )
         except ac.CollectiveTimeout as exc:
             send("join_timeout", idx, f"{time.monotonic() - t0:.1f} s: {exc}")
             return
@@ -240,7 +271,9 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
         state, need_sync = None, True
         send("joined", idx, time.time(), comm.rank, comm.world_size)
     else:
-        comm = await ac.init("gloo", rank=idx, world_size=world, store=store, timeout=long, name=GROUP)
+        comm = await ac.init(
+            "gloo", rank=idx, world_size=world, store=store, timeout=long, name=GROUP
+        )
         state, need_sync = _state(seed, gen, 0, [world]), False
         send("ready", idx, os.getpid())
     holder[0] = comm
@@ -270,7 +303,9 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
         grow), or one random op; what it was."""
         nonlocal comm, state, need_sync, k, grew
         if need_sync:
-            begin("sync", 3 * deadline)  # an all_gather_object, then broadcast_state within 2 x deadline
+            begin(
+                "sync", 3 * deadline
+            )  # an all_gather_object, then broadcast_state within 2 x deadline
             state = await _sync(comm, state, seed, gen, deadline, errors)
             need_sync, k = False, 0
             return "sync"
@@ -309,14 +344,25 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
             what = await step()
         except (ac.CommAborted, ac.CollectiveTimeout) as exc:
             waited = time.monotonic() - phase[1]
-            if waited > phase[2] + 1.0:  # the driver excuses it if this rank was the one frozen meanwhile
-                send("long_wait", idx, time.time() - waited, time.time(),
-                     f"{waited:.2f} s in {phase[0]}, bound {phase[2]:g} s ({type(exc).__name__})")
+            if (
+                waited > phase[2] + 1.0
+            ):  # the driver excuses it if this rank was the one frozen meanwhile
+                send(
+                    "long_wait",
+                    idx,
+                    time.time() - waited,
+                    time.time(),
+                    f"{waited:.2f} s in {phase[0]}, bound {phase[2]:g} s ({type(exc).__name__})",
+                )
             failed_at = time.time()
-            send("failed", idx, type(exc).__name__, list(getattr(exc, "ranks", ()) or ()), failed_at)
+            send(
+                "failed", idx, type(exc).__name__, list(getattr(exc, "ranks", ()) or ()), failed_at
+            )
             try:
                 new = await comm.shrink()
-            except ac.AsyncCollError as exc2:  # left out by the others (frozen too long), or all gone
+            except (
+                ac.AsyncCollError
+            ) as exc2:  # left out by the others (frozen too long), or all gone
                 send("left", idx, f"{type(exc2).__name__}: {exc2}")
                 break
             await comm.close()
@@ -327,7 +373,13 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
             continue
         waited = time.monotonic() - phase[1]
         if waited > phase[2] + 1.0:
-            send("long_wait", idx, time.time() - waited, time.time(), f"{waited:.2f} s in {phase[0]}, bound {phase[2]:g} s")
+            send(
+                "long_wait",
+                idx,
+                time.time() - waited,
+                time.time(),
+                f"{waited:.2f} s in {phase[0]}, bound {phase[2]:g} s",
+            )
         if what == "idle" and failed_at is not None:  # recovered to a lone survivor: nothing to run
             send("recovered", idx, time.time(), comm.world_size, comm.rank, *_resources())
             failed_at = None
@@ -348,8 +400,12 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
         elif check_at is not None and k == check_at:
             check_at = None
             threads, fds = _resources()
-            if baseline is not None and (threads > baseline[0] + THREAD_SLACK or fds > baseline[1] + FD_SLACK):
-                errors.append(f"resources grew: threads {baseline[0]} -> {threads}, fds {baseline[1]} -> {fds}")
+            if baseline is not None and (
+                threads > baseline[0] + THREAD_SLACK or fds > baseline[1] + FD_SLACK
+            ):
+                errors.append(
+                    f"resources grew: threads {baseline[0]} -> {threads}, fds {baseline[1]} -> {fds}"
+                )
         if len(comm.flight_record()) > 4096:
             errors.append(f"flight record of {len(comm.flight_record())} ops")
         if errors:
@@ -366,8 +422,9 @@ async def _rank(gen: int, idx: int, world: int, port: int, seed: int, deadline: 
     send("done", idx, ops)
 
 
-def _rank_main(gen: int, idx: int, world: int, port: int, seed: int, deadline: float, joiner: bool,
-               conn: Any) -> None:
+def _rank_main(
+    gen: int, idx: int, world: int, port: int, seed: int, deadline: float, joiner: bool, conn: Any
+) -> None:
     try:
         asyncio.run(_rank(gen, idx, world, port, seed, deadline, joiner, conn))
     except BaseException as exc:  # noqa: BLE001 - reported to the driver whatever it is, then exit non-zero

@@ -47,7 +47,9 @@ def store_server(timeout: float = 120.0) -> Any:
     """
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -103,7 +105,9 @@ def _child(target: Callable[..., Any], rank: int, args: tuple[Any, ...], conn: A
         raise SystemExit(1) from exc
 
 
-def spawn(target: Callable[..., Any], args: tuple[Any, ...], world_size: int = 2, limit: float = 900.0) -> list[Any]:
+def spawn(
+    target: Callable[..., Any], args: tuple[Any, ...], world_size: int = 2, limit: float = 900.0
+) -> list[Any]:
     """Run ``target(rank, *args)`` for every rank; their results by rank.
 
     Rank 0 runs in this process (one interpreter fewer to start), the others in
@@ -134,7 +138,11 @@ def spawn(target: Callable[..., Any], args: tuple[Any, ...], world_size: int = 2
                         os._exit(1)
                     results[r] = payload
                 elif not p.is_alive():
-                    print(f"benchmark rank {r} died (exit code {p.exitcode})", file=sys.stderr, flush=True)
+                    print(
+                        f"benchmark rank {r} died (exit code {p.exitcode})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     os._exit(1)
             if time.monotonic() > deadline:
                 print(f"benchmark did not finish in {limit:.0f} s", file=sys.stderr, flush=True)
@@ -238,7 +246,9 @@ class Runtime:
     async def sleep(self, seconds: float) -> None:
         await self._sleep(seconds)
 
-    async def with_heartbeat(self, body: Callable[[], Any], period: float = 1e-3) -> tuple[float, list[float]]:
+    async def with_heartbeat(
+        self, body: Callable[[], Any], period: float = 1e-3
+    ) -> tuple[float, list[float]]:
         """Run ``await body()`` while a task asks to wake every ``period`` s and records
         how late it wakes (perf_counter: uvloop's clock has 1 ms resolution).
         Returns (body's wall time, the lags)."""

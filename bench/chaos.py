@@ -83,9 +83,24 @@ class Generation:
     """One group (named ``chaos``) started with ``world`` ranks, the replacements that join
     it, and the faults injected into it. Processes are numbered in start order (``idx``)."""
 
-    def __init__(self, ctx: Any, gen: int, world: int, port: int, seed: int, deadline: float,
-                 rng: random.Random) -> None:
-        self.ctx, self.gen, self.world, self.port, self.seed, self.deadline = ctx, gen, world, port, seed, deadline
+    def __init__(
+        self,
+        ctx: Any,
+        gen: int,
+        world: int,
+        port: int,
+        seed: int,
+        deadline: float,
+        rng: random.Random,
+    ) -> None:
+        self.ctx, self.gen, self.world, self.port, self.seed, self.deadline = (
+            ctx,
+            gen,
+            world,
+            port,
+            seed,
+            deadline,
+        )
         self.rng = rng  # restart delays only (faults draw from their own)
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
@@ -143,7 +158,9 @@ class Generation:
         """Messages that arrived within ``timeout``; notices processes that exited, starts replacements."""
         out = []
         conns = {c: r for r, c in self.conns.items() if r in self.alive}
-        ready = mp.connection.wait(list(conns) + [self.procs[r].sentinel for r in self.alive], timeout)
+        ready = mp.connection.wait(
+            list(conns) + [self.procs[r].sentinel for r in self.alive], timeout
+        )
         for obj in ready:
             r = conns.get(obj)  # type: ignore[arg-type]
             if r is None:
@@ -183,7 +200,9 @@ class Generation:
                 if any(fr == r and f0 < end and start < f1 for fr, f0, f1 in self.frozen):
                     self.excused += 1
                 else:
-                    self.violations.append(f"gen {self.gen} process {r}: a wait of {text} > its bound + 1 s")
+                    self.violations.append(
+                        f"gen {self.gen} process {r}: a wait of {text} > its bound + 1 s"
+                    )
             elif kind == "crashed":
                 self.violations.append(f"gen {self.gen} process {r} crashed:\n{msg[2]}")
             if kind in ("done", "left", "join_timeout", "crashed"):
@@ -244,7 +263,9 @@ def _freeze(g: Generation, victim: int, pause: float, early: list[tuple[Any, ...
     g.frozen[-1] = (victim, stopped_at, time.time() + 0.5)
 
 
-def _inject(g: Generation, kind: str, rng: random.Random, deadline: float, early: list[tuple[Any, ...]]) -> str:
+def _inject(
+    g: Generation, kind: str, rng: random.Random, deadline: float, early: list[tuple[Any, ...]]
+) -> str:
     """One fault of ``kind`` into a random process of ``g``; what it hit."""
     if kind == "joiner":
         # A replacement is hit before it is in: at its start, while it waits in ac.join,
@@ -280,7 +301,9 @@ def _inject(g: Generation, kind: str, rng: random.Random, deadline: float, early
     elif kind == "abort":
         os.kill(g.pids[victim], signal.SIGUSR1)
     else:
-        pause = rng.choice([rng.uniform(0.1, deadline * 0.6), rng.uniform(deadline * 1.2, deadline * 1.8)])
+        pause = rng.choice(
+            [rng.uniform(0.1, deadline * 0.6), rng.uniform(deadline * 1.2, deadline * 1.8)]
+        )
         _freeze(g, victim, pause, early)
         return f"member {victim} frozen {pause:.1f} s"
     return f"member {victim}"
@@ -291,17 +314,40 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["asynccoll", "torch"])
-    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    server = dist.TCPStore(
+        HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     # Separate streams, so the sequence of fault kinds is the same on every run of a seed
     # (victims and delays depend on which processes are there at the time).
-    kinds, victims, timing = (random.Random(f"{seed}/{what}") for what in ("kinds", "victims", "timing"))
+    kinds, victims, timing = (
+        random.Random(f"{seed}/{what}") for what in ("kinds", "victims", "timing")
+    )
     end = time.monotonic() + minutes * 60
     res: dict[str, Any] = {
-        "minutes": minutes, "world": world, "seed": seed, "deadline_s": deadline, "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg(), "faults": {k: 0 for k in FAULTS}, "recoveries": 0,
-        "absorbed": 0, "excused_waits": 0, "generations": 0, "ops": 0, "violations": [], "detect_s": [],
-        "recovery_s": [], "keys": [], "keys_at_faults": [], "joins": 0, "grows": 0, "grow_failures": [],
-        "replacements": 0, "join_s": [], "join_undisturbed_s": [], "started": time.time(),
+        "minutes": minutes,
+        "world": world,
+        "seed": seed,
+        "deadline_s": deadline,
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "faults": {k: 0 for k in FAULTS},
+        "recoveries": 0,
+        "absorbed": 0,
+        "excused_waits": 0,
+        "generations": 0,
+        "ops": 0,
+        "violations": [],
+        "detect_s": [],
+        "recovery_s": [],
+        "keys": [],
+        "keys_at_faults": [],
+        "joins": 0,
+        "grows": 0,
+        "grow_failures": [],
+        "replacements": 0,
+        "join_s": [],
+        "join_undisturbed_s": [],
+        "started": time.time(),
         "fault_log": [],  # every fault: when (s after the start), kind, what it hit, who failed, how long
     }
     gen = 0
@@ -337,8 +383,17 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
     return res
 
 
-def _soak(g: Generation, res: dict[str, Any], end: float, world: int, deadline: float, kinds: random.Random,
-          victims: random.Random, timing: random.Random, server: Any) -> None:
+def _soak(
+    g: Generation,
+    res: dict[str, Any],
+    end: float,
+    world: int,
+    deadline: float,
+    kinds: random.Random,
+    victims: random.Random,
+    timing: random.Random,
+    server: Any,
+) -> None:
     """Generation ``g`` until ``end`` or until its group is gone: faults, and their recoveries."""
     gen = g.gen
     start_by = time.monotonic() + 120
@@ -389,12 +444,16 @@ def _soak(g: Generation, res: dict[str, Any], end: float, world: int, deadline: 
             continue
         stuck = [r for r in failed if r in g.alive and r not in recovered]
         if stuck and g.members:
-            g.violations.append(f"gen {gen}: {kind} fault: {stuck} did not recover within {limit:g} s")
+            g.violations.append(
+                f"gen {gen}: {kind} fault: {stuck} did not recover within {limit:g} s"
+            )
         elif recovered and first_failed is not None:
             res["recoveries"] += 1
             res["detect_s"].append(first_failed - t_fault)
             res["recovery_s"].append(max(recovered.values()) - first_failed)
-            entry.update(detect_s=round(res["detect_s"][-1], 3), recovery_s=round(res["recovery_s"][-1], 3))
+            entry.update(
+                detect_s=round(res["detect_s"][-1], 3), recovery_s=round(res["recovery_s"][-1], 3)
+            )
 
 
 def _spread(what: str, xs: list[float]) -> str:
@@ -410,18 +469,26 @@ def _summary(res: dict[str, Any]) -> str:
         f"{res['cpus']} CPUs, load {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}",
         f"ops {res['ops']}, generations {res['generations']}, faults {sum(res['faults'].values())} {res['faults']}",
         f"recoveries {res['recoveries']} (+ {res['absorbed']} faults absorbed without one), "
-        + (f"recovery (first failure seen -> slowest survivor's first op on the new communicator) median "
-           f"{statistics.median(rec):.3f} s, worst {max(rec):.3f} s; fault -> first failure seen worst "
-           f"{max(res['detect_s']):.3f} s" if rec else "no recovery"),
-        "recovery worst by fault kind: " + ", ".join(
+        + (
+            f"recovery (first failure seen -> slowest survivor's first op on the new communicator) median "
+            f"{statistics.median(rec):.3f} s, worst {max(rec):.3f} s; fault -> first failure seen worst "
+            f"{max(res['detect_s']):.3f} s"
+            if rec
+            else "no recovery"
+        ),
+        "recovery worst by fault kind: "
+        + ", ".join(
             f"{kind} {max(e['recovery_s'] for e in res['fault_log'] if e['kind'] == kind and 'recovery_s' in e):.3f} s"
-            for kind in FAULTS if any(e["kind"] == kind and "recovery_s" in e for e in res["fault_log"])
-        ) + " (a joiner fault that first kills a member counts from that kill to the last recovery, the hit"
+            for kind in FAULTS
+            if any(e["kind"] == kind and "recovery_s" in e for e in res["fault_log"])
+        )
+        + " (a joiner fault that first kills a member counts from that kill to the last recovery, the hit"
         " replacement's included when it had joined before the hit)",
         f"replacements started {res['replacements']}, joins {res['joins']}, grows {res['grows']} "
         f"(+ {len(res['grow_failures'])} failed: a participant died or froze in it, as rank 0 saw it), "
         + _spread("replacement start -> its first op in the group", res["join_s"])
-        + "; " + _spread("with no fault meanwhile", res["join_undisturbed_s"]),
+        + "; "
+        + _spread("with no fault meanwhile", res["join_undisturbed_s"]),
         f"store keys at each generation start: {res['keys']}; before each fault: "
         f"{res['keys_at_faults'][:3]} ... {res['keys_at_faults'][-3:]}",
         f"long waits of a rank that was itself frozen meanwhile (not violations): {res['excused_waits']}",
@@ -432,7 +499,9 @@ def _summary(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)

@@ -65,11 +65,19 @@ async def _latency(plain: Any, checked: Any, quick: bool) -> list[dict[str, Any]
                 a_s.append(t2 - t1)
         a, b = statistics.median(a_s), statistics.median(b_s)
         a10, b10 = _pct(a_s, 0.1), _pct(b_s, 0.1)
-        rows.append({
-            "bytes": nbytes, "iters": n,
-            "plain_us": a * 1e6, "checked_us": b * 1e6, "ratio": b / a, "extra_us": (b - a) * 1e6,
-            "plain_p10_us": a10 * 1e6, "checked_p10_us": b10 * 1e6, "ratio_p10": b10 / a10,
-        })
+        rows.append(
+            {
+                "bytes": nbytes,
+                "iters": n,
+                "plain_us": a * 1e6,
+                "checked_us": b * 1e6,
+                "ratio": b / a,
+                "extra_us": (b - a) * 1e6,
+                "plain_p10_us": a10 * 1e6,
+                "checked_p10_us": b10 * 1e6,
+                "ratio_p10": b10 / a10,
+            }
+        )
     return rows
 
 
@@ -82,7 +90,9 @@ async def _pipelined(plain: Any, checked: Any, quick: bool, depth: int = 64) -> 
     n = 40 if quick else 200
     a_s, b_s = [], []
     for i in range(n + 5):
-        for comm, out in ((plain, a_s), (checked, b_s)) if i % 2 == 0 else ((checked, b_s), (plain, a_s)):
+        for comm, out in (
+            ((plain, a_s), (checked, b_s)) if i % 2 == 0 else ((checked, b_s), (plain, a_s))
+        ):
             t0 = time.perf_counter()
             works = [comm.all_reduce(t) for t in ts]
             for w in works:
@@ -90,8 +100,13 @@ async def _pipelined(plain: Any, checked: Any, quick: bool, depth: int = 64) -> 
             if i >= 5:
                 out.append(time.perf_counter() - t0)
     a, b = statistics.median(a_s), statistics.median(b_s)
-    return {"depth": depth, "plain_us": a * 1e6, "checked_us": b * 1e6, "ratio": b / a,
-            "ratio_p10": _pct(b_s, 0.1) / _pct(a_s, 0.1)}
+    return {
+        "depth": depth,
+        "plain_us": a * 1e6,
+        "checked_us": b * 1e6,
+        "ratio": b / a,
+        "ratio_p10": _pct(b_s, 0.1) / _pct(a_s, 0.1),
+    }
 
 
 def _floor(store: Any, rank: int, world_size: int, n: int) -> dict[str, float]:
@@ -151,9 +166,16 @@ def _floor(store: Any, rank: int, world_size: int, n: int) -> dict[str, float]:
 async def _rank_main(ctx: Any, quick: bool) -> dict[str, Any]:
     import asynccoll as ac
 
-    plain = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=120)
+    plain = await ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=120
+    )
     checked = await ac.init(
-        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=120, check="fingerprint"
+        "gloo",
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        store=ctx.store,
+        timeout=120,
+        check="fingerprint",
     )
     rows = await _latency(plain, checked, quick)
     pipelined = await _pipelined(plain, checked, quick)
@@ -168,7 +190,9 @@ async def _rank_main(ctx: Any, quick: bool) -> dict[str, Any]:
 def run(quick: bool = False, loop: str = "asyncio", world_size: int = 2) -> dict[str, Any]:
     from asynccoll.testing import run_ranks
 
-    results = run_ranks(_rank_main, world_size, backend=None, timeout=1200, loop=loop, args=(quick,))
+    results = run_ranks(
+        _rank_main, world_size, backend=None, timeout=1200, loop=loop, args=(quick,)
+    )
     return {"world_size": world_size, "loop": loop, "rank0": results[0]}
 
 
@@ -181,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     res = run(args.quick, args.loop, args.world_size)
     print(f"check='fingerprint' vs check=None, Gloo, {args.world_size} ranks, {args.loop} (rank 0)")
-    print(f"{'bytes':>9} {'plain us':>9} {'checked':>9} {'ratio':>6} {'extra us':>9} {'p10 plain':>9} {'p10 chk':>9} {'ratio':>6}")
+    print(
+        f"{'bytes':>9} {'plain us':>9} {'checked':>9} {'ratio':>6} {'extra us':>9} {'p10 plain':>9} {'p10 chk':>9} {'ratio':>6}"
+    )
     for r in res["rank0"]["rows"]:
         print(
             f"{r['bytes']:>9} {r['plain_us']:>9.1f} {r['checked_us']:>9.1f} {r['ratio']:>6.3f} {r['extra_us']:>9.1f}"

@@ -56,8 +56,12 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    comm = await ac.init("gloo", rank=rank, world_size=ws, store=dist.PrefixStore("ac/", store), timeout=60)
-    dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=ws)
+    comm = await ac.init(
+        "gloo", rank=rank, world_size=ws, store=dist.PrefixStore("ac/", store), timeout=60
+    )
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=ws
+    )
 
     n, numel = args.ops, args.numel
     tensors = [torch.zeros(numel) for _ in range(n)]
@@ -69,7 +73,9 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
         for t in check:
             comm.all_reduce(t)
     expect = [sum(r + 1 + i for r in range(ws)) for i in range(n)]
-    assert all(bool((t == e).all()) for t, e in zip(check, expect)), "coalesced all_reduce gave wrong sums"
+    assert all(bool((t == e).all()) for t, e in zip(check, expect)), (
+        "coalesced all_reduce gave wrong sums"
+    )
 
     async def separate() -> None:
         for t in tensors:
@@ -104,7 +110,12 @@ async def _rank_main(rank: int, ws: int, port: int, args: argparse.Namespace) ->
         for t in tensors:
             dist.all_reduce(t)
 
-    fns = {m: f for m, f in zip(MODES, (separate, pipelined, coalesced, flattened, by_hand, torch_cm, torch_sep))}
+    fns = {
+        m: f
+        for m, f in zip(
+            MODES, (separate, pipelined, coalesced, flattened, by_hand, torch_cm, torch_sep)
+        )
+    }
     samples: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     for rnd in range(args.warmup + args.repeats):
@@ -155,20 +166,34 @@ def _rank(rank: int, ws: int, port: int, args: argparse.Namespace) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ops", type=int, default=64)
     p.add_argument("--numel", type=int, default=256)
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--inner", type=int, default=5, help="iterations per timed sample")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
-    p.add_argument("--json", dest="json_path", default=None, help="default bench/results/coalescing_<loop>.json")
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="default bench/results/coalescing_<loop>.json",
+    )
     p.add_argument("--quick", action="store_true", help="10 samples x 2 iterations")
-    p.add_argument("--smoke", action="store_true", help="2 samples x 1 iteration (does it still run?)")
+    p.add_argument(
+        "--smoke", action="store_true", help="2 samples x 1 iteration (does it still run?)"
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--noisy", action="store_true", help="print verdicts even above load 1.5")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="also cProfile N coalesced iterations (rank 0's loop thread) into <json>_profile.txt")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also cProfile N coalesced iterations (rank 0's loop thread) into <json>_profile.txt",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.repeats, args.warmup, args.inner = 2, 1, 1
@@ -208,28 +233,48 @@ def main(argv: list[str] | None = None) -> int:
         "coalesced <= 1.3x flattened": ratios["coalesced/flattened"] <= 1.3,
         "coalesced <= 0.8x torch_cm": ratios["coalesced/torch_cm"] <= 0.8,
     }
-    print(f"Gloo, world size {ws}, {args.ops} x all_reduce of {args.numel} float32, loop={args.loop}, "
-          f"{args.repeats} samples x {args.inner} iterations (rank 0, per iteration)")
+    print(
+        f"Gloo, world size {ws}, {args.ops} x all_reduce of {args.numel} float32, loop={args.loop}, "
+        f"{args.repeats} samples x {args.inner} iterations (rank 0, per iteration)"
+    )
     print(f"{'mode':<12}{'median ms':>12}{'p10 ms':>10}{'p90 ms':>10}{'cpu ms':>10}")
     for mode in MODES:
         row = table[mode]
-        print(f"{mode:<12}{row['median_ms']:>12.3f}{row['p10_ms']:>10.3f}{row['p90_ms']:>10.3f}"
-              f"{row['cpu_median_ms']:>10.3f}")
+        print(
+            f"{mode:<12}{row['median_ms']:>12.3f}{row['p10_ms']:>10.3f}{row['p90_ms']:>10.3f}"
+            f"{row['cpu_median_ms']:>10.3f}"
+        )
     for k, v in ratios.items():
         print(f"{k:<24}{v:>8.2f}x")
     # The load before is the machine's own; after, it counts this bench's own ranks (as bench.perf judges).
     loaded = not quiet(before)
     for k, ok in goals.items():
         if loaded and not args.noisy:
-            print(f"goal {k}: no verdict (load {before['loadavg'][0]:.2f} > {QUIET_LOAD}; --noisy to judge anyway)")
+            print(
+                f"goal {k}: no verdict (load {before['loadavg'][0]:.2f} > {QUIET_LOAD}; --noisy to judge anyway)"
+            )
         else:
-            print(f"goal {k}: {'met' if ok else 'NOT met'}{' (noisy: load > 1.5)' if loaded else ''}")
+            print(
+                f"goal {k}: {'met' if ok else 'NOT met'}{' (noisy: load > 1.5)' if loaded else ''}"
+            )
     path = Path(args.json_path or f"bench/results/coalescing_{args.loop}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "config": {"world_size": ws, "ops": args.ops, "numel": args.numel, "dtype": "float32",
-                   "repeats": args.repeats, "inner": args.inner, "loop": args.loop, "cpus": os.cpu_count()},
-        "results": table, "ratios": ratios, "goals": goals, "machine": before, "machine_after": machine(),
+        "config": {
+            "world_size": ws,
+            "ops": args.ops,
+            "numel": args.numel,
+            "dtype": "float32",
+            "repeats": args.repeats,
+            "inner": args.inner,
+            "loop": args.loop,
+            "cpus": os.cpu_count(),
+        },
+        "results": table,
+        "ratios": ratios,
+        "goals": goals,
+        "machine": before,
+        "machine_after": machine(),
     }
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

@@ -62,8 +62,22 @@ EXAMPLE = ROOT / "examples" / "elastic.py"
 #: Model sizes: the example's arguments. 100MB: 256 -> 3550 -> 3550 -> 3550 -> 1, SGD momentum.
 CONFIGS: dict[str, list[str]] = {
     "small": ["--steps", "30"],
-    "100MB": ["--features", "256", "--width", "3550", "--depth", "3", "--batch", "48", "--steps", "20",
-              "--lr", "0.0005", "--step-time", "0"],
+    "100MB": [
+        "--features",
+        "256",
+        "--width",
+        "3550",
+        "--depth",
+        "3",
+        "--batch",
+        "48",
+        "--steps",
+        "20",
+        "--lr",
+        "0.0005",
+        "--step-time",
+        "0",
+    ],
 }
 GOALS = {"death_to_training_s": 0.2, "start_to_joint_s": 3.0, "asynccoll_part_s": 1.0}
 
@@ -73,11 +87,26 @@ def run_example(mode: str, config: str, workdir: Path, deadline: float) -> dict[
     ckpt = workdir / f"{mode}-{config}.ckpt"
     for path in (out_json, ckpt):
         path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(EXAMPLE), "--mode", mode, *CONFIGS[config], "--json", str(out_json),
-           "--checkpoint", str(ckpt), "--png", str(workdir / f"{mode}-{config}.png"), "--deadline", str(deadline)]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE),
+        "--mode",
+        mode,
+        *CONFIGS[config],
+        "--json",
+        str(out_json),
+        "--checkpoint",
+        str(ckpt),
+        "--png",
+        str(workdir / f"{mode}-{config}.png"),
+        "--deadline",
+        str(deadline),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     started = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline + 60)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline + 60
+    )
     if proc.returncode != 0 or not out_json.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise RuntimeError(f"{mode}/{config} failed (exit {proc.returncode}):\n{tail}")
@@ -127,7 +156,11 @@ def state_shapes(config: str) -> list[tuple[int, ...]]:
     """The tensor shapes of ``config``'s state: the MLP's parameters, then SGD's momentum."""
     args = CONFIGS[config]
     value = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2)}
-    features, width, depth = int(value.get("--features", 16)), int(value.get("--width", 64)), int(value.get("--depth", 2))
+    features, width, depth = (
+        int(value.get("--features", 16)),
+        int(value.get("--width", 64)),
+        int(value.get("--depth", 2)),
+    )
     shapes: list[tuple[int, ...]] = []
     fan_in = features
     for _ in range(depth):
@@ -137,7 +170,9 @@ def state_shapes(config: str) -> list[tuple[int, ...]]:
     return shapes * 2
 
 
-def _state_rank(rank: int, port: int, shapes: list[tuple[int, ...]], reps: int) -> dict[str, list[float]]:
+def _state_rank(
+    rank: int, port: int, shapes: list[tuple[int, ...]], reps: int
+) -> dict[str, list[float]]:
     """One rank of the state-transfer measurement (3 ranks, rank 0 sends)."""
     import asyncio
 
@@ -162,7 +197,9 @@ def _state_rank(rank: int, port: int, shapes: list[tuple[int, ...]], reps: int) 
         comm = await ac.init("gloo", rank=rank, world_size=3, store=dist.PrefixStore("ac", store))
         times: dict[str, list[float]] = {"floor_s": [], "broadcast_state_s": []}
         for i in range(reps):
-            for name in (("floor_s", "broadcast_state_s") if i % 2 == 0 else ("broadcast_state_s", "floor_s")):
+            for name in (
+                ("floor_s", "broadcast_state_s") if i % 2 == 0 else ("broadcast_state_s", "floor_s")
+            ):
                 await comm.barrier()
                 t0 = time.perf_counter()
                 if name == "floor_s":
@@ -211,13 +248,17 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--runs", type=int, default=2, help="runs per (mode, size)")
     ap.add_argument("--quick", action="store_true", help="one run, the small model only (smoke)")
     ap.add_argument("--only", choices=["elastic", "torchrun"], default=None, help="one mode only")
     ap.add_argument("--json", default="bench/results/elastic.json")
     ap.add_argument("--deadline", type=float, default=300.0, help="per run")
-    ap.add_argument("--noisy", action="store_true", help="print verdicts even at load average > 1.5")
+    ap.add_argument(
+        "--noisy", action="store_true", help="print verdicts even at load average > 1.5"
+    )
     args = ap.parse_args(argv)
     configs = ["small"] if args.quick else list(CONFIGS)
     runs = 1 if args.quick else args.runs
@@ -230,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{mode}/{config}"
                 per_run = []
                 for i in range(runs):
-                    print(f"[{time.strftime('%H:%M:%S')}] {key} run {i + 1}/{runs}", file=sys.stderr, flush=True)
+                    print(
+                        f"[{time.strftime('%H:%M:%S')}] {key} run {i + 1}/{runs}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     per_run.append(figures(run_example(mode, config, Path(tmp), args.deadline)))
                 names = sorted({n for f in per_run for n in f})
                 results[key] = {
@@ -282,9 +327,11 @@ def table(report: dict[str, Any], verdict: bool) -> str:
         ("steps lost", "steps_lost"),
     ]
     keys = list(report["results"])
-    lines = [f"load average {report['loadavg'][0]:.2f} (before: {report['loadavg_before'][0]:.2f}), "
-             f"{report['cpu_count']} CPUs, median of {report['runs']} run(s)"
-             + ("" if report["quiet"] else "  -- LOADED MACHINE: not a verdict")]
+    lines = [
+        f"load average {report['loadavg'][0]:.2f} (before: {report['loadavg_before'][0]:.2f}), "
+        f"{report['cpu_count']} CPUs, median of {report['runs']} run(s)"
+        + ("" if report["quiet"] else "  -- LOADED MACHINE: not a verdict")
+    ]
     lines.append(f"{'':40s}" + "".join(f"{k:>18s}" for k in keys))
     for label, name in rows:
         cells = []
@@ -293,11 +340,15 @@ def table(report: dict[str, Any], verdict: bool) -> str:
             cells.append(f"{v:18.3f}" if v is not None else f"{'-':>18s}")
         lines.append(f"{label:40s}" + "".join(cells))
     lines.append("")
-    lines.append("state transfer, rank 0 -> 2 ranks (median of the slowest rank; floor: torch's own Gloo "
-                 "broadcasts of the same tensors, all in flight):")
+    lines.append(
+        "state transfer, rank 0 -> 2 ranks (median of the slowest rank; floor: torch's own Gloo "
+        "broadcasts of the same tensors, all in flight):"
+    )
     for config, t in report["state_transfer"].items():
-        lines.append(f"  {config:>6s}: {t['state_mb']:8.1f} MB in {t['tensors']} tensors: broadcast_state "
-                     f"{t['broadcast_state_s']:.3f} s, floor {t['floor_s']:.3f} s, ratio {t['state/floor']:.2f}")
+        lines.append(
+            f"  {config:>6s}: {t['state_mb']:8.1f} MB in {t['tensors']} tensors: broadcast_state "
+            f"{t['broadcast_state_s']:.3f} s, floor {t['floor_s']:.3f} s, ratio {t['state/floor']:.2f}"
+        )
     if verdict:
         lines.append("")
         for name, goal in GOALS.items():

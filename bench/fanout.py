@@ -91,7 +91,9 @@ def _rank(rank: int, port: int, waiters: int, reps: int, loop: str) -> dict[str,
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         rows: dict[str, list[tuple[float, float]]] = {"asynccoll": [], "floor": []}
         for rep in range(reps + 1):  # rep 0: warm-up
-            comm = await ac.init("gloo", rank=rank, world_size=2, store=dist.PrefixStore(f"r{rep}/", store))
+            comm = await ac.init(
+                "gloo", rank=rank, world_size=2, store=dist.PrefixStore(f"r{rep}/", store)
+            )
             if rank == 0:
                 ours = await _ours(comm, waiters)
                 floor = await _floor(waiters)
@@ -103,7 +105,10 @@ def _rank(rank: int, port: int, waiters: int, reps: int, loop: str) -> dict[str,
                 while not store.check([f"done/{rep}"]):
                     await asyncio.sleep(0.005)
             await comm.close()
-        return {m: {"last_ms": [r[0] * 1e3 for r in v], "call_ms": [r[1] * 1e3 for r in v]} for m, v in rows.items()}
+        return {
+            m: {"last_ms": [r[0] * 1e3 for r in v], "call_ms": [r[1] * 1e3 for r in v]}
+            for m, v in rows.items()
+        }
 
     return run_loop(loop, main)
 
@@ -116,8 +121,10 @@ def measure(waiters: int, reps: int, loop: str) -> dict[str, Any]:
     out: dict[str, Any] = {"waiters": waiters, "reps": reps, "loop": loop, "machine": before}
     for m, v in raw.items():
         out[m] = {
-            "last_ms": median(v["last_ms"]), "last_p10_ms": pct(v["last_ms"], 0.1),
-            "call_ms": median(v["call_ms"]), "samples_last_ms": v["last_ms"],
+            "last_ms": median(v["last_ms"]),
+            "last_p10_ms": pct(v["last_ms"], 0.1),
+            "call_ms": median(v["call_ms"]),
+            "samples_last_ms": v["last_ms"],
         }
     out["asynccoll/floor"] = out["asynccoll"]["last_ms"] / out["floor"]["last_ms"]
     out["machine_after"] = machine()
@@ -125,16 +132,22 @@ def measure(waiters: int, reps: int, loop: str) -> dict[str, Any]:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = [f"abort -> last of {res['waiters']} waiters, loop {res['loop']}, {res['reps']} reps, "
-             f"load {res['machine']['loadavg'][0]:.2f}"]
+    lines = [
+        f"abort -> last of {res['waiters']} waiters, loop {res['loop']}, {res['reps']} reps, "
+        f"load {res['machine']['loadavg'][0]:.2f}"
+    ]
     for m in ("asynccoll", "floor"):
         r = res[m]
-        lines.append(f"  {m:<10} last {r['last_ms']:7.2f} ms (p10 {r['last_p10_ms']:.2f}), call {r['call_ms']:.2f} ms")
+        lines.append(
+            f"  {m:<10} last {r['last_ms']:7.2f} ms (p10 {r['last_p10_ms']:.2f}), call {r['call_ms']:.2f} ms"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--waiters", type=int, default=1000)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")

@@ -47,9 +47,9 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HOST = "127.0.0.1"
-VICTIM = 2                 # the rank that dies in the 3-rank scenarios
-HEARTBEAT = 0.2            # the heartbeat interval of the detection scenario
-TORCH_FROZEN_TIMEOUT = 5.0 # torch's op timeout in its frozen-peer scenario
+VICTIM = 2  # the rank that dies in the 3-rank scenarios
+HEARTBEAT = 0.2  # the heartbeat interval of the detection scenario
+TORCH_FROZEN_TIMEOUT = 5.0  # torch's op timeout in its frozen-peer scenario
 WARMUP = 20
 
 
@@ -159,7 +159,9 @@ async def _asynccoll_death(rank: int, store: Any, params: dict[str, Any]) -> dic
     how, heartbeat = params["how"], params["heartbeat"]
     marks, factories = _instrument()
     world, victims = params.get("world", 3), params.get("victims", [VICTIM])
-    comm = await init_with(factories, "gloo", rank=rank, world_size=world, store=store, timeout=30, heartbeat=heartbeat)
+    comm = await init_with(
+        factories, "gloo", rank=rank, world_size=world, store=store, timeout=30, heartbeat=heartbeat
+    )
     t = torch.ones(256)
     for _ in range(WARMUP):
         await comm.all_reduce(t)
@@ -224,7 +226,10 @@ def _torch_death(rank: int, store: Any, how: str, timeout: float) -> dict[str, A
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=3,
+        "gloo",
+        store=dist.PrefixStore("torch/", store),
+        rank=rank,
+        world_size=3,
         timeout=timedelta(seconds=timeout),
     )
     t = torch.ones(256)
@@ -245,7 +250,9 @@ def _torch_death(rank: int, store: Any, how: str, timeout: float) -> dict[str, A
 
 
 # ------------------------------------------------------------------ ranks
-def _rank(scenario: str, rank: int, port: int, prefix: str, params: dict[str, Any], conn: Any) -> None:
+def _rank(
+    scenario: str, rank: int, port: int, prefix: str, params: dict[str, Any], conn: Any
+) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -276,11 +283,18 @@ class Launcher:
 
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["torch", "torch.distributed", "asynccoll"])
-        self.store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(
+            HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
         self.runs = 0
 
     def run(
-        self, scenario: str, world_size: int, params: dict[str, Any], lost: tuple[int, ...] = (), limit: float = 120
+        self,
+        scenario: str,
+        world_size: int,
+        params: dict[str, Any],
+        lost: tuple[int, ...] = (),
+        limit: float = 120,
     ) -> list[Any]:
         """Each surviving rank's result (``None`` for the ranks in ``lost``)."""
         self.runs += 1
@@ -288,7 +302,9 @@ class Launcher:
         for r in range(world_size):
             parent, child = self.ctx.Pipe(duplex=False)
             p = self.ctx.Process(
-                target=_rank, args=(scenario, r, self.store.port, f"run{self.runs}/", params, child), daemon=True
+                target=_rank,
+                args=(scenario, r, self.store.port, f"run{self.runs}/", params, child),
+                daemon=True,
             )
             p.start()
             child.close()
@@ -315,22 +331,32 @@ class Launcher:
                 if p.is_alive():
                     p.kill()
                     p.join()
-            print(f"  {scenario} {params}: {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"  {scenario} {params}: {time.monotonic() - started:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         return results
 
 
 # --------------------------------------------------------------- driver
 WAITERS = 1000
 SCENARIOS = (
-    "asynccoll_gloo_killed", "asynccoll_gloo_two_killed", "asynccoll_heartbeat_frozen",
-    "torch_gloo_killed", "torch_gloo_frozen",
+    "asynccoll_gloo_killed",
+    "asynccoll_gloo_two_killed",
+    "asynccoll_heartbeat_frozen",
+    "torch_gloo_killed",
+    "torch_gloo_frozen",
 )
 
 
 def _stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and worst of every ``*_ms`` figure over ``rows``."""
     keys = [k for k in rows[0] if k.endswith("_ms")]
-    return {k: {"median": statistics.median(r[k] for r in rows), "worst": max(r[k] for r in rows)} for k in keys}
+    return {
+        k: {"median": statistics.median(r[k] for r in rows), "worst": max(r[k] for r in rows)}
+        for k in keys
+    }
 
 
 def run(quick: bool = False, only: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -341,18 +367,27 @@ def run(quick: bool = False, only: tuple[str, ...] = ()) -> dict[str, Any]:
     if not only or "abort" in only:
         rows = launcher.run("abort", 2, {"reps": reps, "waiters": WAITERS})[0]
         res["abort"] = {
-            where: dict(_stats([r for r in rows if r["from"] == where]), runs=[r for r in rows if r["from"] == where])
+            where: dict(
+                _stats([r for r in rows if r["from"] == where]),
+                runs=[r for r in rows if r["from"] == where],
+            )
             for where in ABORT_FROM
         }
 
     scenarios: dict[str, tuple[str, dict[str, Any], int]] = {
         "asynccoll_gloo_killed": ("asynccoll", {"how": "exit", "heartbeat": None}, reps),
         "asynccoll_gloo_two_killed": (
-            "asynccoll", {"how": "exit", "heartbeat": None, "world": 4, "victims": [2, 3]}, reps,
+            "asynccoll",
+            {"how": "exit", "heartbeat": None, "world": 4, "victims": [2, 3]},
+            reps,
         ),
         "asynccoll_heartbeat_frozen": ("asynccoll", {"how": "stop", "heartbeat": HEARTBEAT}, reps),
         "torch_gloo_killed": ("torch", {"how": "exit", "timeout": 60.0}, reps),
-        "torch_gloo_frozen": ("torch", {"how": "stop", "timeout": TORCH_FROZEN_TIMEOUT}, 1 if quick else 2),
+        "torch_gloo_frozen": (
+            "torch",
+            {"how": "stop", "timeout": TORCH_FROZEN_TIMEOUT},
+            1 if quick else 2,
+        ),
     }
     res["death"] = {}
     for name, (kind, params, n) in scenarios.items():
@@ -369,7 +404,12 @@ def run(quick: bool = False, only: tuple[str, ...] = ()) -> dict[str, Any]:
             last["error"] = survivors[0].get("error")
             runs.append(last)
         row: dict[str, Any] = _stats(runs)
-        row.update(params=params, ranks=sorted({r for run in runs for r in run["ranks"]}), error=runs[0]["error"], runs=runs)
+        row.update(
+            params=params,
+            ranks=sorted({r for run in runs for r in run["ranks"]}),
+            error=runs[0]["error"],
+            runs=runs,
+        )
         res["death"][name] = row
     return res
 
@@ -382,19 +422,31 @@ def _ms(row: dict[str, Any], key: str) -> str:
 def _table(res: dict[str, Any]) -> str:
     lines = []
     if "abort" in res:
-        lines.append(f"abort -> the last of {res['waiters']} awaiting tasks has CommAborted "
-                     f"(2 ranks, {res['reps']} runs; median / worst ms)   goal <= 5 ms")
-        lines.append(f"{'abort() from':>14} {'call med':>8} {'worst':>8} {'last med':>8} {'worst':>8}")
+        lines.append(
+            f"abort -> the last of {res['waiters']} awaiting tasks has CommAborted "
+            f"(2 ranks, {res['reps']} runs; median / worst ms)   goal <= 5 ms"
+        )
+        lines.append(
+            f"{'abort() from':>14} {'call med':>8} {'worst':>8} {'last med':>8} {'worst':>8}"
+        )
         for where, row in res["abort"].items():
             lines.append(f"{where:>14} {_ms(row, 'abort_call_ms')} {_ms(row, 'last_waiter_ms')}")
         lines.append("")
-    lines.append("peer death (3 ranks, rank 2 dies; two_killed: 4 ranks, ranks 2 and 3 die): ms after the (first) "
-                 f"death, slowest survivor of each run, median / worst of {res['reps']} runs")
-    lines.append("goals: detected <= 100 ms (PeerFailure naming the rank), resumed (first all_reduce on the shrunk "
-                 "comm) <= 500 ms")
-    lines.append(f"asynccoll: Gloo default (census on the transport error), heartbeat={res['heartbeat_s']} s for the "
-                 f"frozen peer; torch frozen: op timeout {TORCH_FROZEN_TIMEOUT:g} s")
-    lines.append(f"{'scenario':<27} {'detected':>17} {'settled':>17} {'gloo build':>17} {'resumed':>17}  named / error")
+    lines.append(
+        "peer death (3 ranks, rank 2 dies; two_killed: 4 ranks, ranks 2 and 3 die): ms after the (first) "
+        f"death, slowest survivor of each run, median / worst of {res['reps']} runs"
+    )
+    lines.append(
+        "goals: detected <= 100 ms (PeerFailure naming the rank), resumed (first all_reduce on the shrunk "
+        "comm) <= 500 ms"
+    )
+    lines.append(
+        f"asynccoll: Gloo default (census on the transport error), heartbeat={res['heartbeat_s']} s for the "
+        f"frozen peer; torch frozen: op timeout {TORCH_FROZEN_TIMEOUT:g} s"
+    )
+    lines.append(
+        f"{'scenario':<27} {'detected':>17} {'settled':>17} {'gloo build':>17} {'resumed':>17}  named / error"
+    )
     for name, row in res["death"].items():
         named = str(row["ranks"]) if name.startswith("asynccoll") else (row["error"] or "")[:50]
         lines.append(
@@ -405,10 +457,16 @@ def _table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
-    ap.add_argument("--only", nargs="*", default=(), choices=("abort", *SCENARIOS), help="run only these")
-    ap.add_argument("--json", default="bench/results/faults.json", help="where to write the results")
+    ap.add_argument(
+        "--only", nargs="*", default=(), choices=("abort", *SCENARIOS), help="run only these"
+    )
+    ap.add_argument(
+        "--json", default="bench/results/faults.json", help="where to write the results"
+    )
     args = ap.parse_args(argv)
     res = run(quick=args.quick, only=tuple(args.only))
     print(_table(res))

@@ -190,7 +190,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
         cells = [str(r.get("loop", "?"))]
         for key, _ in _COLUMNS:
             v = r.get(key)
-            cells.append("-" if v is None else (f"{v:,.0f}" if key == "throughput_ops_s" else f"{v:.2f}"))
+            cells.append(
+                "-" if v is None else (f"{v:,.0f}" if key == "throughput_ops_s" else f"{v:.2f}")
+            )
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
@@ -201,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--size", type=int, default=8, help="elements per all_reduce (float32)")
-    ap.add_argument("--sim", action="store_true", help="the host cost on the simulated GPU (no GPU needed)")
-    ap.add_argument("--out", help="--sim: the directory for gpu_sim.json/.png (default bench/results)")
+    ap.add_argument(
+        "--sim", action="store_true", help="the host cost on the simulated GPU (no GPU needed)"
+    )
+    ap.add_argument(
+        "--out", help="--sim: the directory for gpu_sim.json/.png (default bench/results)"
+    )
     args = ap.parse_args(argv)
     if args.sim:
         from bench import gpu_sim
@@ -226,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(uvloop.run(measure_asynccoll(args.iters, args.size, "asynccoll uvloop")))
     rows.append(measure_torch(args.iters, args.size))
 
-    print(f"world size 1, {torch.cuda.get_device_name()}, all_reduce of {args.size} float32, {args.iters} ops")
+    print(
+        f"world size 1, {torch.cuda.get_device_name()}, all_reduce of {args.size} float32, {args.iters} ops"
+    )
     print(_table(rows))
     if args.json:
         meta = {

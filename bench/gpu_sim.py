@@ -48,13 +48,23 @@ def _us(ns: float) -> float:
 
 def _stats(values: list[float]) -> dict[str, float]:
     s = sorted(values)
-    return {"p10": s[len(s) // 10], "p50": statistics.median(s), "p90": s[int(len(s) * 0.9)],
-            "mean": statistics.fmean(s), "n": float(len(s))}
+    return {
+        "p10": s[len(s) // 10],
+        "p50": statistics.median(s),
+        "p90": s[int(len(s) * 0.9)],
+        "mean": statistics.fmean(s),
+        "n": float(len(s)),
+    }
 
 
-_GROUPS = (("asynccoll/_backends/nccl/", "nccl backend"), ("streams/", "streams"),
-           ("asynccoll/testing/simgpu/", "simulator (vendor doubles)"), ("unittest/mock", "simulator (vendor doubles)"),
-           ("asynccoll/", "shared path (_core, _base, _diag)"), ("torch/", "torch (tensor dispatch)"))
+_GROUPS = (
+    ("asynccoll/_backends/nccl/", "nccl backend"),
+    ("streams/", "streams"),
+    ("asynccoll/testing/simgpu/", "simulator (vendor doubles)"),
+    ("unittest/mock", "simulator (vendor doubles)"),
+    ("asynccoll/", "shared path (_core, _base, _diag)"),
+    ("torch/", "torch (tensor dispatch)"),
+)
 
 
 def _groups(prof: cProfile.Profile, per: int) -> dict[str, float]:
@@ -71,8 +81,14 @@ def _top(prof: cProfile.Profile, per: int, n: int = 12) -> list[dict[str, Any]]:
     st = pstats.Stats(prof)
     rows = []
     for (file, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"{Path(file).name}:{line}({fn})", "calls_per_op": nc / per,
-                     "self_us_per_op": tt * 1e6 / per, "cum_us_per_op": ct * 1e6 / per})
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}({fn})",
+                "calls_per_op": nc / per,
+                "self_us_per_op": tt * 1e6 / per,
+                "cum_us_per_op": ct * 1e6 / per,
+            }
+        )
     rows.sort(key=lambda r: -r["self_us_per_op"])
     return rows[:n]
 
@@ -149,7 +165,11 @@ async def _measure(comm: Any, sim: Any, n: int) -> dict[str, Any]:
     res["simtensor_dispatches_per_member"] = statistics.median(member_dispatches)
 
     # profiles: caller, launch thread, watcher
-    profs = {"caller": cProfile.Profile(), "launch": cProfile.Profile(), "watcher": cProfile.Profile()}
+    profs = {
+        "caller": cProfile.Profile(),
+        "launch": cProfile.Profile(),
+        "watcher": cProfile.Profile(),
+    }
     launch_next, completed = be.launch_next, be._completed
 
     def prof_launch() -> None:
@@ -191,7 +211,9 @@ def _floor(sim: Any, n: int) -> dict[str, Any]:
     op = lib.redop(__import__("asynccoll").ReduceOp.SUM)
     plain = torch.ones(8)
     reads = []
-    for _ in range(n):  # one tensor attribute read: the simulated tensor's dispatch vs a plain tensor's
+    for _ in range(
+        n
+    ):  # one tensor attribute read: the simulated tensor's dispatch vs a plain tensor's
         t0 = time.perf_counter_ns()
         t.dtype  # noqa: B018
         t1 = time.perf_counter_ns()
@@ -219,8 +241,12 @@ def _floor(sim: Any, n: int) -> dict[str, Any]:
         launch.append(_us(t2 - t1))
     comm.abort()
     streams.own_streams().release(s)
-    return {"caller_us": _stats(caller), "launch_us": _stats(launch), "simtensor_dispatch_us": _stats(reads),
-            "record_stream_us": _stats(recs)}
+    return {
+        "caller_us": _stats(caller),
+        "launch_us": _stats(launch),
+        "simtensor_dispatch_us": _stats(reads),
+        "record_stream_us": _stats(recs),
+    }
 
 
 def _submit_alone(sim: Any, n: int) -> dict[str, float]:
@@ -281,10 +307,18 @@ def _plot(res: dict[str, Any], path: Path) -> Path | None:
         return None
     r = res["results"]
     names = ["issue", "call → NCCL returned", "per coalesced member", "completion"]
-    ours = [r["issue_us"]["p50"], r["call_to_nccl_returned_us"]["p50"], r["member_us"]["p50"],
-            r["completion_us"]["p50"]]
-    floor = [res["issue_floor_us"], res["issue_floor_us"] + res["floor"]["launch_us"]["p50"], res["member_floor_us"],
-             0.0]
+    ours = [
+        r["issue_us"]["p50"],
+        r["call_to_nccl_returned_us"]["p50"],
+        r["member_us"]["p50"],
+        r["completion_us"]["p50"],
+    ]
+    floor = [
+        res["issue_floor_us"],
+        res["issue_floor_us"] + res["floor"]["launch_us"]["p50"],
+        res["member_floor_us"],
+        0.0,
+    ]
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(names))
     ax.bar(xs, ours, color="#4477aa", label="asynccoll on the simulated GPU (p50)")
@@ -294,7 +328,9 @@ def _plot(res: dict[str, Any], path: Path) -> Path | None:
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("µs per op (host)")
     load = res["meta"]["loadavg_before"][0]
-    ax.set_title(f"NCCL path host cost, simulated GPU (load {load:.2f}, {res['meta']['cpus']} CPUs)")
+    ax.set_title(
+        f"NCCL path host cost, simulated GPU (load {load:.2f}, {res['meta']['cpus']} CPUs)"
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -326,11 +362,21 @@ def main(n: int = 2000, out_dir: str | None = None) -> int:
     res = {
         "meta": {
             "what": "host cost of the NCCL path per op, simulated GPU, world size 1 (see bench/gpu_sim.py)",
-            "loadavg_before": loadavg_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "python": sys.version.split()[0], "ops": n, "goals_us": GOALS,
-            "anchors": {"ProcessGroupNCCL_cpu_per_collective_us": [35, 70], "torch_coalescing_manager_us_per_op": 9.9},
+            "loadavg_before": loadavg_before,
+            "loadavg_after": os.getloadavg(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "ops": n,
+            "goals_us": GOALS,
+            "anchors": {
+                "ProcessGroupNCCL_cpu_per_collective_us": [35, 70],
+                "torch_coalescing_manager_us_per_op": 9.9,
+            },
         },
-        "results": holder["results"], "floor": holder["floor"], "gloo_async_op_issue_us": gloo,
+        "results": holder["results"],
+        "floor": holder["floor"],
+        "gloo_async_op_issue_us": gloo,
         "backend_submit_alone_us": holder["submit_alone"],
     }
     out = Path(out_dir or Path(__file__).parent / "results")
@@ -348,16 +394,20 @@ def main(n: int = 2000, out_dir: str | None = None) -> int:
 def _print(res: dict[str, Any], jpath: Path, png: Path | None) -> None:
     r, f = res["results"], res["floor"]
     m = res["meta"]
-    print(f"NCCL path host cost on the simulated GPU, {m['ops']} ops, load {m['loadavg_before'][0]:.2f} "
-          f"-> {m['loadavg_after'][0]:.2f}, {m['cpus']} CPUs" + ("  (load > 1.5: no verdict)"
-                                                               if m["loadavg_before"][0] > 1.5 else ""))
+    print(
+        f"NCCL path host cost on the simulated GPU, {m['ops']} ops, load {m['loadavg_before'][0]:.2f} "
+        f"-> {m['loadavg_after'][0]:.2f}, {m['cpus']} CPUs"
+        + ("  (load > 1.5: no verdict)" if m["loadavg_before"][0] > 1.5 else "")
+    )
     tensor_floor = r["simtensor_dispatches_per_issue"] * f["simtensor_dispatch_us"]["p50"]
     issue_floor = {"p50": f["caller_us"]["p50"] + tensor_floor}
     res["issue_floor_us"] = issue_floor["p50"]
     # per member: its simulated-tensor dispatches and one record_stream (the batch's one
     # ready event is shared by its 64 members)
-    member_floor = {"p50": r["simtensor_dispatches_per_member"] * f["simtensor_dispatch_us"]["p50"]
-                    + f["record_stream_us"]["p50"]}
+    member_floor = {
+        "p50": r["simtensor_dispatches_per_member"] * f["simtensor_dispatch_us"]["p50"]
+        + f["record_stream_us"]["p50"]
+    }
     res["member_floor_us"] = member_floor["p50"]
     rows = [
         ("issue (caller, wall)", r["issue_us"], issue_floor, GOALS["issue_us"]),
@@ -368,26 +418,40 @@ def _print(res: dict[str, Any], jpath: Path, png: Path | None) -> None:
     ]
     print(f"{'':32s} {'p10':>8s} {'p50':>8s} {'p90':>8s} {'floor p50':>10s} {'goal':>6s}")
     for name, s, fl, goal in rows:
-        print(f"{name:32s} {s['p10']:8.1f} {s['p50']:8.1f} {s['p90']:8.1f} "
-              f"{(fl['p50'] if fl else float('nan')):10.1f} {(goal or float('nan')):6.1f}")
+        print(
+            f"{name:32s} {s['p10']:8.1f} {s['p50']:8.1f} {s['p90']:8.1f} "
+            f"{(fl['p50'] if fl else float('nan')):10.1f} {(goal or float('nan')):6.1f}"
+        )
     print(f"{'floor: launch-thread vendor calls':32s} {'':8s} {f['launch_us']['p50']:8.1f}")
-    print(f"issue floor = the simulator's CUDA calls ({f['caller_us']['p50']:.1f} µs) + "
-          f"{r['simtensor_dispatches_per_issue']:.0f} simulated-tensor dispatches x "
-          f"{f['simtensor_dispatch_us']['p50']:.2f} µs; asynccoll's own issue cost ~ "
-          f"{max(0.0, r['issue_thread_cpu_us']['p50'] - issue_floor['p50']):.1f} µs (thread CPU p50 - floor)")
-    print(f"member floor = {r['simtensor_dispatches_per_member']:.1f} simulated-tensor dispatches + one record_stream "
-          f"({f['record_stream_us']['p50']:.1f} µs); asynccoll's own cost per member ~ "
-          f"{max(0.0, r['member_us']['p50'] - member_floor['p50']):.1f} µs")
+    print(
+        f"issue floor = the simulator's CUDA calls ({f['caller_us']['p50']:.1f} µs) + "
+        f"{r['simtensor_dispatches_per_issue']:.0f} simulated-tensor dispatches x "
+        f"{f['simtensor_dispatch_us']['p50']:.2f} µs; asynccoll's own issue cost ~ "
+        f"{max(0.0, r['issue_thread_cpu_us']['p50'] - issue_floor['p50']):.1f} µs (thread CPU p50 - floor)"
+    )
+    print(
+        f"member floor = {r['simtensor_dispatches_per_member']:.1f} simulated-tensor dispatches + one record_stream "
+        f"({f['record_stream_us']['p50']:.1f} µs); asynccoll's own cost per member ~ "
+        f"{max(0.0, r['member_us']['p50'] - member_floor['p50']):.1f} µs"
+    )
     sa = res["backend_submit_alone_us"]
-    print(f"{'NcclBackend.submit alone (CPU)':32s} {sa['p10']:8.1f} {sa['p50']:8.1f} {sa['p90']:8.1f} "
-          f"{f['caller_us']['p50'] + f['simtensor_dispatch_us']['p50']:10.1f}")
-    print(f"{'torch Gloo async_op issue (ref)':32s} {res['gloo_async_op_issue_us']['p10']:8.1f} "
-          f"{res['gloo_async_op_issue_us']['p50']:8.1f} {res['gloo_async_op_issue_us']['p90']:8.1f}")
+    print(
+        f"{'NcclBackend.submit alone (CPU)':32s} {sa['p10']:8.1f} {sa['p50']:8.1f} {sa['p90']:8.1f} "
+        f"{f['caller_us']['p50'] + f['simtensor_dispatch_us']['p50']:10.1f}"
+    )
+    print(
+        f"{'torch Gloo async_op issue (ref)':32s} {res['gloo_async_op_issue_us']['p10']:8.1f} "
+        f"{res['gloo_async_op_issue_us']['p50']:8.1f} {res['gloo_async_op_issue_us']['p90']:8.1f}"
+    )
     for thread, areas in res["results"]["profile_by_area"].items():
-        print(f"-- {thread} thread, self µs per op by area (under cProfile): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in areas.items()))
+        print(
+            f"-- {thread} thread, self µs per op by area (under cProfile): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in areas.items())
+        )
     for thread, rows_ in res["results"]["profile"].items():
         print(f"-- profile, {thread} thread (self µs per op, top 6)")
         for row in rows_[:6]:
-            print(f"   {row['self_us_per_op']:7.2f}  {row['calls_per_op']:5.1f}x  {row['function']}")
+            print(
+                f"   {row['self_us_per_op']:7.2f}  {row['calls_per_op']:5.1f}x  {row['function']}"
+            )
     print(f"wrote {jpath}" + (f" and {png}" if png else ""))

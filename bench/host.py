@@ -45,7 +45,9 @@ def measure(ops: int, rounds: int, loop: str) -> dict[str, Any]:
 
         torch.set_num_threads(1)
         store = dist.HashStore()
-        dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("torch/", store), rank=0, world_size=1
+        )
         comm = ac.wrap(dist.group.WORLD._get_backend(torch.device("cpu")), timeout=60.0)
         floor = FloorBridge(loop)
         ts = [torch.zeros(8) for _ in range(ops)]
@@ -107,32 +109,50 @@ def measure(ops: int, rounds: int, loop: str) -> dict[str, Any]:
                 "issue_us_per_op": median(issues[m]) * 1e6,
                 "cpu_us_per_op": median(cpus[m]) * 1e6,
             }
-        for m, ref in (("asynccoll", "torch"), ("floor", "torch"), ("asynccoll_seq", "torch_seq"),
-                       ("floor_seq", "torch_seq"), ("asynccoll", "floor")):
+        for m, ref in (
+            ("asynccoll", "torch"),
+            ("floor", "torch"),
+            ("asynccoll_seq", "torch_seq"),
+            ("floor_seq", "torch_seq"),
+            ("asynccoll", "floor"),
+        ):
             out[f"{m}/{ref}"] = out[m]["us_per_op"] / out[ref]["us_per_op"]
             out[f"{m}/{ref}_p10"] = out[m]["p10_us_per_op"] / out[ref]["p10_us_per_op"]
         return out
 
     before = machine()
     res = run_loop(loop, main)
-    return {"ops": ops, "rounds": rounds, "loop": loop, "machine": before, "machine_after": machine(), **res}
+    return {
+        "ops": ops,
+        "rounds": rounds,
+        "loop": loop,
+        "machine": before,
+        "machine_after": machine(),
+        **res,
+    }
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = [f"world size 1, {res['ops']} x all_reduce(8 floats), {res['rounds']} rounds, loop {res['loop']}, "
-             f"load {res['machine']['loadavg'][0]:.2f}"]
+    lines = [
+        f"world size 1, {res['ops']} x all_reduce(8 floats), {res['rounds']} rounds, loop {res['loop']}, "
+        f"load {res['machine']['loadavg'][0]:.2f}"
+    ]
     lines.append(f"  {'mode':<14} {'us/op':>8} {'p10':>8} {'issue':>8} {'cpu':>8}")
     for m in MODES:
         r = res[m]
-        lines.append(f"  {m:<14} {r['us_per_op']:>8.1f} {r['p10_us_per_op']:>8.1f} {r['issue_us_per_op']:>8.1f} "
-                     f"{r['cpu_us_per_op']:>8.1f}")
+        lines.append(
+            f"  {m:<14} {r['us_per_op']:>8.1f} {r['p10_us_per_op']:>8.1f} {r['issue_us_per_op']:>8.1f} "
+            f"{r['cpu_us_per_op']:>8.1f}"
+        )
     for key in ("asynccoll/torch", "floor/torch", "asynccoll_seq/torch_seq", "floor_seq/torch_seq"):
         lines.append(f"  {key:<24} {res[key]:.3f} (p10 {res[key + '_p10']:.3f})")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--ops", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")

@@ -89,7 +89,9 @@ async def issue_side(comm: Any, dist: Any, n: int, reps: int) -> dict[str, float
         for _ in range(k):
             x = validate.tensor(t, "tensor")
             b = comm._backend_for(x)
-            spec = OpSpec(OpKind.ALL_REDUCE, x, reduce_op=validate.reduce_op(ReduceOp.SUM, x.dtype, b.caps))
+            spec = OpSpec(
+                OpKind.ALL_REDUCE, x, reduce_op=validate.reduce_op(ReduceOp.SUM, x.dtype, b.caps)
+            )
             spec.timeout = comm.timeout
         return ns() - t0
 
@@ -117,6 +119,7 @@ async def issue_side(comm: Any, dist: Any, n: int, reps: int) -> dict[str, float
         def fn(k: int) -> int:
             reserve_commit(k)
             return stamps[name]
+
         return fn
 
     res["validate (tensor, backend, reduce_op, OpSpec)"] = per_call_us(validation, n, reps)
@@ -145,8 +148,12 @@ async def issue_side(comm: Any, dist: Any, n: int, reps: int) -> dict[str, float
             out.append(await batch(n, issue, wait) / n / 1e3)
         return statistics.median(out)
 
-    res["pg.allreduce call (backend submit core)"] = await per_call_async(lambda: pg.allreduce([t], opts), torch_wait)
-    res["comm.all_reduce() call, whole issue"] = await per_call_async(lambda: comm.all_reduce(t), ac_wait)
+    res["pg.allreduce call (backend submit core)"] = await per_call_async(
+        lambda: pg.allreduce([t], opts), torch_wait
+    )
+    res["comm.all_reduce() call, whole issue"] = await per_call_async(
+        lambda: comm.all_reduce(t), ac_wait
+    )
     res["dist.all_reduce(async_op=True) call"] = await per_call_async(
         lambda: dist.all_reduce(t, async_op=True), torch_wait
     )
@@ -344,7 +351,11 @@ async def completion_side(comm: Any, dist: Any, group: Any, n: int) -> dict[str,
 
 
 async def variants(
-    comm: Any, dist: Any, floor: FloorBridge, future_group: Any, n: int,
+    comm: Any,
+    dist: Any,
+    floor: FloorBridge,
+    future_group: Any,
+    n: int,
     nbytes: int = 8,
 ) -> dict[str, Any]:
     """Latency of candidate cuts, built from outside the library, op by op in a rotating order.
@@ -380,7 +391,12 @@ async def variants(
     async def torch_op() -> None:
         dist.all_reduce(t, async_op=True).wait()
 
-    fns = {"asynccoll": asynccoll, "floor": floor_op, "floor_future": floor_future, "torch": torch_op}
+    fns = {
+        "asynccoll": asynccoll,
+        "floor": floor_op,
+        "floor_future": floor_future,
+        "torch": torch_op,
+    }
     modes = tuple(fns)
     samples: dict[str, list[float]] = {m: [] for m in modes}
     dist.barrier()
@@ -421,13 +437,17 @@ def _rank(
 
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size
+        )
         if groups == "shared":  # every variant on the default group's one Gloo backend
             gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
             comm = ac.wrap(gloo, timeout=60.0)
             floor_group = fgroup = None
         else:
-            comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
+            comm = await ac.init(
+                "gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store)
+            )
             floor_group, fgroup = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
         say = progress if rank == 0 else (lambda _m: None)
         floor = FloorBridge(loop, floor_group)
@@ -446,7 +466,9 @@ def _rank(
             res["profile"] = buf.getvalue()
             say("hot path D: candidate cuts, measured side by side")
             res["variants"] = await variants(comm, dist, floor, fgroup, n_timeline)
-            res["variants_2MB"] = await variants(comm, dist, floor, fgroup, max(10, n_timeline // 15), 2 << 20)
+            res["variants_2MB"] = await variants(
+                comm, dist, floor, fgroup, max(10, n_timeline // 15), 2 << 20
+            )
             say("hot path B: completion-side timeline (instrumented)")
             res["timeline"] = await completion_side(comm, dist, floor.group, n_timeline)
         finally:
@@ -460,33 +482,53 @@ def _rank(
 
 
 def tables(res: dict[str, Any]) -> str:
-    head = (f"asynccoll small all_reduce (8 B) hot path, Gloo, 2 ranks, loop {res['loop']}, "
-            f"groups {res['groups']} (rank 0)")
+    head = (
+        f"asynccoll small all_reduce (8 B) hot path, Gloo, 2 ranks, loop {res['loop']}, "
+        f"groups {res['groups']} (rank 0)"
+    )
     out = [head]
     out.append("\nA. issue side, each step alone (median of the mean per call, batches of 200)")
     for name, us in res["issue"].items():
         out.append(f"  {name:<52} {us:>8.2f} us")
-    out.append("\nB. completion side, one op in flight, steps stamped with perf_counter_ns, modes shuffled op by op")
-    for mode, title in (("asynccoll", "asynccoll"), ("floor", "floor bridge"), ("torch", "torch blocking wait()")):
+    out.append(
+        "\nB. completion side, one op in flight, steps stamped with perf_counter_ns, modes shuffled op by op"
+    )
+    for mode, title in (
+        ("asynccoll", "asynccoll"),
+        ("floor", "floor bridge"),
+        ("torch", "torch blocking wait()"),
+    ):
         m = res["timeline"][mode]
         out.append(f"  {title} ({m['slow_path_ops']} of {m['ops']} ops went through every step)")
         out.append(f"    {'step':<66} {'median us':>10} {'p10 us':>8}")
         for row in m["steps"]:
             out.append(f"    {row['step']:<66} {row['median_us']:>10.1f} {row['p10_us']:>8.1f}")
     for key, what in (("variants", "8 B"), ("variants_2MB", "2 MiB")):
-        out.append(f"\nD. asynccoll beside the floors and torch, one all_reduce of {what}, alternating op by op")
-        out.append(f"    {'variant':<14} {'median us':>10} {'p10 us':>8} {'/floor med':>11} {'/floor p10':>11}")
+        out.append(
+            f"\nD. asynccoll beside the floors and torch, one all_reduce of {what}, alternating op by op"
+        )
+        out.append(
+            f"    {'variant':<14} {'median us':>10} {'p10 us':>8} {'/floor med':>11} {'/floor p10':>11}"
+        )
         for m, row in res[key].items():
-            out.append(f"    {m:<14} {row['median_us']:>10.1f} {row['p10_us']:>8.1f} {row['vs_floor_median']:>11.3f} "
-                       f"{row['vs_floor_p10']:>11.3f}")
+            out.append(
+                f"    {m:<14} {row['median_us']:>10.1f} {row['p10_us']:>8.1f} {row['vs_floor_median']:>11.3f} "
+                f"{row['vs_floor_p10']:>11.3f}"
+            )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
-    ap.add_argument("--groups", choices=("shared", "own"), default="shared",
-                    help="shared: every variant on one Gloo group (asynccoll via ac.wrap); own: one group each")
+    ap.add_argument(
+        "--groups",
+        choices=("shared", "own"),
+        default="shared",
+        help="shared: every variant on one Gloo group (asynccoll via ac.wrap); own: one group each",
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=None, help="default bench/results/hotpath_<loop>.json")
@@ -496,8 +538,14 @@ def main(argv: list[str] | None = None) -> int:
     server = store_server()
     results = spawn(_rank, (2, server.port, args.loop, n_issue, n_tl, args.groups), 2)
     del server
-    res = {"loop": args.loop, "groups": args.groups, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "machine": before, "machine_after": machine(), **results[0]}
+    res = {
+        "loop": args.loop,
+        "groups": args.groups,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": before,
+        "machine_after": machine(),
+        **results[0],
+    }
     print(tables(res))
     suffix = "" if args.groups == "shared" else "_own"
     path = Path(args.json or f"bench/results/hotpath_{args.loop}{suffix}.json")

@@ -104,7 +104,9 @@ def _counting_store(port: int) -> Any:
         def num_keys(self) -> int:
             return int(self.inner.num_keys())
 
-        def queue_push(self, key: str, value: Any) -> None:  # (the previous design's census inboxes)
+        def queue_push(
+            self, key: str, value: Any
+        ) -> None:  # (the previous design's census inboxes)
             self._n()
             self.inner.queue_push(key, value)
 
@@ -144,7 +146,8 @@ def _members(ranks: list[int], n: int, port: int, prefix: str, interval: float, 
         return record
 
     members = [
-        Liveness(store, r, n, interval=interval, detect=True, on_failure=on_failure(r)) for r in ranks
+        Liveness(store, r, n, interval=interval, detect=True, on_failure=on_failure(r))
+        for r in ranks
     ]
     by_rank.update(zip(ranks, members))
     for m in members:
@@ -171,7 +174,9 @@ def _victim(rank: int, n: int, port: int, prefix: str, interval: float, conn: An
     _members([rank], n, port, prefix, interval, conn)
 
 
-def one_size(ctx: Any, port: int, n: int, processes: int, interval: float, steady: float) -> dict[str, Any]:
+def one_size(
+    ctx: Any, port: int, n: int, processes: int, interval: float, steady: float
+) -> dict[str, Any]:
     prefix = f"scale/{n}/{time.monotonic_ns()}"
     victim = n // 2
     others = [r for r in range(n) if r != victim]
@@ -179,7 +184,9 @@ def one_size(ctx: Any, port: int, n: int, processes: int, interval: float, stead
     procs, conns = [], []
     for ranks in [*groups, [victim]]:
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_members, args=(ranks, n, port, prefix, interval, child), daemon=True)
+        p = ctx.Process(
+            target=_members, args=(ranks, n, port, prefix, interval, child), daemon=True
+        )
         p.start()
         child.close()
         procs.append(p)
@@ -201,7 +208,10 @@ def one_size(ctx: Any, port: int, n: int, processes: int, interval: float, stead
     requests = req1 - req0 - n
     beats = beats1 - beats0
     row: dict[str, Any] = {
-        "members": n, "processes": processes + 1, "interval_s": interval, "loadavg": load,
+        "members": n,
+        "processes": processes + 1,
+        "interval_s": interval,
+        "loadavg": load,
         "requests_per_s": requests / (t1 - t0),
         "requests_per_member_beat": requests / max(beats, 1),
         "beat_interval_achieved_s": (t1 - t0) * n / max(beats, 1),
@@ -222,7 +232,8 @@ def one_size(ctx: Any, port: int, n: int, processes: int, interval: float, stead
         time.sleep(0.05)
     delays = sorted(t - killed_at for t, _ in got.values())
     row.update(
-        detected=len(got), of=n - 1,
+        detected=len(got),
+        of=n - 1,
         detect_first_s=delays[0] if delays else None,
         detect_median_s=statistics.median(delays) if delays else None,
         detect_worst_s=delays[-1] if delays else None,
@@ -254,8 +265,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     ns = [r["members"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     a.plot(ns, [r["requests_per_s"] for r in rows], "o-", label="asynccoll (measured)")
-    a.plot(ns, [r["previous_design_reads_per_s"] for r in rows], "--", color="tab:red",
-           label="previous design: n(n-1)/interval reads")
+    a.plot(
+        ns,
+        [r["previous_design_reads_per_s"] for r in rows],
+        "--",
+        color="tab:red",
+        label="previous design: n(n-1)/interval reads",
+    )
     a.set_xscale("log", base=2)
     a.set_yscale("log")
     a.set_xlabel("members (ranks)")
@@ -283,7 +299,9 @@ def run(members: list[int], processes: int, interval: float, steady: float) -> d
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["asynccoll", "torch"])
-    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    server = dist.TCPStore(
+        HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
     res: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "rows": []}
     for n in members:
         row = one_size(ctx, server.port, n, processes, interval, steady)
@@ -301,11 +319,17 @@ def run(members: list[int], processes: int, interval: float, steady: float) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--members", type=int, nargs="+", default=[16, 64, 256, 512])
-    ap.add_argument("--processes", type=int, default=4, help="processes holding the members (plus the victim)")
+    ap.add_argument(
+        "--processes", type=int, default=4, help="processes holding the members (plus the victim)"
+    )
     ap.add_argument("--interval", type=float, default=0.5, help="heartbeat interval, seconds")
-    ap.add_argument("--steady", type=float, default=5.0, help="seconds of steady beating measured per size")
+    ap.add_argument(
+        "--steady", type=float, default=5.0, help="seconds of steady beating measured per size"
+    )
     ap.add_argument("--json", default="bench/results/liveness_scale.json")
     args = ap.parse_args(argv)
     res = run(args.members, args.processes, args.interval, args.steady)

@@ -55,8 +55,8 @@ class Row:
     """One goal of issue 20 and what this run measured for it."""
 
     section: str
-    goal: str            # what is compared, in words
-    target: str          # "<= 0.90", ">= 1.1", "<= 5 ms"
+    goal: str  # what is compared, in words
+    target: str  # "<= 0.90", ">= 1.1", "<= 5 ms"
     measured: float
     p10: float | None
     floor: float | None
@@ -93,9 +93,25 @@ def train(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
 
     variants = ["ddp", "gradsync", "ddp_thread", "gradsync_thread", "local", "flat"]
     variants += [f"{v}@{EQUAL_MB:g}" for v in ("ddp", "gradsync", "ddp_thread", "gradsync_thread")]
-    rounds, steps, warmup = {"smoke": ("1", "1", "1"), "quick": ("4", "2", "2"), "full": ("12", "3", "2")}[size]
-    argv = ["--rounds", rounds, "--steps", steps, "--warmup", warmup, "--variants", *variants,
-            "--json", str(tmp / "train.json"), "--plot", str(out / "perf_train.png")]
+    rounds, steps, warmup = {
+        "smoke": ("1", "1", "1"),
+        "quick": ("4", "2", "2"),
+        "full": ("12", "3", "2"),
+    }[size]
+    argv = [
+        "--rounds",
+        rounds,
+        "--steps",
+        steps,
+        "--warmup",
+        warmup,
+        "--variants",
+        *variants,
+        "--json",
+        str(tmp / "train.json"),
+        "--plot",
+        str(out / "perf_train.png"),
+    ]
     bench_train.main(argv)
     res = json.loads((tmp / "train.json").read_text())
     rows = []
@@ -103,19 +119,31 @@ def train(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
         v = m["variants"]
         what = f"{m['layers']}xLinear({m['width']})"
         for style in ("", "_thread"):
-            for suffix, sizes in (("", "defaults"), (f"@{EQUAL_MB:g}", f"equal {EQUAL_MB:g} MiB buckets")):
+            for suffix, sizes in (
+                ("", "defaults"),
+                (f"@{EQUAL_MB:g}", f"equal {EQUAL_MB:g} MiB buckets"),
+            ):
                 name = f"gradsync{style}{suffix}"
                 row = v[name]
                 local = v["local"]["median_ms"] / v[row["vs"]]["median_ms"]
                 flat = v["flat"]["median_ms"] / v[row["vs"]]["median_ms"]
                 if suffix and row.get("buckets_as_vs") is False:
                     sizes += f" (NOT equal: {row['buckets_mb']} vs {v[row['vs']]['buckets_mb']})"
-                rows.append(Row(
-                    "train", f"GradSync step / DDP, {what}, backward {'in a thread' if style else 'on the loop'}, "
-                    f"{sizes}", "<= 0.90", row["ratio_vs_ddp"], row["ratio_vs_ddp_p10"], flat,
-                    f"the step, then one flat all_reduce of the same bytes / {row['vs']}; without "
-                    f"communication: {local:.3f}", res["machine"], res["machine_after"],
-                ))
+                rows.append(
+                    Row(
+                        "train",
+                        f"GradSync step / DDP, {what}, backward {'in a thread' if style else 'on the loop'}, "
+                        f"{sizes}",
+                        "<= 0.90",
+                        row["ratio_vs_ddp"],
+                        row["ratio_vs_ddp_p10"],
+                        flat,
+                        f"the step, then one flat all_reduce of the same bytes / {row['vs']}; without "
+                        f"communication: {local:.3f}",
+                        res["machine"],
+                        res["machine_after"],
+                    )
+                )
     return res, rows
 
 
@@ -132,13 +160,28 @@ def coalescing(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Ro
     t, r = res["results"], res["ratios"]
     p10 = {m: t[m]["p10_ms"] for m in t}
     rows = [
-        Row("coalescing", "coalesced 64x256 floats / one flattened op", "<= 1.3", r["coalesced/flattened"],
-            p10["coalesced"] / p10["flattened"], r["by_hand/flattened"],
-            "coalescing by hand: cat, the flattened op, split_with_sizes_copy back", res["machine"],
-            res["machine_after"]),
-        Row("coalescing", "coalesced 64x256 floats / torch _coalescing_manager", "<= 0.8", r["coalesced/torch_cm"],
-            p10["coalesced"] / p10["torch_cm"], t["flattened"]["median_ms"] / t["torch_cm"]["median_ms"],
-            "flattened / torch_cm", res["machine"], res["machine_after"]),
+        Row(
+            "coalescing",
+            "coalesced 64x256 floats / one flattened op",
+            "<= 1.3",
+            r["coalesced/flattened"],
+            p10["coalesced"] / p10["flattened"],
+            r["by_hand/flattened"],
+            "coalescing by hand: cat, the flattened op, split_with_sizes_copy back",
+            res["machine"],
+            res["machine_after"],
+        ),
+        Row(
+            "coalescing",
+            "coalesced 64x256 floats / torch _coalescing_manager",
+            "<= 0.8",
+            r["coalesced/torch_cm"],
+            p10["coalesced"] / p10["torch_cm"],
+            t["flattened"]["median_ms"] / t["torch_cm"]["median_ms"],
+            "flattened / torch_cm",
+            res["machine"],
+            res["machine_after"],
+        ),
     ]
     return res, rows
 
@@ -147,30 +190,47 @@ def _core(parts: tuple[str, ...], size: str) -> dict[str, Any]:
     from bench import run as bench_run
 
     iters, rounds = {"smoke": (40, 1), "quick": (800, 5), "full": (3000, 15)}[size]
-    cfg = bench_run.Config(smoke=size == "smoke", sizes=[32], parts=parts, small_iters=iters, tput_rounds=rounds)
+    cfg = bench_run.Config(
+        smoke=size == "smoke", sizes=[32], parts=parts, small_iters=iters, tput_rounds=rounds
+    )
     return bench_run.run(cfg, loop="asyncio")
 
 
 def latency(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
     res = _core(("latency",), size)
     row = res["latency"][0]
-    return res, [Row(
-        "latency", "8-float all_reduce / the floor bridge (2 ranks, one shared Gloo group)", "<= 1.03",
-        row["ac/floor"], row["ac/floor_p10"], 1.0,
-        f"the floor bridge itself; it is {row['floor/torch']:.3f} x torch's blocking wait()",
-        res["machine"], res["machine_after"],
-    )]
+    return res, [
+        Row(
+            "latency",
+            "8-float all_reduce / the floor bridge (2 ranks, one shared Gloo group)",
+            "<= 1.03",
+            row["ac/floor"],
+            row["ac/floor_p10"],
+            1.0,
+            f"the floor bridge itself; it is {row['floor/torch']:.3f} x torch's blocking wait()",
+            res["machine"],
+            res["machine_after"],
+        )
+    ]
 
 
 def pipelined(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
     res = _core(("throughput",), size)
     tp = res["throughput"]
     best = {m: tp[m]["min_ms"] for m in ("asynccoll", "floor", "torch")}
-    return res, [Row(
-        "pipelined", f"pipelined {tp['ops']} small all_reduces: throughput / torch", ">= 1.1",
-        tp["ac_vs_torch"], best["torch"] / best["asynccoll"], tp["floor_vs_torch"], "floor bridge / torch",
-        res["machine"], res["machine_after"],
-    )]
+    return res, [
+        Row(
+            "pipelined",
+            f"pipelined {tp['ops']} small all_reduces: throughput / torch",
+            ">= 1.1",
+            tp["ac_vs_torch"],
+            best["torch"] / best["asynccoll"],
+            tp["floor_vs_torch"],
+            "floor bridge / torch",
+            res["machine"],
+            res["machine_after"],
+        )
+    ]
 
 
 def abort(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
@@ -180,11 +240,19 @@ def abort(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
     rows = []
     for loop in ("asyncio", "uvloop"):
         res = raw[loop] = fanout.measure(1000, {"smoke": 1, "quick": 4, "full": 25}[size], loop)
-        rows.append(Row(
-            "abort", f"abort -> last of 1000 waiters, {loop} (ms)", "<= 5 ms", res["asynccoll"]["last_ms"],
-            res["asynccoll"]["last_p10_ms"], res["floor"]["last_ms"], "1000 plain futures failed in one loop (ms)",
-            res["machine"], res["machine_after"],
-        ))
+        rows.append(
+            Row(
+                "abort",
+                f"abort -> last of 1000 waiters, {loop} (ms)",
+                "<= 5 ms",
+                res["asynccoll"]["last_ms"],
+                res["asynccoll"]["last_p10_ms"],
+                res["floor"]["last_ms"],
+                "1000 plain futures failed in one loop (ms)",
+                res["machine"],
+                res["machine_after"],
+            )
+        )
     return raw, rows
 
 
@@ -192,15 +260,27 @@ def host(size: str, tmp: Path, out: Path) -> tuple[dict[str, Any], list[Row]]:
     from bench import host as bench_host
 
     res = bench_host.measure(2000, {"smoke": 1, "quick": 5, "full": 15}[size], "asyncio")
-    return res, [Row(
-        "host", "2000 back-to-back all_reduces at world size 1, per op / torch", "<= 1.5",
-        res["asynccoll/torch"], res["asynccoll/torch_p10"], res["floor/torch"], "floor bridge / torch",
-        res["machine"], res["machine_after"],
-    )]
+    return res, [
+        Row(
+            "host",
+            "2000 back-to-back all_reduces at world size 1, per op / torch",
+            "<= 1.5",
+            res["asynccoll/torch"],
+            res["asynccoll/torch_p10"],
+            res["floor/torch"],
+            "floor bridge / torch",
+            res["machine"],
+            res["machine_after"],
+        )
+    ]
 
 
 RUNNERS: dict[str, Callable[[str, Path, Path], tuple[dict[str, Any], list[Row]]]] = {
-    "train": train, "coalescing": coalescing, "latency": latency, "pipelined": pipelined, "abort": abort,
+    "train": train,
+    "coalescing": coalescing,
+    "latency": latency,
+    "pipelined": pipelined,
+    "abort": abort,
     "host": host,
 }
 
@@ -222,7 +302,9 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
         floor = f"{r.floor:.3f} ({r.floor_note})" if r.floor is not None else r.floor_note
         p10 = f"{r.p10:.3f}" if r.p10 is not None else "-"
         load = f"{r.machine['loadavg'][0]:.2f}/{r.machine_after['loadavg'][0]:.2f}"
-        lines.append(f"| {r.goal} | {r.target} | {r.measured:.3f} | {p10} | {floor} | {load} | {r.verdict} |")
+        lines.append(
+            f"| {r.goal} | {r.target} | {r.measured:.3f} | {p10} | {floor} | {load} | {r.verdict} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -241,15 +323,23 @@ def update_readme(path: Path, rows: list[Row], header: dict[str, Any], noisy: bo
         return f"README not updated: no {README_BEGIN!r} ... {README_END!r} block in {path}"
     head, rest = text.split(README_BEGIN, 1)
     _, tail = rest.split(README_END, 1)
-    lines = [README_BEGIN, "", f"Measured {header['when']} ({header['size']} run, {header['machine']['cpus']} CPUs, "
-             f"load average before each section at most {max(r.machine['loadavg'][0] for r in rows):.2f}, after "
-             f"(its own ranks included) at most {max(r.machine_after['loadavg'][0] for r in rows):.2f}"
-             f"{'; loaded: not a verdict' if loaded else ''}):", "",
-             "| goal | target | measured | p10 | floor | verdict |", "|---|---|---|---|---|---|"]
+    lines = [
+        README_BEGIN,
+        "",
+        f"Measured {header['when']} ({header['size']} run, {header['machine']['cpus']} CPUs, "
+        f"load average before each section at most {max(r.machine['loadavg'][0] for r in rows):.2f}, after "
+        f"(its own ranks included) at most {max(r.machine_after['loadavg'][0] for r in rows):.2f}"
+        f"{'; loaded: not a verdict' if loaded else ''}):",
+        "",
+        "| goal | target | measured | p10 | floor | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         floor = f"{r.floor:.3f} ({r.floor_note})" if r.floor is not None else r.floor_note
         p10 = f"{r.p10:.3f}" if r.p10 is not None else "-"
-        lines.append(f"| {r.goal} | {r.target} | {r.measured:.3f} | {p10} | {floor} | {r.verdict} |")
+        lines.append(
+            f"| {r.goal} | {r.target} | {r.measured:.3f} | {p10} | {floor} | {r.verdict} |"
+        )
     path.write_text(head + "\n".join(lines) + "\n\n" + README_END + tail)
     return f"README updated: {path}"
 
@@ -270,14 +360,26 @@ def plot(rows: list[Row], path: Path) -> bool:
 
     fig, ax = plt.subplots(figsize=(13, 0.42 * len(rows) + 1.5))
     ys = list(range(len(rows)))[::-1]
-    colors = ["tab:gray" if r.verdict.startswith("no verdict") else "tab:green" if r.met() else "tab:red"
-              for r in rows]
-    ax.barh(ys, [rel(r.measured, r.target) for r in rows], color=colors, alpha=0.7, label="measured (median)")
-    fl = [(y, rel(r.floor, r.target)) for y, r in zip(ys, rows) if r.floor is not None and r.floor > 0]
+    colors = [
+        "tab:gray" if r.verdict.startswith("no verdict") else "tab:green" if r.met() else "tab:red"
+        for r in rows
+    ]
+    ax.barh(
+        ys,
+        [rel(r.measured, r.target) for r in rows],
+        color=colors,
+        alpha=0.7,
+        label="measured (median)",
+    )
+    fl = [
+        (y, rel(r.floor, r.target)) for y, r in zip(ys, rows) if r.floor is not None and r.floor > 0
+    ]
     ax.plot([v for _, v in fl], [y for y, _ in fl], "k|", markersize=14, label="floor")
     ax.axvline(1.0, color="black", lw=1)
     ax.set_yticks(ys, [f"{r.goal} ({r.target})" for r in rows], fontsize=7)
-    ax.set_xlabel("relative to the goal (1.0 = goal; left of the line = met; gray: no verdict, loaded machine)")
+    ax.set_xlabel(
+        "relative to the goal (1.0 = goal; left of the line = met; gray: no verdict, loaded machine)"
+    )
     load = max(max(r.machine["loadavg"][0], r.machine_after["loadavg"][0]) for r in rows)
     ax.set_title(f"issue 20 goals, Gloo on this machine (max load {load:.2f})")
     ax.legend(fontsize=8, loc="lower right")
@@ -290,20 +392,38 @@ def plot(rows: list[Row], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer rounds (about a minute; a look, not a figure)")
-    ap.add_argument("--smoke", action="store_true", help="one round of everything (does it still run?)")
-    ap.add_argument("--noisy", action="store_true", help="give verdicts even when the load was above 1.5")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer rounds (about a minute; a look, not a figure)"
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="one round of everything (does it still run?)"
+    )
+    ap.add_argument(
+        "--noisy", action="store_true", help="give verdicts even when the load was above 1.5"
+    )
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--readme", nargs="*", default=None, metavar="PATH",
-                    help="also write the table between the bench.perf markers of each PATH (default: "
-                    + " and ".join(README_PATHS) + "; quiet runs only)")
+    ap.add_argument(
+        "--readme",
+        nargs="*",
+        default=None,
+        metavar="PATH",
+        help="also write the table between the bench.perf markers of each PATH (default: "
+        + " and ".join(README_PATHS)
+        + "; quiet runs only)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
-    header = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "size": size}
+    header = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "size": size,
+    }
     raw: dict[str, Any] = {}
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -318,9 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(rows, header)
     print("\n" + md)
     (out / "perf.md").write_text(md)
-    (out / "perf.json").write_text(json.dumps(
-        {**header, "noisy": args.noisy, "rows": [asdict(r) for r in rows], "raw": raw}, indent=2, default=str,
-    ))
+    (out / "perf.json").write_text(
+        json.dumps(
+            {**header, "noisy": args.noisy, "rows": [asdict(r) for r in rows], "raw": raw},
+            indent=2,
+            default=str,
+        )
+    )
     written = [out / "perf.md", out / "perf.json"]
     if plot(rows, out / "perf_summary.png"):
         written.append(out / "perf_summary.png")

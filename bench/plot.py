@@ -56,11 +56,17 @@ def plot_core(res: dict[str, Any], stem: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, c in (("ac/floor", "tab:blue"), ("floor/torch", "tab:green"), ("ac/torch", "tab:purple")):
+    for key, c in (
+        ("ac/floor", "tab:blue"),
+        ("floor/torch", "tab:green"),
+        ("ac/torch", "tab:purple"),
+    ):
         if rows[0].get(key) is None:
             continue
         ax.plot(sizes, [r[key] for r in rows], "o-", color=c, label=f"{key} median")
-        ax.plot(sizes, [r[key + "_p10"] for r in rows], "--", color=c, alpha=0.6, label=f"{key} p10")
+        ax.plot(
+            sizes, [r[key + "_p10"] for r in rows], "--", color=c, alpha=0.6, label=f"{key} p10"
+        )
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(1.03, color="gray", lw=0.8, ls=":", label="1.03 (goal ac/floor)")
     ax.set_xscale("log", base=2)
@@ -86,7 +92,9 @@ def plot_coalescing(res: dict[str, Any], stem: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = range(len(modes))
     ax.bar([i - 0.2 for i in x], [table[m]["median_ms"] for m in modes], 0.4, label="wall (median)")
-    ax.bar([i + 0.2 for i in x], [table[m]["cpu_median_ms"] for m in modes], 0.4, label="CPU (median)")
+    ax.bar(
+        [i + 0.2 for i in x], [table[m]["cpu_median_ms"] for m in modes], 0.4, label="CPU (median)"
+    )
     ax.set_xticks(list(x))
     ax.set_xticklabels(modes, rotation=20)
     ax.set_ylabel("ms per iteration")

@@ -68,9 +68,15 @@ class Config:
     (a subset of ``PARTS``) and the counts can be set for a focused run (``bench.perf``)."""
 
     def __init__(
-        self, quick: bool = False, smoke: bool = False, groups: str = "shared", *,
-        sizes: list[int] | None = None, parts: tuple[str, ...] = PARTS,
-        small_iters: int | None = None, tput_rounds: int | None = None,
+        self,
+        quick: bool = False,
+        smoke: bool = False,
+        groups: str = "shared",
+        *,
+        sizes: list[int] | None = None,
+        parts: tuple[str, ...] = PARTS,
+        small_iters: int | None = None,
+        tput_rounds: int | None = None,
     ) -> None:
         self.quick, self.smoke = quick or smoke, smoke
         self.groups = groups
@@ -137,8 +143,12 @@ async def latency(ctx: Ctx, cfg: Config) -> list[dict[str, Any]]:
 
     pc = time.perf_counter
     ops = {m: ctx.op(m) for m in ctx.modes}
-    tensors = {nbytes: torch.zeros(max(1, nbytes // 4), dtype=torch.float32) for nbytes in cfg.sizes}
-    samples: dict[int, dict[str, list[float]]] = {nb: {m: [] for m in ctx.modes} for nb in cfg.sizes}
+    tensors = {
+        nbytes: torch.zeros(max(1, nbytes // 4), dtype=torch.float32) for nbytes in cfg.sizes
+    }
+    samples: dict[int, dict[str, list[float]]] = {
+        nb: {m: [] for m in ctx.modes} for nb in cfg.sizes
+    }
     per_pass: dict[int, list[float]] = {nb: [] for nb in cfg.sizes}
     for p in range(cfg.passes):
         for nbytes in cfg.sizes:
@@ -159,8 +169,10 @@ async def latency(ctx: Ctx, cfg: Config) -> list[dict[str, Any]]:
                 samples[nbytes][m].extend(got[m])
             if "asynccoll" in got:
                 per_pass[nbytes].append(median(got["asynccoll"]) / median(got["floor"]))
-            ctx.say(f"latency pass {p + 1}/{cfg.passes} {nbytes:>9} B x{n}: "
-                    + ", ".join(f"{m} {median(got[m]) * 1e6:.1f} us" for m in ctx.modes))
+            ctx.say(
+                f"latency pass {p + 1}/{cfg.passes} {nbytes:>9} B x{n}: "
+                + ", ".join(f"{m} {median(got[m]) * 1e6:.1f} us" for m in ctx.modes)
+            )
     rows = []
     for nbytes in cfg.sizes:
         row: dict[str, Any] = {"bytes": nbytes, "iters": len(samples[nbytes]["floor"])}
@@ -226,12 +238,20 @@ async def throughput(ctx: Ctx, cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {"ops": n, "rounds": cfg.tput_rounds}
     for m in MODES:
         s = samples.get(m)
-        out[m] = {"median_ms": median(s) * 1e3, "min_ms": min(s) * 1e3, "ops_per_s": n / median(s)} if s else None
+        out[m] = (
+            {"median_ms": median(s) * 1e3, "min_ms": min(s) * 1e3, "ops_per_s": n / median(s)}
+            if s
+            else None
+        )
     if out["asynccoll"]:
         out["ac_vs_torch"] = out["asynccoll"]["ops_per_s"] / out["torch"]["ops_per_s"]
         out["ac_vs_floor"] = out["asynccoll"]["ops_per_s"] / out["floor"]["ops_per_s"]
     out["floor_vs_torch"] = out["floor"]["ops_per_s"] / out["torch"]["ops_per_s"]
-    ctx.say("throughput " + ", ".join(f"{m} {out[m]['median_ms']:.1f} ms" for m in ctx.modes) + f" per {n} ops")
+    ctx.say(
+        "throughput "
+        + ", ".join(f"{m} {out[m]['median_ms']:.1f} ms" for m in ctx.modes)
+        + f" per {n} ops"
+    )
     return out
 
 
@@ -286,7 +306,9 @@ async def loop_lag(ctx: Ctx, cfg: Config) -> dict[str, Any]:
             "lag_p99_round_median_ms": median(p99s[m]) * 1e3,
             "lag_max_ms": max(lags[m], default=0.0) * 1e3,
         }
-        ctx.say(f"loop lag {m:>10}: p99 {out[m]['lag_p99_ms']:.3f} ms, max {out[m]['lag_max_ms']:.3f} ms")
+        ctx.say(
+            f"loop lag {m:>10}: p99 {out[m]['lag_p99_ms']:.3f} ms, max {out[m]['lag_max_ms']:.3f} ms"
+        )
     if comm is None:
         out["asynccoll"] = None
     return out
@@ -320,6 +342,7 @@ async def _init(ac: Any, rank: int, world_size: int, store: Any, loop: str) -> A
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
+
         async def build() -> Any:
             return await ac.init("gloo", rank=rank, world_size=world_size, store=store)
 
@@ -338,7 +361,9 @@ def _rank(rank: int, world_size: int, port: int, cfg: Config, loop: str) -> dict
 
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size
+        )
         rt = Runtime(loop)
         if cfg.groups == "shared":  # one Gloo group under all three modes
             comm = ac.wrap(dist.group.WORLD._get_backend(torch.device("cpu")), timeout=60.0)
@@ -378,8 +403,14 @@ def run(cfg: Config, loop: str = "asyncio", world_size: int = 2) -> dict[str, An
     results = spawn(_rank, (world_size, server.port, cfg, loop), world_size)
     del server
     return {
-        "loop": loop, "world_size": world_size, "cpus": os.cpu_count(), "machine": before, "machine_after": machine(),
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "config": cfg.as_dict(), **results[0],
+        "loop": loop,
+        "world_size": world_size,
+        "cpus": os.cpu_count(),
+        "machine": before,
+        "machine_after": machine(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": cfg.as_dict(),
+        **results[0],
     }
 
 
@@ -389,28 +420,36 @@ def _f(x: float | None, fmt: str = ".1f") -> str:
 
 def tables(res: dict[str, Any]) -> str:
     """The results as text tables."""
-    head = (f"all_reduce latency, Gloo, world size {res['world_size']}, loop {res['loop']}, "
-            f"groups {res['config']['groups']}, "
-            f"{res['cpus']} CPUs (rank 0, per op, modes alternating op by op)")
+    head = (
+        f"all_reduce latency, Gloo, world size {res['world_size']}, loop {res['loop']}, "
+        f"groups {res['config']['groups']}, "
+        f"{res['cpus']} CPUs (rank 0, per op, modes alternating op by op)"
+    )
     out = [head]
     if not res.get("asynccoll_supported", True):
         out.append(f"asynccoll column: {SKIP_TRIO}")
     for suffix, title in (("", "median"), ("_p10", "p10")):
         out.append(f"\n{title}:")
         spread = " ac/floor per pass (min-max)" if not suffix else ""
-        out.append(f"{'bytes':>9} {'asynccoll us':>12} {'floor us':>9} {'torch us':>9} "
-                   f"{'ac/floor':>9} {'floor/torch':>11} {'ac/torch':>9}{spread}")
+        out.append(
+            f"{'bytes':>9} {'asynccoll us':>12} {'floor us':>9} {'torch us':>9} "
+            f"{'ac/floor':>9} {'floor/torch':>11} {'ac/torch':>9}{spread}"
+        )
         for row in res.get("latency", []):
             a, f, t = (row[f"{m}{suffix}_us"] for m in MODES)
             passes = row.get("ac/floor_per_pass") or []
             extra = f"   {min(passes):.3f}-{max(passes):.3f}" if passes and not suffix else ""
-            out.append(f"{row['bytes']:>9} {_f(a):>12} {_f(f):>9} {_f(t):>9} {_f(row['ac/floor' + suffix], '.3f'):>9} "
-                       f"{_f(row['floor/torch' + suffix], '.3f'):>11} {_f(row['ac/torch' + suffix], '.3f'):>9}{extra}")
+            out.append(
+                f"{row['bytes']:>9} {_f(a):>12} {_f(f):>9} {_f(t):>9} {_f(row['ac/floor' + suffix], '.3f'):>9} "
+                f"{_f(row['floor/torch' + suffix], '.3f'):>11} {_f(row['ac/torch' + suffix], '.3f'):>9}{extra}"
+            )
     if "throughput" not in res or "loop_lag" not in res:
         return "\n".join(out)
     tp = res["throughput"]
-    out.append(f"\npipelined: {tp['ops']} x all_reduce(8 B) issued back to back, then awaited "
-               f"(median of {tp['rounds']} rounds)")
+    out.append(
+        f"\npipelined: {tp['ops']} x all_reduce(8 B) issued back to back, then awaited "
+        f"(median of {tp['rounds']} rounds)"
+    )
     out.append(f"{'mode':>10} {'ms':>9} {'ops/s':>9}")
     for m in MODES:
         if tp[m] is None:
@@ -418,34 +457,50 @@ def tables(res: dict[str, Any]) -> str:
             continue
         out.append(f"{m:>10} {tp[m]['median_ms']:>9.1f} {tp[m]['ops_per_s']:>9.0f}")
     if tp.get("ac_vs_torch") is not None:
-        out.append(f"throughput asynccoll/torch {tp['ac_vs_torch']:.3f}x, asynccoll/floor {tp['ac_vs_floor']:.3f}x, "
-                   f"floor/torch {tp['floor_vs_torch']:.3f}x (higher is better)")
+        out.append(
+            f"throughput asynccoll/torch {tp['ac_vs_torch']:.3f}x, asynccoll/floor {tp['ac_vs_floor']:.3f}x, "
+            f"floor/torch {tp['floor_vs_torch']:.3f}x (higher is better)"
+        )
     lag = res["loop_lag"]
-    out.append(f"\nevent-loop lag, {lag['ops']} x all_reduce(8 B) in flight, 1 ms heartbeat, "
-               f"{lag['rounds']} round(s) pooled")
-    out.append(f"{'pattern':>10} {'wall ms':>9} {'ticks':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    out.append(
+        f"\nevent-loop lag, {lag['ops']} x all_reduce(8 B) in flight, 1 ms heartbeat, "
+        f"{lag['rounds']} round(s) pooled"
+    )
+    out.append(
+        f"{'pattern':>10} {'wall ms':>9} {'ticks':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"
+    )
     for name in ("idle", "asynccoll", "floor", "torch_wait"):
         row = lag.get(name)
         if row is None:
             out.append(f"{name:>10} {SKIP_TRIO}")
             continue
-        out.append(f"{name:>10} {row['wall_ms']:>9.1f} {row['ticks']:>6} {row['lag_p50_ms']:>8.3f} "
-                   f"{row['lag_p99_ms']:>8.3f} {row['lag_max_ms']:>8.3f}")
+        out.append(
+            f"{name:>10} {row['wall_ms']:>9.1f} {row['ticks']:>6} {row['lag_p50_ms']:>8.3f} "
+            f"{row['lag_p99_ms']:>8.3f} {row['lag_max_ms']:>8.3f}"
+        )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a quick look)")
-    ap.add_argument("--smoke", action="store_true", help="a few iterations only (does it still run?)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="a few iterations only (does it still run?)"
+    )
     ap.add_argument("--loop", choices=("asyncio", "uvloop", "trio"), default="asyncio")
     ap.add_argument(
-        "--groups", choices=("shared", "own"), default="shared",
+        "--groups",
+        choices=("shared", "own"),
+        default="shared",
         help="shared: the three modes run on ONE Gloo group (asynccoll through ac.wrap() of the default "
         "group's Gloo backend), so only the Python path differs; own: asynccoll from ac.init(), the floor "
         "on a new_group(), torch on the default group (per-group transport state then differs too)",
     )
-    ap.add_argument("--json", default=None, help="results file (default bench/results/core_<loop>.json)")
+    ap.add_argument(
+        "--json", default=None, help="results file (default bench/results/core_<loop>.json)"
+    )
     ap.add_argument("--no-plot", action="store_true", help="do not draw the PNG plots")
     args = ap.parse_args(argv)
     if args.loop == "trio":

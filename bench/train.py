@@ -112,7 +112,9 @@ def _reference(name: str, names: list[str]) -> str:
 class _Variant:
     """One model copy, its optimizer and its way of synchronising gradients."""
 
-    def __init__(self, name: str, base: Any, comm: Any, bucket_mb: float, first_bucket_mb: float) -> None:
+    def __init__(
+        self, name: str, base: Any, comm: Any, bucket_mb: float, first_bucket_mb: float
+    ) -> None:
         import copy
 
         import torch
@@ -128,18 +130,24 @@ class _Variant:
         self.sync: Any = None
         self.ddp: Any = None
         if self.kind == "ddp":
-            self.forward = self.ddp = DDP(self.model, bucket_cap_mb=mb) if mb is not None else DDP(self.model)
+            self.forward = self.ddp = (
+                DDP(self.model, bucket_cap_mb=mb) if mb is not None else DDP(self.model)
+            )
         elif self.kind.startswith("gradsync"):
             # At an explicit size both sides use it for every bucket: DDP given
             # ``bucket_cap_mb`` makes its first bucket that size too (torch 2.13,
             # ``nn/parallel/distributed.py``: ``first_bucket_bytes_cap = ... if
             # is_using_default else bucket_bytes_cap``), so GradSync's first is as well.
             self.sync = ac.GradSync(
-                comm, self.model, bucket_mb=mb if mb is not None else bucket_mb,
+                comm,
+                self.model,
+                bucket_mb=mb if mb is not None else bucket_mb,
                 first_bucket_mb=mb if mb is not None else first_bucket_mb,
             )
         self.params = list(self.model.parameters())
-        self.flat = torch.zeros(sum(p.numel() for p in self.params)) if self.kind == "flat" else None
+        self.flat = (
+            torch.zeros(sum(p.numel() for p in self.params)) if self.kind == "flat" else None
+        )
         if self.kind in ("local", "flat"):
             # A block as large as the gradients, freed: what DDP's bucket rebuild frees
             # after its first step (GradSync frees one when it builds its buckets), and
@@ -193,7 +201,9 @@ class _Variant:
         self.opt.zero_grad()
 
 
-async def _team_rank(rank: int, world_size: int, port: int, name: str, args: argparse.Namespace, conn: Any) -> None:
+async def _team_rank(
+    rank: int, world_size: int, port: int, name: str, args: argparse.Namespace, conn: Any
+) -> None:
     """One rank of one variant's processes: build, warm up, run blocks, on the driver's word."""
     import torch
     import torch.distributed as dist
@@ -204,11 +214,17 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
     loop = asyncio.get_running_loop()
     # Threads for asyncio.to_thread(loss.backward) with the same torch thread count (module docstring).
     loop.set_default_executor(
-        concurrent.futures.ThreadPoolExecutor(2, initializer=torch.set_num_threads, initargs=(args.threads,))
+        concurrent.futures.ThreadPoolExecutor(
+            2, initializer=torch.set_num_threads, initargs=(args.threads,)
+        )
     )
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size)
-    comm = await ac.init("gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store))
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("torch/", store), rank=rank, world_size=world_size
+    )
+    comm = await ac.init(
+        "gloo", rank=rank, world_size=world_size, store=dist.PrefixStore("ac/", store)
+    )
     listener = concurrent.futures.ThreadPoolExecutor(1)  # the driver's pipe, read off the loop
     variant: _Variant | None = None
     width = step_no = 0
@@ -221,8 +237,12 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
                     variant.sync.close()
                 layers, width = MODELS[arg]
                 torch.manual_seed(0)
-                variant = _Variant(name, _model(layers, width), comm, args.bucket_mb, args.first_bucket_mb)
-                for step_no in range(args.warmup):  # (DDP rebuilds its buckets after its first step)
+                variant = _Variant(
+                    name, _model(layers, width), comm, args.bucket_mb, args.first_bucket_mb
+                )
+                for step_no in range(
+                    args.warmup
+                ):  # (DDP rebuilds its buckets after its first step)
                     await variant.step(*_batch(comm.rank, step_no, width))
                 step_no = args.warmup
             elif cmd == "block":
@@ -240,7 +260,9 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
             elif cmd == "result":
                 assert variant is not None
                 reply = {
-                    "times": variant.times, "cpu": variant.cpu, "faults": variant.faults,
+                    "times": variant.times,
+                    "cpu": variant.cpu,
+                    "faults": variant.faults,
                     "buckets_mb": variant.bucket_mb(),
                     "final_buckets_mb": variant.bucket_mb(final=True),
                     "params": [p.detach().clone() for p in variant.params] if rank == 0 else None,
@@ -260,7 +282,9 @@ async def _team_rank(rank: int, world_size: int, port: int, name: str, args: arg
         conn.recv()
 
 
-def _team_entry(rank: int, world_size: int, port: int, name: str, args: argparse.Namespace, conn: Any) -> None:
+def _team_entry(
+    rank: int, world_size: int, port: int, name: str, args: argparse.Namespace, conn: Any
+) -> None:
     try:
         if args.loop == "uvloop":
             import uvloop
@@ -295,7 +319,9 @@ class _Team:
         self.procs: list[Any] = []
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_team_entry, args=(r, world_size, port, name, args, child), daemon=True)
+            p = ctx.Process(
+                target=_team_entry, args=(r, world_size, port, name, args, child), daemon=True
+            )
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -372,17 +398,23 @@ def _bench_model(teams: list[_Team], model: str, args: argparse.Namespace) -> di
             "page_faults": statistics.median(got[n]["faults"]),
             "steps": len(got[n]["times"]),
             "buckets_mb": got[n]["buckets_mb"],
-            "buckets_as_vs": None if ref_name == n else _same_buckets(
-                got[n]["final_buckets_mb"], got[ref_name]["final_buckets_mb"]
-            ),
+            "buckets_as_vs": None
+            if ref_name == n
+            else _same_buckets(got[n]["final_buckets_mb"], got[ref_name]["final_buckets_mb"]),
             "times_ms": [t * 1e3 for t in got[n]["times"]],
         }
-    sync_buckets = next((got[n]["buckets_mb"] for n in names if _kind(n)[0].startswith("gradsync")), None)
+    sync_buckets = next(
+        (got[n]["buckets_mb"] for n in names if _kind(n)[0].startswith("gradsync")), None
+    )
     return {
-        "model": model, "layers": layers, "width": width, "batch": BATCH,
+        "model": model,
+        "layers": layers,
+        "width": width,
+        "batch": BATCH,
         "params_mb": sum(p.numel() for p in got[names[0]]["params"]) * 4 / 2**20,
         "gradsync_buckets_mb": sync_buckets,
-        "max_param_diff": worst, "variants": rows,
+        "max_param_diff": worst,
+        "variants": rows,
     }
 
 
@@ -402,8 +434,15 @@ def run(args: argparse.Namespace, world_size: int = 2) -> dict[str, Any]:
         for team in teams:
             team.close()
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
-    return {"world_size": world_size, "cpus": os.cpu_count(), "machine": before, "machine_after": machine(),
-            "config": config, "process_per_variant": True, "models": models}
+    return {
+        "world_size": world_size,
+        "cpus": os.cpu_count(),
+        "machine": before,
+        "machine_after": machine(),
+        "config": config,
+        "process_per_variant": True,
+        "models": models,
+    }
 
 
 def _table(res: dict[str, Any]) -> str:
@@ -414,8 +453,10 @@ def _table(res: dict[str, Any]) -> str:
             f"{m['model']}: {m['layers']} x Linear({m['width']}), {m['params_mb']:.1f} MiB of parameters, "
             f"batch {m['batch']}; GradSync buckets (MiB): {buckets}"
         )
-        lines.append(f"  {'variant':<20} {'median ms':>10} {'p10 ms':>8} {'vs':>12} {'ratio':>7} {'p10':>7} "
-                     f"{'cpu ms':>7} {'cpu r':>6} {'faults':>7} {'steps':>6}")
+        lines.append(
+            f"  {'variant':<20} {'median ms':>10} {'p10 ms':>8} {'vs':>12} {'ratio':>7} {'p10':>7} "
+            f"{'cpu ms':>7} {'cpu r':>6} {'faults':>7} {'steps':>6}"
+        )
         for name, row in m["variants"].items():
             lines.append(
                 f"  {name:<20} {row['median_ms']:>10.2f} {row['p10_ms']:>8.2f} {row['vs']:>12} "
@@ -424,9 +465,17 @@ def _table(res: dict[str, Any]) -> str:
             )
         for name, row in m["variants"].items():
             if row["buckets_mb"]:
-                same = {True: f" (as {row['vs']})", False: f" (NOT as {row['vs']})"}.get(row.get("buckets_as_vs"), "")
-                lines.append(f"  buckets of {name} (MiB): " + ", ".join(f"{b:.1f}" for b in row["buckets_mb"]) + same)
-        lines.append(f"  final parameters agree across variants (max |diff| {m['max_param_diff']:.1e})")
+                same = {True: f" (as {row['vs']})", False: f" (NOT as {row['vs']})"}.get(
+                    row.get("buckets_as_vs"), ""
+                )
+                lines.append(
+                    f"  buckets of {name} (MiB): "
+                    + ", ".join(f"{b:.1f}" for b in row["buckets_mb"])
+                    + same
+                )
+        lines.append(
+            f"  final parameters agree across variants (max |diff| {m['max_param_diff']:.1e})"
+        )
     return "\n".join(lines)
 
 
@@ -446,8 +495,13 @@ def _plot(res: dict[str, Any], path: Path) -> bool:
         ax.boxplot(data, showfliers=False)
         ax.set_xticks(range(1, len(names) + 1), names, rotation=15)
         for i, n in enumerate(names, start=1):
-            ax.annotate(f"{m['variants'][n]['ratio_vs_ddp']:.2f}x", (i, m["variants"][n]["median_ms"]),
-                        textcoords="offset points", xytext=(14, 0), fontsize=8)
+            ax.annotate(
+                f"{m['variants'][n]['ratio_vs_ddp']:.2f}x",
+                (i, m["variants"][n]["median_ms"]),
+                textcoords="offset points",
+                xytext=(14, 0),
+                fontsize=8,
+            )
         ax.set_title(f"{m['model']}: {m['layers']} x Linear({m['width']}), batch {m['batch']}")
         ax.set_ylabel("step time (ms)")
     fig.suptitle(f"Training step, {res['world_size']} Gloo ranks, CPU (median ratio vs DDP)")
@@ -458,15 +512,21 @@ def _plot(res: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: few rounds")
     ap.add_argument("--rounds", type=int, default=30, help="rounds of alternating blocks")
     ap.add_argument("--steps", type=int, default=4, help="steps per block")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["mlp", "small"])
-    ap.add_argument("--variants", nargs="+", default=["ddp", "gradsync", "ddp_thread", "gradsync_thread", "local"],
-                    help="ddp, gradsync, gradsync_opt (wait(opt)), naive, local, flat; _thread: backward in a thread; "
-                    "@MB: bucket size (ddp@4 gradsync@4)")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["ddp", "gradsync", "ddp_thread", "gradsync_thread", "local"],
+        help="ddp, gradsync, gradsync_opt (wait(opt)), naive, local, flat; _thread: backward in a thread; "
+        "@MB: bucket size (ddp@4 gradsync@4)",
+    )
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--first-bucket-mb", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
@@ -476,7 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if "ddp" not in args.variants:
         ap.error("--variants must include ddp (the reference)")
-    bad = [v for v in args.variants if _kind(v)[0] not in ("ddp", "gradsync", "gradsync_opt", "naive", "local", "flat")]
+    bad = [
+        v
+        for v in args.variants
+        if _kind(v)[0] not in ("ddp", "gradsync", "gradsync_opt", "naive", "local", "flat")
+    ]
     if bad:
         ap.error(f"unknown variants: {bad}")
     if args.quick:

@@ -52,10 +52,19 @@ python_display_short_literal_types = True
 # appear in signatures but are not part of the public API.
 nitpicky = True
 nitpick_ignore_regex = [
-    (r"py:.*", r"(torch|typing|collections\.abc|asyncio|anyio|trio|threading|multiprocessing|contextlib|types|enum)(\..*)?"),
+    (
+        r"py:.*",
+        r"(torch|typing|collections\.abc|asyncio|anyio|trio|threading|multiprocessing|contextlib|types|enum)(\..*)?",
+    ),
     (r"py:.*", r"(cupy|nccl|cuda)(\..*)?"),
-    (r"py:class", r"(Any|Callable|Awaitable|Iterable|Iterator|Generator|Sequence|Mapping|NoReturn|Literal|Union|Optional)"),
-    (r"py:class", r"(int|float|str|bool|bytes|object|list|dict|tuple|set|None|BaseException|Exception)"),
+    (
+        r"py:class",
+        r"(Any|Callable|Awaitable|Iterable|Iterator|Generator|Sequence|Mapping|NoReturn|Literal|Union|Optional)",
+    ),
+    (
+        r"py:class",
+        r"(int|float|str|bool|bytes|object|list|dict|tuple|set|None|BaseException|Exception)",
+    ),
     (r"py:.*", r"asynccoll\._.*"),  # internal types in signatures (the ledger, a backend, ...)
     (r"py:.*", r"streams\._.*"),
     (r"py:.*", r"(.*\.)?_[a-z]\w*"),  # a private helper named in a docstring

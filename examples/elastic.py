@@ -56,8 +56,19 @@ import torch.distributed as dist  # noqa: E402
 import asynccoll as ac  # noqa: E402
 
 GROUP = "train"
-ORDER = ["death", "detected", "shrunk", "resumed", "replacement started", "join called", "grow started",
-         "joined", "rejoined", "state received", "first joint step"]
+ORDER = [
+    "death",
+    "detected",
+    "shrunk",
+    "resumed",
+    "replacement started",
+    "join called",
+    "grow started",
+    "joined",
+    "rejoined",
+    "state received",
+    "first joint step",
+]
 
 
 # ---------------------------------------------------------------------- training
@@ -72,7 +83,9 @@ def make_model(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.O
     return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
-def batch(step: int, rank: int, world_size: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, rank: int, world_size: int, args: argparse.Namespace
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's shard of step ``step``'s batch (the same global batch at any world size)."""
     gen = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(args.batch, args.features, generator=gen)
@@ -122,12 +135,15 @@ class Events:
 
     def read(self) -> dict[str, tuple[float, str]]:
         keys = [f"event/{name}" for name in ORDER]
-        return {name: tuple(json.loads(self.store.get(k)))  # type: ignore[misc]
-                for name, k in zip(ORDER, keys) if self.store.check([k])}
+        return {
+            name: tuple(json.loads(self.store.get(k)))  # type: ignore[misc]
+            for name, k in zip(ORDER, keys)
+            if self.store.check([k])
+        }
 
 
 async def worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)                       # several ranks share this machine's cores
+    torch.set_num_threads(1)  # several ranks share this machine's cores
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     host, port = args.store.rsplit(":", 1)
     store = await asyncio.to_thread(
@@ -135,14 +151,16 @@ async def worker(args: argparse.Namespace) -> None:
     )
     events = Events(store)
     model, opt = make_model(args)
-    history: list[tuple[int, float, int]] = []    # (step, loss on rank 0's shard, world size)
+    history: list[tuple[int, float, int]] = []  # (step, loss on rank 0's shard, world size)
     step, just_joined = 0, False
-    if args.mode == "torchrun":                   # torchrun's answer: everyone restarts from a checkpoint
+    if args.mode == "torchrun":  # torchrun's answer: everyone restarts from a checkpoint
         me = int(os.environ["RANK"])
         comm = await ac.init("gloo", timeout=60)  # RANK, WORLD_SIZE, the agent's store
         if restart:
-            await events.mark("replacement started", f"torchrun restarted all {comm.world_size} workers", T0)
-            just_joined = True                    # (marks the first step after the restart)
+            await events.mark(
+                "replacement started", f"torchrun restarted all {comm.world_size} workers", T0
+            )
+            just_joined = True  # (marks the first step after the restart)
             if os.path.exists(args.checkpoint):
                 saved = torch.load(args.checkpoint, weights_only=False)
                 model.load_state_dict(saved["model"])
@@ -150,10 +168,12 @@ async def worker(args: argparse.Namespace) -> None:
                 step, history = saved["step"], saved["history"]
     elif restart == 0:
         me = args.rank
-        comm = await ac.init("gloo", rank=me, world_size=args.world_size, store=store, name=GROUP, timeout=60)
-    else:                                          # restarted by its torchrun: join the running group
+        comm = await ac.init(
+            "gloo", rank=me, world_size=args.world_size, store=store, name=GROUP, timeout=60
+        )
+    else:  # restarted by its torchrun: join the running group
         me = args.rank
-        if await events.finished():                # restarted after the end (a crash at exit): nothing to join
+        if await events.finished():  # restarted after the end (a crash at exit): nothing to join
             print(f"rank {me}: the job has finished, nothing to join", flush=True)
             return
         await events.mark("replacement started", f"rank {me}'s torchrun restarted it", T0)
@@ -172,37 +192,45 @@ async def worker(args: argparse.Namespace) -> None:
     resumed = not (just_joined and args.mode == "torchrun")
     joint = not just_joined
     step_times: list[float] = []
-    back_at = step if just_joined else 0          # the step at which the group was last complete
+    back_at = step if just_joined else 0  # the step at which the group was last complete
     while not finished(step, back_at, comm.world_size, args):
         if me == args.kill_rank and restart == 0 and step == args.kill_step:
             await events.mark("death", f"rank {me} SIGKILLed at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             if args.mode == "elastic" and not just_joined:
-                waiting = await comm.waiting()     # a collective: the same count on every member
+                waiting = await comm.waiting()  # a collective: the same count on every member
                 if waiting:
                     await events.mark("grow started", f"{waiting} waiting")
                     sync.close()
                     old = comm
                     comm = await comm.grow(comm.world_size + waiting)
                     sync = ac.GradSync(comm, model)
-                    await events.mark("rejoined", f"{old.world_size} -> {comm.world_size} ranks (grow)")
+                    await events.mark(
+                        "rejoined", f"{old.world_size} -> {comm.world_size} ranks (grow)"
+                    )
                     back_at = step
-                    snapshot = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                                "history": history}
+                    snapshot = {
+                        "model": model.state_dict(),
+                        "opt": opt.state_dict(),
+                        "step": step,
+                        "history": history,
+                    }
                     await comm.broadcast_state(snapshot if comm.rank == 0 else None, src=0)
                     joint = False
             just_joined = False
             began = time.monotonic()
-            await asyncio.sleep(args.step_time)    # stands for the data loader
+            await asyncio.sleep(args.step_time)  # stands for the data loader
             x, y = batch(step, comm.rank, comm.world_size, args)
             loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()                        # buckets are all-reduced as their grads are ready
+            loss.backward()  # buckets are all-reduced as their grads are ready
             await sync.wait()
-        except ac.CommAborted as failure:           # PeerFailure, or a later call on the aborted comm
+        except ac.CommAborted as failure:  # PeerFailure, or a later call on the aborted comm
             if args.mode == "torchrun":
-                raise                              # torchrun's answer: it restarts every worker
-            await events.mark("detected", f"{type(failure).__name__}: rank(s) {list(comm.failed_ranks)} failed")
+                raise  # torchrun's answer: it restarts every worker
+            await events.mark(
+                "detected", f"{type(failure).__name__}: rank(s) {list(comm.failed_ranks)} failed"
+            )
             sync.close()
             opt.zero_grad()
             old, comm = comm, await comm.shrink()  # the survivors, renumbered
@@ -210,7 +238,7 @@ async def worker(args: argparse.Namespace) -> None:
             sync = ac.GradSync(comm, model)
             await events.mark("shrunk", f"{old.world_size} -> {comm.world_size} ranks")
             resumed = False
-            continue                               # redo this step on the survivors
+            continue  # redo this step on the survivors
         opt.step()
         opt.zero_grad()
         step_times.append(time.monotonic() - began)
@@ -224,7 +252,12 @@ async def worker(args: argparse.Namespace) -> None:
         if comm.rank == 0 and step % 20 == 0:
             print(f"step {step:3d}  loss {loss.item():8.5f}  ({comm.world_size} ranks)", flush=True)
         if args.mode == "torchrun" and comm.rank == 0 and step % args.checkpoint_every == 0:
-            snapshot = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1, "history": history}
+            snapshot = {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step + 1,
+                "history": history,
+            }
             await asyncio.to_thread(torch.save, snapshot, args.checkpoint)
         step += 1
     sync.close()
@@ -232,16 +265,37 @@ async def worker(args: argparse.Namespace) -> None:
     if comm.rank == 0:
         await events.mark("finished")
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        state_bytes += sum(t.numel() * t.element_size() for s in opt.state_dict()["state"].values()
-                           for t in s.values() if isinstance(t, torch.Tensor))
-        learnt = (held_out_loss(make_model(args)[0], args), held_out_loss(model, args))  # (at the start, now)
-        report(args, events, history, digests, comm.world_size,
-               {"state_bytes": state_bytes, "step_s": sorted(step_times)[len(step_times) // 2]}, learnt)
+        state_bytes += sum(
+            t.numel() * t.element_size()
+            for s in opt.state_dict()["state"].values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        learnt = (
+            held_out_loss(make_model(args)[0], args),
+            held_out_loss(model, args),
+        )  # (at the start, now)
+        report(
+            args,
+            events,
+            history,
+            digests,
+            comm.world_size,
+            {"state_bytes": state_bytes, "step_s": sorted(step_times)[len(step_times) // 2]},
+            learnt,
+        )
     await comm.close()
 
 
-def report(args: argparse.Namespace, events: Events, history: list[tuple[int, float, int]],
-           digests: list[str], world_size: int, extra: dict[str, float], learnt: tuple[float, float]) -> None:
+def report(
+    args: argparse.Namespace,
+    events: Events,
+    history: list[tuple[int, float, int]],
+    digests: list[str],
+    world_size: int,
+    extra: dict[str, float],
+    learnt: tuple[float, float],
+) -> None:
     marks = events.read()
     same = len(set(digests)) == 1
     print(f"final loss {history[-1][1]:.5f} after {len(history)} steps (first {history[0][1]:.5f})")
@@ -254,9 +308,20 @@ def report(args: argparse.Namespace, events: Events, history: list[tuple[int, fl
     summary = {name: at for name, (at, _) in marks.items()}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": args.mode, "events": marks, "bit_equal": same, "history": history, **extra}, f)
+            json.dump(
+                {
+                    "mode": args.mode,
+                    "events": marks,
+                    "bit_equal": same,
+                    "history": history,
+                    **extra,
+                },
+                f,
+            )
     if {"death", "first joint step", "replacement started"} <= set(summary):
-        print(f"replacement start -> first joint step: {summary['first joint step'] - summary['replacement started']:.3f} s")
+        print(
+            f"replacement start -> first joint step: {summary['first joint step'] - summary['replacement started']:.3f} s"
+        )
     if args.png:
         plot(args.png, history, summary)
 
@@ -272,7 +337,10 @@ def plot(path: str, history: list[tuple[int, float, int]], marks: dict[str, floa
 
     steps = [s for s, _, _ in history]
     losses = [loss for _, loss, _ in history]
-    smooth = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
+    smooth = [
+        sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1])
+        for i in range(len(losses))
+    ]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
     top.plot(steps, losses, alpha=0.35, label="rank 0's shard")
     top.plot(steps, smooth, label="mean of the last 10 steps")
@@ -300,10 +368,13 @@ def torchrun(*args: str) -> list[str]:
 
 def launch(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start the store and the torchruns, wait for them, stop the store; 0 when all finished."""
-    store = subprocess.Popen([sys.executable, "-m", "asynccoll.store", "--port", "0", "--host", "127.0.0.1"],
-                             stdout=subprocess.PIPE, text=True)
+    store = subprocess.Popen(
+        [sys.executable, "-m", "asynccoll.store", "--port", "0", "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert store.stdout is not None
-    line = store.stdout.readline()             # "asynccoll store: listening on HOST:PORT"
+    line = store.stdout.readline()  # "asynccoll store: listening on HOST:PORT"
     if not line.startswith("asynccoll store: listening on "):
         store.kill()
         raise SystemExit(f"the store did not start: {line!r}")
@@ -311,11 +382,27 @@ def launch(args: argparse.Namespace, passthrough: list[str]) -> int:
     script = os.path.abspath(__file__)
     common = [*passthrough, "--store", address]
     if args.mode == "elastic":
-        jobs = [torchrun("--nproc-per-node", "1", "--max-restarts", "3", script,
-                         "--rank", str(r), "--world-size", str(args.world_size), *common)
-                for r in range(args.world_size)]
+        jobs = [
+            torchrun(
+                "--nproc-per-node",
+                "1",
+                "--max-restarts",
+                "3",
+                script,
+                "--rank",
+                str(r),
+                "--world-size",
+                str(args.world_size),
+                *common,
+            )
+            for r in range(args.world_size)
+        ]
     else:
-        jobs = [torchrun("--nproc-per-node", str(args.world_size), "--max-restarts", "1", script, *common)]
+        jobs = [
+            torchrun(
+                "--nproc-per-node", str(args.world_size), "--max-restarts", "1", script, *common
+            )
+        ]
     procs = [subprocess.Popen(job) for job in jobs]
     deadline = time.monotonic() + args.deadline
     try:
@@ -326,7 +413,7 @@ def launch(args: argparse.Namespace, passthrough: list[str]) -> int:
     finally:
         for p in procs:
             if p.poll() is None:
-                p.terminate()                  # torchrun stops its workers
+                p.terminate()  # torchrun stops its workers
         for p in procs:
             try:
                 p.wait(10)
@@ -342,29 +429,50 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("--mode", choices=["elastic", "torchrun"], default="elastic")
     ap.add_argument("--world-size", type=int, default=3)
-    ap.add_argument("--rank", type=int, default=None, help="(worker) this rank, given by the launcher")
+    ap.add_argument(
+        "--rank", type=int, default=None, help="(worker) this rank, given by the launcher"
+    )
     ap.add_argument("--store", default=None, help="(worker) HOST:PORT of the external store")
-    ap.add_argument("--deadline", type=float, default=150.0, help="(launcher) stop everything after this")
-    ap.add_argument("--steps", type=int, default=40, help="at least this many steps, and 5 after a rejoin")
-    ap.add_argument("--max-steps", type=int, default=2000, help="stop here even if no replacement came back")
-    ap.add_argument("--step-time", type=float, default=0.02, help="seconds of simulated data loading per step")
+    ap.add_argument(
+        "--deadline", type=float, default=150.0, help="(launcher) stop everything after this"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=40, help="at least this many steps, and 5 after a rejoin"
+    )
+    ap.add_argument(
+        "--max-steps", type=int, default=2000, help="stop here even if no replacement came back"
+    )
+    ap.add_argument(
+        "--step-time", type=float, default=0.02, help="seconds of simulated data loading per step"
+    )
     ap.add_argument("--kill-rank", type=int, default=2)
     ap.add_argument("--kill-step", type=int, default=10)
     ap.add_argument("--features", type=int, default=16)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--depth", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=96, help="global batch (divisible by the world sizes)")
+    ap.add_argument(
+        "--batch", type=int, default=96, help="global batch (divisible by the world sizes)"
+    )
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--png", default=os.path.join(tempfile.gettempdir(), "asynccoll-elastic.png"))
-    ap.add_argument("--json", default=None, help="write the timeline and history here (bench/elastic.py)")
-    ap.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "asynccoll-elastic.ckpt"))
-    ap.add_argument("--checkpoint-every", type=int, default=5, help="(--mode torchrun) steps between checkpoints")
+    ap.add_argument(
+        "--json", default=None, help="write the timeline and history here (bench/elastic.py)"
+    )
+    ap.add_argument(
+        "--checkpoint", default=os.path.join(tempfile.gettempdir(), "asynccoll-elastic.ckpt")
+    )
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=5,
+        help="(--mode torchrun) steps between checkpoints",
+    )
     return ap.parse_args(argv)
 
 
 if __name__ == "__main__":
     parsed = parse()
-    if parsed.store is not None:                # a worker, started by torchrun
+    if parsed.store is not None:  # a worker, started by torchrun
         asyncio.run(worker(parsed))
-    else:                                       # the workers get the same arguments, and where they are
+    else:  # the workers get the same arguments, and where they are
         raise SystemExit(launch(parsed, sys.argv[1:]))

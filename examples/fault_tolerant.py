@@ -33,7 +33,7 @@ import torch.distributed as dist
 import asynccoll as ac
 from asynccoll.testing import crash
 
-SAMPLES, FEATURES = 3000, 16   # 3000 splits evenly over 3 and over 2 ranks
+SAMPLES, FEATURES = 3000, 16  # 3000 splits evenly over 3 and over 2 ranks
 
 
 def dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,16 +49,20 @@ def connect_store() -> dist.Store:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-        is_master=rank == 0 and not hosted, timeout=timedelta(seconds=30), wait_for_workers=False,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not hosted,
+        timeout=timedelta(seconds=30),
+        wait_for_workers=False,
     )
     return dist.PrefixStore("fault_tolerant/", store)
 
 
 async def train(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)                       # several ranks share this machine's cores
+    torch.set_num_threads(1)  # several ranks share this machine's cores
     store = await asyncio.to_thread(connect_store)
-    me = int(os.environ["RANK"])                   # the original rank, kept for the report
+    me = int(os.environ["RANK"])  # the original rank, kept for the report
     comm = await ac.init("gloo", rank=me, world_size=int(os.environ["WORLD_SIZE"]), store=store)
     await comm.barrier()
     start = time.time()
@@ -66,7 +70,7 @@ async def train(args: argparse.Namespace) -> None:
 
     x, y = dataset()
     model = torch.nn.Linear(FEATURES, 1)
-    torch.nn.init.zeros_(model.weight)             # same start on every rank
+    torch.nn.init.zeros_(model.weight)  # same start on every rank
     torch.nn.init.zeros_(model.bias)
     params = list(model.parameters())
 
@@ -76,7 +80,7 @@ async def train(args: argparse.Namespace) -> None:
         if me == args.kill_rank and step == args.kill_step:
             store.set("killed_at", repr(time.time()))
             if "TORCHELASTIC_RUN_ID" in os.environ:
-                crash("exit", code=0)              # see the module docstring
+                crash("exit", code=0)  # see the module docstring
             crash("sigkill")
 
         # This rank's shard of the data: every world_size-th sample, from its rank on.
@@ -86,19 +90,23 @@ async def train(args: argparse.Namespace) -> None:
         flat = torch.cat([g.flatten() for g in grads] + [loss.detach().reshape(1)])
 
         try:
-            await comm.all_reduce(flat, ac.ReduceOp.AVG)   # averaged gradients and loss
+            await comm.all_reduce(flat, ac.ReduceOp.AVG)  # averaged gradients and loss
         except ac.PeerFailure as failure:
             timeline.append((time.time(), "detected", f"PeerFailure, ranks {list(failure.ranks)}"))
-            old, comm = comm, await comm.shrink()          # the survivors, renumbered 0..n-1
+            old, comm = comm, await comm.shrink()  # the survivors, renumbered 0..n-1
             timeline.append((time.time(), "shrunk", f"{old.world_size} -> {comm.world_size} ranks"))
-            await old.close()                              # releases what the aborted one holds
+            await old.close()  # releases what the aborted one holds
             killed_at = float(await asyncio.to_thread(store.get, "killed_at"))
-            timeline.insert(0, (killed_at, "failure", f"rank {args.kill_rank} killed at step {step}"))
+            timeline.insert(
+                0, (killed_at, "failure", f"rank {args.kill_rank} killed at step {step}")
+            )
             resumed = False
-            continue                                       # redo this step on the new shards
+            continue  # redo this step on the new shards
 
         if not resumed:
-            timeline.append((time.time(), "resumed", f"step {step} all_reduce on {comm.world_size} ranks"))
+            timeline.append(
+                (time.time(), "resumed", f"step {step} all_reduce on {comm.world_size} ranks")
+            )
             resumed = True
         with torch.no_grad():
             offset = 0
@@ -134,8 +142,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _local_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        TORCHELASTIC_USE_AGENT_STORE="True",      # the launcher hosts the store, as torchrun's agent does
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the launcher hosts the store, as torchrun's agent does
     )
     asyncio.run(train(parse(argv)))
 
@@ -147,7 +158,10 @@ def launch(argv: list[str], world_size: int = 3) -> int:
         raise SystemExit(f"--kill-rank must be 0..{world_size - 1}")
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_local_rank, args=(r, world_size, store.port, argv)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_local_rank, args=(r, world_size, store.port, argv))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 120

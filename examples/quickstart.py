@@ -30,25 +30,25 @@ async def heartbeat(stop: asyncio.Event) -> int:
 
 
 async def main() -> None:
-    async with ac.init(backend="gloo") as comm:           # torchrun env: RANK, WORLD_SIZE, MASTER_*
+    async with ac.init(backend="gloo") as comm:  # torchrun env: RANK, WORLD_SIZE, MASTER_*
         r, n = comm.rank, comm.world_size
 
         t = torch.ones(4) * r
-        await comm.all_reduce(t)                          # in place: sum of all ranks
+        await comm.all_reduce(t)  # in place: sum of all ranks
         expect = sum(range(n))
         assert t.tolist() == [expect] * 4
 
         a = torch.full((3,), float(r))
         b = torch.arange(3.0) if r == 0 else torch.zeros(3)
-        w1 = comm.all_reduce(a, ac.ReduceOp.MAX)          # issued now, in this order
+        w1 = comm.all_reduce(a, ac.ReduceOp.MAX)  # issued now, in this order
         w2 = comm.broadcast(b, src=0)
-        await asyncio.gather(w1, w2)                      # other tasks keep running meanwhile
+        await asyncio.gather(w1, w2)  # other tasks keep running meanwhile
 
         names = await comm.all_gather_object(f"rank-{r}@{os.getpid()}")
 
         stop = asyncio.Event()
         hb = asyncio.create_task(heartbeat(stop))
-        big = torch.ones(8 << 20)                         # 32 MB
+        big = torch.ones(8 << 20)  # 32 MB
         t0 = time.perf_counter()
         await comm.all_reduce(big)
         elapsed = time.perf_counter() - t0
@@ -59,11 +59,15 @@ async def main() -> None:
             print(f"world size {n}: all_reduce -> {t.tolist()}")
             print(f"MAX -> {a.tolist()}, broadcast -> {b.tolist()}")
             print(f"objects: {names}")
-            print(f"32 MB all_reduce took {elapsed * 1e3:.1f} ms; the heartbeat ticked {ticks} times meanwhile")
+            print(
+                f"32 MB all_reduce took {elapsed * 1e3:.1f} ms; the heartbeat ticked {ticks} times meanwhile"
+            )
 
 
 def _local_rank(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     asyncio.run(main())
 
 

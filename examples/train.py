@@ -60,8 +60,10 @@ def make_data(seed: int, batches: int) -> list[tuple[torch.Tensor, torch.Tensor]
 def make_model() -> torch.nn.Module:
     torch.manual_seed(1234)  # the same initial weights on every rank
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 128), torch.nn.ReLU(),
-        torch.nn.Linear(128, 128), torch.nn.ReLU(),
+        torch.nn.Linear(FEATURES, 128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 128),
+        torch.nn.ReLU(),
         torch.nn.Linear(128, CLASSES),
     )
 
@@ -71,8 +73,12 @@ def connect_store() -> dist.Store:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-        is_master=rank == 0 and not hosted, timeout=timedelta(seconds=60), wait_for_workers=False,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not hosted,
+        timeout=timedelta(seconds=60),
+        wait_for_workers=False,
     )
     return dist.PrefixStore("train_example/", store)
 
@@ -88,13 +94,18 @@ async def heartbeat(stop: asyncio.Event, period: float = 0.002) -> dict[str, flo
     return {"ticks": len(lags), "p50_ms": lags[len(lags) // 2] * 1e3, "max_ms": lags[-1] * 1e3}
 
 
-async def evaluator(comm: ac.Communicator, queue: asyncio.Queue[Any], heldout: list[Any]) -> list[str]:
+async def evaluator(
+    comm: ac.Communicator, queue: asyncio.Queue[Any], heldout: list[Any]
+) -> list[str]:
     """Held-out loss of model snapshots, averaged over the ranks on ``comm`` (its own communicator)."""
     lines = []
     while (item := await queue.get()) is not None:
         step, model = item
         with torch.no_grad():
-            total = sum(float(torch.nn.functional.cross_entropy(model(x), y, reduction="sum")) for x, y in heldout)
+            total = sum(
+                float(torch.nn.functional.cross_entropy(model(x), y, reduction="sum"))
+                for x, y in heldout
+            )
         stats = torch.tensor([total, float(len(heldout) * BATCH)], dtype=torch.float64)
         await comm.all_reduce(stats)
         lines.append(f"eval  step {step:3d}: held-out loss {stats[0] / stats[1]:.4f}")
@@ -102,7 +113,7 @@ async def evaluator(comm: ac.Communicator, queue: asyncio.Queue[Any], heldout: l
 
 
 async def main(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)                       # several ranks share this machine's cores
+    torch.set_num_threads(1)  # several ranks share this machine's cores
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = await asyncio.to_thread(connect_store)
     comm = await ac.init("gloo", rank=rank, world_size=world_size, store=store)
@@ -115,7 +126,7 @@ async def main(args: argparse.Namespace) -> None:
         checkpoints = set(range(args.eval_every, min(counts) + 1, args.eval_every))
 
         model = make_model()
-        sync = ac.GradSync(comm, model, bucket_mb=0.05)   # small model: several small buckets
+        sync = ac.GradSync(comm, model, bucket_mb=0.05)  # small model: several small buckets
         opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         stop = asyncio.Event()
@@ -127,11 +138,15 @@ async def main(args: argparse.Namespace) -> None:
         async with sync.join() as joined:
             for step, (x, y) in enumerate(batches, start=1):
                 # --accumulate n: the batch in n micro-batches, all but the last under no_sync()
-                for i, (xs, ys) in enumerate(zip(x.chunk(args.accumulate), y.chunk(args.accumulate))):
+                for i, (xs, ys) in enumerate(
+                    zip(x.chunk(args.accumulate), y.chunk(args.accumulate))
+                ):
                     last = i == args.accumulate - 1
                     with contextlib.nullcontext() if last else sync.no_sync():
                         loss = torch.nn.functional.cross_entropy(model(xs), ys) / args.accumulate
-                        await asyncio.to_thread(loss.backward)   # hooks issue the buckets' all-reduces
+                        await asyncio.to_thread(
+                            loss.backward
+                        )  # hooks issue the buckets' all-reduces
                 await sync.wait()
                 opt.step()
                 opt.zero_grad()
@@ -161,7 +176,9 @@ async def main(args: argparse.Namespace) -> None:
             print("\n".join(evals))
             print("\n".join(summary))
             print(f"final model from rank {joined.authoritative_rank} (the last to finish)")
-            print(f"{sync.steps} synchronised steps in {elapsed:.2f} s, {len(sync.bucket_sizes)} buckets")
+            print(
+                f"{sync.steps} synchronised steps in {elapsed:.2f} s, {len(sync.bucket_sizes)} buckets"
+            )
             print(f"parameters identical on all {world_size} ranks: {same}")
         if not same:
             raise SystemExit(f"rank {rank}: parameters differ across ranks")
@@ -171,14 +188,22 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def _local_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     asyncio.run(main(args))
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=2, help="local ranks to start (ignored under torchrun)")
-    ap.add_argument("--batches", type=int, default=40, help="batches of rank 0 (rank r has 3 r more)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--ranks", type=int, default=2, help="local ranks to start (ignored under torchrun)"
+    )
+    ap.add_argument(
+        "--batches", type=int, default=40, help="batches of rank 0 (rank r has 3 r more)"
+    )
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no_sync)")
     ap.add_argument("--eval-every", type=int, default=10)
     return ap.parse_args()
@@ -193,11 +218,20 @@ if __name__ == "__main__":
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         # The launcher hosts the store (as torchrun's agent does); every rank is a client.
-        host = dist.TCPStore("127.0.0.1", port, args.ranks + 1, True, timeout=timedelta(seconds=60),
-                             wait_for_workers=False)
+        host = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            args.ranks + 1,
+            True,
+            timeout=timedelta(seconds=60),
+            wait_for_workers=False,
+        )
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_local_rank, args=(r, args.ranks, port, args)) for r in range(args.ranks)]
+        procs = [
+            ctx.Process(target=_local_rank, args=(r, args.ranks, port, args))
+            for r in range(args.ranks)
+        ]
         for p in procs:
             p.start()
         for p in procs:

@@ -62,15 +62,21 @@ class OwnStreams:
         rng = self._ranges.get(index)
         if rng is None:
             rng = self._ranges[index] = _driver_call(
-                index, "cuCtxGetStreamPriorityRange", lambda cu: cu.cuCtxGetStreamPriorityRange())
+                index, "cuCtxGetStreamPriorityRange", lambda cu: cu.cuCtxGetStreamPriorityRange()
+            )
         least, greatest = rng
         if priority is None:
             return greatest
         return min(max(int(priority), greatest), least)
 
     def _create(self, index: int, priority: int) -> torch.cuda.Stream:
-        handle = _driver_call(index, "cuStreamCreateWithPriority", lambda cu: cu.cuStreamCreateWithPriority(
-            int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), priority))
+        handle = _driver_call(
+            index,
+            "cuStreamCreateWithPriority",
+            lambda cu: cu.cuStreamCreateWithPriority(
+                int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), priority
+            ),
+        )
         stream: torch.cuda.Stream = torch.cuda.ExternalStream(int(handle), device=index)
         return stream
 
@@ -88,7 +94,9 @@ def _driver_call(index: int, what: str, fn: Callable[[Any], tuple[Any, ...]]) ->
         ) from exc
     err, dev = cu.cuDeviceGet(index)
     _check(err, "cuDeviceGet")
-    err, ctx = cu.cuDevicePrimaryCtxRetain(dev)  # held for the process: the streams are never destroyed
+    err, ctx = cu.cuDevicePrimaryCtxRetain(
+        dev
+    )  # held for the process: the streams are never destroyed
     _check(err, "cuDevicePrimaryCtxRetain")
     (err,) = cu.cuCtxPushCurrent(ctx)
     _check(err, "cuCtxPushCurrent")

@@ -25,8 +25,12 @@ BACKENDS = [
     pytest.param("gloo", 2, id="gloo-2"),
     pytest.param("gloo", 3, id="gloo-3"),
     pytest.param(
-        "nccl", 1, id="nccl-1",
-        marks=pytest.mark.skipif(_NCCL_MISSING is not None, reason=f"NCCL unavailable: {_NCCL_MISSING}"),
+        "nccl",
+        1,
+        id="nccl-1",
+        marks=pytest.mark.skipif(
+            _NCCL_MISSING is not None, reason=f"NCCL unavailable: {_NCCL_MISSING}"
+        ),
     ),
 ]
 LOOPS = ["asyncio", "uvloop", "trio"]

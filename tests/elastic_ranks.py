@@ -18,7 +18,9 @@ async def members_wait_then_grow(ctx: RankContext, members: int) -> dict:
         comm = await ac.join("gloo", store=ctx.store, name="g", timeout=30)
         state = await comm.broadcast_state(None, src=0)
     else:
-        old = await ac.init("gloo", rank=ctx.rank, world_size=members, store=ctx.store, name="g", timeout=30)
+        old = await ac.init(
+            "gloo", rank=ctx.rank, world_size=members, store=ctx.store, name="g", timeout=30
+        )
         counts = []
         while True:
             n = await old.waiting()
@@ -31,8 +33,14 @@ async def members_wait_then_grow(ctx: RankContext, members: int) -> dict:
         state = await comm.broadcast_state({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, src=0)
     t = torch.ones(3) * (comm.rank + 1)
     await comm.all_reduce(t)
-    out = {"rank": comm.rank, "size": comm.world_size, "name": comm.name, "sum": t.tolist(),
-           "w": state["w"].tolist(), "step": state["step"]}
+    out = {
+        "rank": comm.rank,
+        "size": comm.world_size,
+        "name": comm.name,
+        "sum": t.tolist(),
+        "w": state["w"].tolist(),
+        "step": state["step"],
+    }
     await comm.close()
     return out
 
@@ -50,8 +58,11 @@ async def grow_then_look_at_keys(ctx: RankContext, members: int) -> dict:
     keys = [gen + k for k in ("plan", "outcome", "left", "watch/aborted", "watch/host")]
     keys += [f"{gen}built/{r}" for r in range(size)] + [f"{gen}watch/proc/{r}" for r in range(size)]
     keys += [f"ticket/{t}" for t in range(1, last + 1)]
-    return {"left": [k for k in keys if room.check([k])], "checked": len(keys),
-            "admits": [room.check([f"admit/{t}"]) for t in range(1, last + 1)]}
+    return {
+        "left": [k for k in keys if room.check([k])],
+        "checked": len(keys),
+        "admits": [room.check([f"admit/{t}"]) for t in range(1, last + 1)],
+    }
 
 
 async def store_barrier(store, tag: str, n: int, rank: int) -> None:
@@ -99,18 +110,28 @@ async def joiner_dies_in_grow(ctx: RankContext) -> dict:
     try:
         await _grow_when_waiting(old, 1)
     except ac.PeerFailure as exc:
-        failure = {"type": type(exc).__name__, "ranks": list(exc.ranks), "after": time.monotonic() - start}
+        failure = {
+            "type": type(exc).__name__,
+            "ranks": list(exc.ranks),
+            "after": time.monotonic() - start,
+        }
     state_after = old.state
     t = torch.ones(2)
-    await old.all_reduce(t)                       # only a joiner died: the old group still works
+    await old.all_reduce(t)  # only a joiner died: the old group still works
     # A planned shrink aborts the old communicator at once: a member must not be
     # still settling the all_reduce when the other's abort news arrives.
     await store_barrier(ctx.store, "before-shrink", 2, ctx.rank)
-    new = await old.shrink()                      # ...and it can shrink (to the same members) as after any failure
+    new = await old.shrink()  # ...and it can shrink (to the same members) as after any failure
     u = torch.ones(2)
     await new.all_reduce(u)
-    res = {**failure, "old_state": state_after, "old_sum": t.tolist(), "new": [new.rank, new.world_size],
-           "new_sum": u.tolist(), "name": new.name}
+    res = {
+        **failure,
+        "old_state": state_after,
+        "old_sum": t.tolist(),
+        "new": [new.rank, new.world_size],
+        "new_sum": u.tolist(),
+        "name": new.name,
+    }
     await new.close()
     return res
 
@@ -123,7 +144,9 @@ async def member_dies_in_grow(ctx: RankContext) -> dict:
     else:
         if ctx.rank == 2:
             die_when_admitted(ctx.store)
-        old = await ac.init("gloo", rank=ctx.rank, world_size=3, store=ctx.store, name="g", timeout=60)
+        old = await ac.init(
+            "gloo", rank=ctx.rank, world_size=3, store=ctx.store, name="g", timeout=60
+        )
         try:
             await _grow_when_waiting(old, 1)
             raise AssertionError("grow should have failed")
@@ -150,7 +173,9 @@ async def dies_in_broadcast_state(ctx: RankContext, victim: int) -> dict:
     if ctx.rank == 2:
         comm = await ac.join("gloo", store=ctx.store, name="g", timeout=30)
     else:
-        old = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, name="g", timeout=30)
+        old = await ac.init(
+            "gloo", rank=ctx.rank, world_size=2, store=ctx.store, name="g", timeout=30
+        )
         comm = await _grow_when_waiting(old, 1)
     state = {"w": torch.randn(8 << 20)} if comm.rank == 0 else None
     if comm.rank == victim:
@@ -217,7 +242,7 @@ async def grow_timeout_and_late_joiner(ctx: RankContext) -> dict:
     if ctx.rank == 2:
         while not ctx.store.check(["timed_out/0"]) or not ctx.store.check(["timed_out/1"]):
             await anyio.sleep(0.01)
-        await anyio.sleep(0.5)                       # the members are in grow() by now
+        await anyio.sleep(0.5)  # the members are in grow() by now
         comm = await ac.join("gloo", store=ctx.store, name="g", timeout=30)
         res = {"rank": comm.rank, "size": comm.world_size}
         await comm.close()
@@ -232,7 +257,12 @@ async def grow_timeout_and_late_joiner(ctx: RankContext) -> dict:
     await old.all_reduce(t)
     ctx.store.set(f"timed_out/{ctx.rank}", "1")
     comm = await old.grow(3, timeout=30)
-    res = {"rank": comm.rank, "size": comm.world_size, "old_sum": t.tolist(), "old_state": old.state}
+    res = {
+        "rank": comm.rank,
+        "size": comm.world_size,
+        "old_sum": t.tolist(),
+        "old_state": old.state,
+    }
     await comm.close()
     return res
 
@@ -256,7 +286,9 @@ async def bad_arguments(ctx: RankContext) -> dict:
     await expect("grow same size", named.grow(2))
     await expect("grow not int", named.grow(3.0))
     await expect("grow bad timeout", named.grow(3, timeout=-1))
-    await expect("init bad name", ac.init("gloo", rank=0, world_size=1, store=ctx.store, name="a/b"))
+    await expect(
+        "init bad name", ac.init("gloo", rank=0, world_size=1, store=ctx.store, name="a/b")
+    )
     await expect("init empty name", ac.init("gloo", rank=0, world_size=1, store=ctx.store, name=""))
     await expect("join no name", ac.join("gloo", store=ctx.store, name=None))
     await expect("join bad backend", ac.join("mpi", store=ctx.store, name="g"))
@@ -267,7 +299,13 @@ async def bad_arguments(ctx: RankContext) -> dict:
     counts = [await named.waiting(), await named.waiting()]
     await plain.close()
     await named.close()
-    return {"errors": errors, "sum": t.tolist(), "counts": counts, "name": named.name, "plain": plain.name}
+    return {
+        "errors": errors,
+        "sum": t.tolist(),
+        "counts": counts,
+        "name": named.name,
+        "plain": plain.name,
+    }
 
 
 async def join_refused_and_timed_out(ctx: RankContext) -> dict:
@@ -318,16 +356,21 @@ async def state_round_trip(comm: ac.Communicator, src: int) -> dict:
     state = {
         "model": model.state_dict(),
         "opt": opt.state_dict(),
-        "misc": [shared, shared, (torch.tensor(3.5), "text"), Point(torch.ones(2, dtype=torch.bfloat16), None)],
+        "misc": [
+            shared,
+            shared,
+            (torch.tensor(3.5), "text"),
+            Point(torch.ones(2, dtype=torch.bfloat16), None),
+        ],
         "dtypes": {
             "bool": torch.tensor([True, False]),
             "u16": torch.tensor([1, 2, 65535], dtype=torch.uint16),
             "c64": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64),
             "f16": torch.tensor([0.5, -2.0], dtype=torch.float16),
             "empty": torch.empty(0, 3),
-            "strided": dense.t(),                          # non-contiguous on the source
-            "param": torch.nn.Parameter(torch.ones(2)),   # requires grad on the source
-            "sparse": torch.eye(3).to_sparse(),           # not dense: pickled with the skeleton
+            "strided": dense.t(),  # non-contiguous on the source
+            "param": torch.nn.Parameter(torch.ones(2)),  # requires grad on the source
+            "sparse": torch.eye(3).to_sparse(),  # not dense: pickled with the skeleton
         },
         "counts": collections.defaultdict(int, {"a": 1}),
         "step": 41,
@@ -344,19 +387,33 @@ async def state_round_trip(comm: ac.Communicator, src: int) -> dict:
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
-    model_ok = all(same(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
-    opt_state = [same(a, b) for s0, s1 in zip(opt.state_dict()["state"].values(), got["opt"]["state"].values())
-                 for a, b in zip(s0.values(), s1.values())]
+    model_ok = all(
+        same(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+    )
+    opt_state = [
+        same(a, b)
+        for s0, s1 in zip(opt.state_dict()["state"].values(), got["opt"]["state"].values())
+        for a, b in zip(s0.values(), s1.values())
+    ]
     d, g = state["dtypes"], got["dtypes"]
     return {
         "model": model_ok,
         "opt_state": opt_state,
         "param_groups": got["opt"]["param_groups"] == opt.state_dict()["param_groups"],
         "aliased": got["misc"][0] is got["misc"][1] and same(got["misc"][0], shared),
-        "tuple": type(got["misc"][2]).__name__ + ":" + str(got["misc"][2][1]) + ":" + str(got["misc"][2][0].item()),
-        "namedtuple": type(got["misc"][3]).__name__ == "Point" and same(got["misc"][3].x, state["misc"][3].x),
-        "dtypes": {k: same(g[k], d[k].detach()) if k != "sparse" else same(g[k].to_dense(), d[k].to_dense())
-                   for k in d},
+        "tuple": type(got["misc"][2]).__name__
+        + ":"
+        + str(got["misc"][2][1])
+        + ":"
+        + str(got["misc"][2][0].item()),
+        "namedtuple": type(got["misc"][3]).__name__ == "Point"
+        and same(got["misc"][3].x, state["misc"][3].x),
+        "dtypes": {
+            k: same(g[k], d[k].detach())
+            if k != "sparse"
+            else same(g[k].to_dense(), d[k].to_dense())
+            for k in d
+        },
         "param_grad": g["param"].requires_grad,
         "defaultdict": type(got["counts"]).__name__ + str(got["counts"]["missing"]),
         "step": got["step"],
@@ -384,8 +441,16 @@ async def joiner_takes_the_members_options(ctx: RankContext) -> dict:
     if ctx.rank == 2:
         comm = await ac.join("gloo", store=ctx.store, name="g", timeout=30)
     else:
-        old = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, name="g", timeout=25,
-                            check="fingerprint", heartbeat=0.5)
+        old = await ac.init(
+            "gloo",
+            rank=ctx.rank,
+            world_size=2,
+            store=ctx.store,
+            name="g",
+            timeout=25,
+            check="fingerprint",
+            heartbeat=0.5,
+        )
         comm = await _grow_when_waiting(old, 1)
     t = torch.ones(2)
     await comm.all_reduce(t)

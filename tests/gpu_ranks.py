@@ -50,8 +50,12 @@ def gpu_sleep(ms: float) -> None:
 
 def our_threads(rank: int) -> set[str]:
     """asynccoll's and streams' threads, less run_ranks' executor (``asynccoll-rank<R>_<N>``)."""
-    return {t.name for t in threading.enumerate() if t.name.startswith(("asynccoll", "streams"))
-            and not t.name.startswith(f"asynccoll-rank{rank}_")}
+    return {
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("asynccoll", "streams"))
+        and not t.name.startswith(f"asynccoll-rank{rank}_")
+    }
 
 
 async def threads_gone(before: set[str], rank: int, within: float = 5.0) -> list[str]:
@@ -101,7 +105,9 @@ async def side_stream_order(comm: Any, iters: int = 120, numel: int = 1 << 16) -
             out = torch.zeros(numel, device=DEV)
             w = issue(comm, OUT_OF_PLACE[i % len(OUT_OF_PLACE)], out, x)
             del x
-            junk = torch.full((numel,), -1.0, device=DEV)  # x's block, were it not held for the comm stream
+            junk = torch.full(
+                (numel,), -1.0, device=DEV
+            )  # x's block, were it not held for the comm stream
         w.wait_stream(consumer)
         with torch.cuda.stream(consumer):
             ys.append(out * 2)
@@ -113,9 +119,17 @@ async def side_stream_order(comm: Any, iters: int = 120, numel: int = 1 << 16) -
     for w in works:
         await w
     consumer.synchronize()
-    bad = [(i, OUT_OF_PLACE[i % len(OUT_OF_PLACE)], float(y.min()), float(y.max()))
-           for i, y in enumerate(ys) if not bool((y == 2.0 * i).all())]
-    return {"bad": bad[:10], "loop_s": loop_s, "gpu_sleep_s": slept_ms / 1e3, "pending_at_end": pending_at_end}
+    bad = [
+        (i, OUT_OF_PLACE[i % len(OUT_OF_PLACE)], float(y.min()), float(y.max()))
+        for i, y in enumerate(ys)
+        if not bool((y == 2.0 * i).all())
+    ]
+    return {
+        "bad": bad[:10],
+        "loop_s": loop_s,
+        "gpu_sleep_s": slept_ms / 1e3,
+        "pending_at_end": pending_at_end,
+    }
 
 
 # ================================================================= abort and close
@@ -123,7 +137,9 @@ async def abort_behind_gpu_work(ctx: RankContext) -> dict[str, Any]:
     """``comm.abort()`` while an op waits behind 2 s of GPU work; then close, the threads,
     and a fresh communicator."""
     kw: dict[str, Any] = dict(rank=0, world_size=1, store=ctx.store, device=DEV, timeout=60)
-    warm = await ac.init("nccl", **kw)  # process-wide services and the device's lane exist from here on
+    warm = await ac.init(
+        "nccl", **kw
+    )  # process-wide services and the device's lane exist from here on
     await warm.all_reduce(torch.ones(4, device=DEV))
     await warm.close()
     before = our_threads(ctx.rank)
@@ -157,8 +173,16 @@ async def abort_behind_gpu_work(ctx: RankContext) -> dict[str, Any]:
         await fresh.close()
     except BaseException as exc:  # noqa: BLE001 - reported
         fresh_ok = f"{type(exc).__name__}: {exc}"
-    return {"queued": queued, "outcome": outcome, "failed_s": failed_s, "abort_call_s": abort_call_s,
-            "can_revoke": can_revoke, "revoked": revoked, "threads_left": left, "fresh": fresh_ok}
+    return {
+        "queued": queued,
+        "outcome": outcome,
+        "failed_s": failed_s,
+        "abort_call_s": abort_call_s,
+        "can_revoke": can_revoke,
+        "revoked": revoked,
+        "threads_left": left,
+        "fresh": fresh_ok,
+    }
 
 
 async def close_with_pending(comm: Any) -> dict[str, Any]:
@@ -170,9 +194,14 @@ async def close_with_pending(comm: Any) -> dict[str, Any]:
     gpu_sleep(1000)
     w = comm.all_gather(out, x)  # out of place: out == 3 only if it ran
     await comm.close()
-    return {"done": w.done(), "exception": repr(w.exception()) if w.done() else "not done",
-            "ran": bool((out == 3).all()), "state": comm.state, "handle": handle.state,
-            "finalized": handle.communicator is None and not handle.stopping}
+    return {
+        "done": w.done(),
+        "exception": repr(w.exception()) if w.done() else "not done",
+        "ran": bool((out == 3).all()),
+        "state": comm.state,
+        "handle": handle.state,
+        "finalized": handle.communicator is None and not handle.stopping,
+    }
 
 
 # ============================================================ event-loop stalls
@@ -193,7 +222,10 @@ def _loop_stall_main(loop_name: str) -> dict[str, Any]:
         for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             if not mod.name.startswith("asynccoll.testing"):
                 importlib.import_module(mod.name)
-    for name in ("anyio._backends._asyncio", "nccl.core.interop.torch"):  # imported by their first use
+    for name in (
+        "anyio._backends._asyncio",
+        "nccl.core.interop.torch",
+    ):  # imported by their first use
         importlib.import_module(name)
     # torch's CUDA check (cuInit: torch holds the GIL through it, so no library can keep it
     # off a loop) and libnccl loaded by nccl4py; no CUDA context yet.
@@ -227,7 +259,9 @@ def _loop_stall_main(loop_name: str) -> dict[str, Any]:
         modules = set(sys.modules)
         cold = await ac.init("nccl", store=dist.HashStore(), **kw)
         phase("cold_init_ms")
-        res["cold_init_imported"] = sorted(set(sys.modules) - modules)  # a stall there may be an import
+        res["cold_init_imported"] = sorted(
+            set(sys.modules) - modules
+        )  # a stall there may be an import
         warm = await ac.init("nccl", store=dist.HashStore(), **kw)
         phase("warm_init_ms")
         x = torch.ones(1 << 22, device=DEV)
@@ -282,7 +316,12 @@ async def auto_two_ranks_one_gpu(ctx: RankContext) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     await both("b3")
     left = await threads_gone(before, ctx.rank)
-    return {"outcome": outcome, "seconds": seconds, "keys_left": store.num_keys() - keys0, "threads_left": left}
+    return {
+        "outcome": outcome,
+        "seconds": seconds,
+        "keys_left": store.num_keys() - keys0,
+        "threads_left": left,
+    }
 
 
 # ======================================================== every collective, groups
@@ -329,7 +368,9 @@ async def every_collective(comm: Any) -> list[str]:
             r = x.clone()
             await comm.reduce(r, 0, op)
             check(f"reduce {dt} {op.name}", r, x)
-            check(f"reduce_scatter {dt} {op.name}", await comm.reduce_scatter(zeros_as(x), x, op), x)
+            check(
+                f"reduce_scatter {dt} {op.name}", await comm.reduce_scatter(zeros_as(x), x, op), x
+            )
     for dt in moved:
         x = sample(dt)
         check(f"broadcast {dt}", await comm.broadcast(x.clone(), 0), x)
@@ -386,8 +427,10 @@ async def coalesced_group(comm: Any) -> list[str]:
         with torch.cuda.stream(side):
             gpu_sleep(1.0)
             a = torch.full((n,), float(i), device=DEV)
-            outs = {k: torch.zeros(n, device=DEV) for k in ("all_gather", "reduce_scatter", "all_to_all", "gather",
-                                                            "scatter")}
+            outs = {
+                k: torch.zeros(n, device=DEV)
+                for k in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+            }
             c = torch.arange(8.0, device=DEV) + i
             async with comm.coalescing():
                 comm.all_reduce(a)
@@ -405,7 +448,9 @@ async def coalesced_group(comm: Any) -> list[str]:
     try:
         async with comm.coalescing():
             comm.all_gather(out, torch.ones(n, device=DEV))
-            comm.all_gather(torch.zeros(n + 1, device=DEV), torch.ones(n, device=DEV))  # sizes differ
+            comm.all_gather(
+                torch.zeros(n + 1, device=DEV), torch.ones(n, device=DEV)
+            )  # sizes differ
         bad.append("a bad member did not raise")
     except ac.InvalidArgument:
         pass
@@ -463,8 +508,14 @@ async def init_close_cycles(comm: Any) -> dict[str, Any]:
     await comm.all_reduce(torch.ones(4, device=DEV))
 
     async def cycle() -> None:
-        async with ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port(),
-                           device=DEV) as c:
+        async with ac.init(
+            backend="nccl",
+            rank=0,
+            world_size=1,
+            master_addr="127.0.0.1",
+            master_port=unused_port(),
+            device=DEV,
+        ) as c:
             t = torch.ones(1024, device=DEV)
             await c.all_reduce(t)
             await c.barrier()

@@ -21,19 +21,56 @@ HAS_TRIO = importlib.util.find_spec("trio") is not None
 
 @pytest.mark.timeout(240)
 def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
-    core, coal, hot, trio_json = (tmp_path / n for n in ("core.json", "coal.json", "hot.json", "trio.json"))
+    core, coal, hot, trio_json = (
+        tmp_path / n for n in ("core.json", "coal.json", "hot.json", "trio.json")
+    )
     perf = tmp_path / "perf"
     cmds = {
         "core": [sys.executable, "-m", "bench", "--smoke", "--no-plot", "--json", str(core)],
-        "perf": [sys.executable, "-m", "bench.perf", "--smoke", "--out", str(perf)],  # every section
-        "coalescing": [sys.executable, "bench/coalescing.py", "--smoke", "--no-plot", "--json", str(coal)],
-        "hotpath": [sys.executable, "-m", "bench.hotpath", "--smoke", "--loop", "asyncio", "--json", str(hot)],
+        "perf": [
+            sys.executable,
+            "-m",
+            "bench.perf",
+            "--smoke",
+            "--out",
+            str(perf),
+        ],  # every section
+        "coalescing": [
+            sys.executable,
+            "bench/coalescing.py",
+            "--smoke",
+            "--no-plot",
+            "--json",
+            str(coal),
+        ],
+        "hotpath": [
+            sys.executable,
+            "-m",
+            "bench.hotpath",
+            "--smoke",
+            "--loop",
+            "asyncio",
+            "--json",
+            str(hot),
+        ],
     }
     if HAS_TRIO:
-        cmds["trio"] = [sys.executable, "-m", "bench", "--smoke", "--loop", "trio", "--no-plot", "--json", str(trio_json)]
+        cmds["trio"] = [
+            sys.executable,
+            "-m",
+            "bench",
+            "--smoke",
+            "--loop",
+            "trio",
+            "--no-plot",
+            "--json",
+            str(trio_json),
+        ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = {
-        name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        name: subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for name, cmd in cmds.items()
     }
     outs = {}
@@ -50,7 +87,15 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
     res = json.loads(core.read_text())
     assert res["asynccoll_supported"] is True
     for row in res["latency"]:
-        for key in ("asynccoll_us", "floor_us", "torch_us", "asynccoll_p10_us", "ac/floor", "floor/torch", "ac/torch"):
+        for key in (
+            "asynccoll_us",
+            "floor_us",
+            "torch_us",
+            "asynccoll_p10_us",
+            "ac/floor",
+            "floor/torch",
+            "ac/torch",
+        ):
             assert row[key] is not None and row[key] > 0, (key, row)
     for m in ("asynccoll", "floor", "torch"):
         assert res["throughput"][m]["ops_per_s"] > 0
@@ -58,17 +103,37 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
     assert "ac/floor" in outs["core"] and "pipelined" in outs["core"]
 
     coal_res = json.loads(coal.read_text())
-    assert set(coal_res["results"]) == {"separate", "pipelined", "coalesced", "flattened", "by_hand", "torch_cm", "torch_sep"}
-    assert coal_res["ratios"]["coalesced/flattened"] > 0 and coal_res["ratios"]["cpu coalesced/torch_cm"] > 0
+    assert set(coal_res["results"]) == {
+        "separate",
+        "pipelined",
+        "coalesced",
+        "flattened",
+        "by_hand",
+        "torch_cm",
+        "torch_sep",
+    }
+    assert (
+        coal_res["ratios"]["coalesced/flattened"] > 0
+        and coal_res["ratios"]["cpu coalesced/torch_cm"] > 0
+    )
 
     perf_res = json.loads((perf / "perf.json").read_text())
     rows = perf_res["rows"]
-    expected = ["train"] * 8 + ["coalescing"] * 2 + ["latency", "pipelined", "abort", "abort", "host"]
+    expected = (
+        ["train"] * 8 + ["coalescing"] * 2 + ["latency", "pipelined", "abort", "abort", "host"]
+    )
     assert [r["section"] for r in rows] == expected
     for r in rows:
-        assert r["measured"] > 0 and r["floor"] > 0 and r["machine"]["cpus"] and len(r["machine"]["loadavg"]) == 3
+        assert (
+            r["measured"] > 0
+            and r["floor"] > 0
+            and r["machine"]["cpus"]
+            and len(r["machine"]["loadavg"]) == 3
+        )
         assert r["verdict"] in ("met", "NOT met") or r["verdict"].startswith("no verdict")
-    assert (perf / "perf.md").read_text().count("\n| ") == len(rows) + 1  # header + one line per goal
+    assert (perf / "perf.md").read_text().count("\n| ") == len(
+        rows
+    ) + 1  # header + one line per goal
 
     hot_res = json.loads(hot.read_text())
     assert hot_res["issue"]["comm.all_reduce() call, whole issue"] > 0
@@ -99,9 +164,12 @@ def test_plots_draw(tmp_path: Path) -> None:
             row[k], row[k + "_p10"] = v, v
         rows.append(row)
     pngs = plot_core({"latency": rows, "world_size": 2, "loop": "asyncio"}, tmp_path / "core")
-    table = {m: {"median_ms": 1.0, "cpu_median_ms": 0.5} for m in ("coalesced", "flattened", "torch_cm")}
+    table = {
+        m: {"median_ms": 1.0, "cpu_median_ms": 0.5} for m in ("coalesced", "flattened", "torch_cm")
+    }
     pngs += plot_coalescing(
-        {"results": table, "config": {"ops": 64, "numel": 256, "loop": "asyncio"}}, tmp_path / "coal"
+        {"results": table, "config": {"ops": 64, "numel": 256, "loop": "asyncio"}},
+        tmp_path / "coal",
     )
     assert len(pngs) == 3
     for png in pngs:

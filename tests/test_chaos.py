@@ -27,7 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(240)
 def test_chaos_soak_has_no_violation(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    cmd = [sys.executable, "-m", "bench.chaos", "--minutes", "0.75", "--seed", "7", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.chaos",
+        "--minutes",
+        "0.75",
+        "--seed",
+        "7",
+        "--json",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
     res = json.loads(out.read_text())

@@ -44,7 +44,9 @@ def _val(rank: int, i: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     return ((torch.arange(n) % 5) + rank * 3 + i).reshape(shape).to(dtype)
 
 
-def _expect_reduce(op: ac.ReduceOp, i: int, shape: tuple[int, ...], dtype: torch.dtype, ws: int) -> torch.Tensor:
+def _expect_reduce(
+    op: ac.ReduceOp, i: int, shape: tuple[int, ...], dtype: torch.dtype, ws: int
+) -> torch.Tensor:
     vals = [_val(r, i, shape, torch.float64) for r in range(ws)]
     if op is ac.ReduceOp.MAX:
         out = torch.stack(vals).amax(0)
@@ -57,7 +59,9 @@ def _expect_reduce(op: ac.ReduceOp, i: int, shape: tuple[int, ...], dtype: torch
 
 def _check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
-        raise AssertionError(f"{name}: got {got.tolist()} ({got.dtype}), want {want.tolist()} ({want.dtype})")
+        raise AssertionError(
+            f"{name}: got {got.tolist()} ({got.dtype}), want {want.tolist()} ({want.dtype})"
+        )
 
 
 class _SubmitSpy:
@@ -105,7 +109,9 @@ async def _mixed_batch(comm: Any) -> dict[str, Any]:
             for i, shape in enumerate(SIZES):
                 t = _val(r, i, shape, torch.float32)
                 comm.all_reduce(t)
-                checks.append((f"sum f32 {shape}", t, _expect_reduce(S, i, shape, torch.float32, ws)))
+                checks.append(
+                    (f"sum f32 {shape}", t, _expect_reduce(S, i, shape, torch.float32, ws))
+                )
             # broadcast from the last rank: its own flat group
             for i in range(3):
                 t = _val(r, 10 + i, (4 + i,), torch.float32)
@@ -120,7 +126,9 @@ async def _mixed_batch(comm: Any) -> dict[str, Any]:
             for i in range(2):
                 t = _val(r, 30 + i, (9,), torch.int32) * (1 if r % 2 else -1)
                 comm.all_reduce(t, MAX)
-                want = torch.stack([_val(q, 30 + i, (9,), torch.int32) * (1 if q % 2 else -1) for q in range(ws)]).amax(0)
+                want = torch.stack(
+                    [_val(q, 30 + i, (9,), torch.int32) * (1 if q % 2 else -1) for q in range(ws)]
+                ).amax(0)
                 checks.append((f"max i32 {i}", t, want))
             for i, dtype in enumerate([torch.float64, torch.bfloat16, torch.int64, torch.float64]):
                 t = _val(r, 40 + i, (3, 2), dtype)
@@ -137,7 +145,13 @@ async def _mixed_batch(comm: Any) -> dict[str, Any]:
                 inp = _val(r, 60 + i, shape, torch.float32)
                 out = torch.empty((ws * shape[0], *shape[1:]))
                 comm.all_gather(out, inp)
-                checks.append((f"all_gather {shape}", out, torch.cat([_val(q, 60 + i, shape, torch.float32) for q in range(ws)])))
+                checks.append(
+                    (
+                        f"all_gather {shape}",
+                        out,
+                        torch.cat([_val(q, 60 + i, shape, torch.float32) for q in range(ws)]),
+                    )
+                )
             comm.barrier()
             # reduce_scatter, SUM (two members) and AVG (one member: submitted as is)
             for i, (op, shape) in enumerate([(S, (2,)), (S, (3, 2)), (AVG, (4,))]):
@@ -161,20 +175,20 @@ async def _mixed_batch(comm: Any) -> dict[str, Any]:
 def _mixed_expected_calls(rank: int, ws: int) -> list[tuple[str, int]]:
     f32_sum = sum(torch.Size(s).numel() for s in SIZES) + 11
     return [
-        ("all_reduce", f32_sum),                       # 6 sizes + the late one, flattened
-        ("broadcast", 4 + 5 + 6),                      # 3 broadcasts from one root
-        ("all_reduce", 12),                            # AVG float32 x2
-        ("all_reduce", 12),                            # AVG int64 x2
-        ("all_reduce", 18),                            # MAX int32 x2
-        ("all_reduce", 12),                            # SUM float64 x2 (1st and 4th)
-        ("all_reduce", 6),                             # SUM bfloat16 alone: as is
-        ("all_reduce", 6),                             # SUM int64 alone: as is
+        ("all_reduce", f32_sum),  # 6 sizes + the late one, flattened
+        ("broadcast", 4 + 5 + 6),  # 3 broadcasts from one root
+        ("all_reduce", 12),  # AVG float32 x2
+        ("all_reduce", 12),  # AVG int64 x2
+        ("all_reduce", 18),  # MAX int32 x2
+        ("all_reduce", 12),  # SUM float64 x2 (1st and 4th)
+        ("all_reduce", 6),  # SUM bfloat16 alone: as is
+        ("all_reduce", 6),  # SUM int64 alone: as is
         ("send", 8),
         ("recv", 8),
-        ("all_gather", 3 + 8),                         # both inputs, flattened
+        ("all_gather", 3 + 8),  # both inputs, flattened
         ("barrier", 0),
-        ("reduce_scatter", ws * (2 + 6)),              # SUM x2, flattened
-        ("reduce_scatter", ws * 4),                    # AVG alone
+        ("reduce_scatter", ws * (2 + 6)),  # SUM x2, flattened
+        ("reduce_scatter", ws * 4),  # AVG alone
     ]
 
 
@@ -203,7 +217,9 @@ async def _interleaved(comm: Any) -> dict[str, Any]:
     async with comm.coalescing() as group3:
         comm.all_reduce(torch.ones(1))
         context = contextvars.copy_context()  # holds the batch
-        thread = threading.Thread(target=context.run, args=(lambda: issued.append(comm.all_reduce(from_thread)),))
+        thread = threading.Thread(
+            target=context.run, args=(lambda: issued.append(comm.all_reduce(from_thread)),)
+        )
         thread.start()
         thread.join(20)
     assert len(group3.works) == 1 and issued and issued[0] not in group3.works
@@ -409,8 +425,16 @@ async def _non_flattenable(comm: Any) -> dict[str, Any]:
     for root, b in bs:
         checks.append((f"bcast root {root}", b, _val(root, root, (3,), torch.float32)))
     if r == 0:
-        checks.append(("reduce", red, torch.stack([_val(q, 5, (4,), torch.float32) for q in range(ws)]).sum(0)))
-        checks.append(("gather", g_out, torch.cat([_val(q, 7, (2,), torch.float32) for q in range(ws)])))
+        checks.append(
+            (
+                "reduce",
+                red,
+                torch.stack([_val(q, 5, (4,), torch.float32) for q in range(ws)]).sum(0),
+            )
+        )
+        checks.append(
+            ("gather", g_out, torch.cat([_val(q, 7, (2,), torch.float32) for q in range(ws)]))
+        )
     want_a2a = torch.cat([_val(q, 6, (ws * 2,), torch.float32).chunk(ws)[r] for q in range(ws)])
     checks.append(("all_to_all", a2a_out, want_a2a))
     checks.append(("scatter", s_out, _val(0, 8, (ws * 2,), torch.float32).chunk(ws)[r]))
@@ -473,7 +497,13 @@ async def _member_views(comm: Any) -> dict[str, Any]:
     ws = comm.world_size
     for i, t in enumerate(ts):
         _check(f"member {i}", t, torch.full((3,), float(sum(r + i for r in range(ws)))))
-    assert results[0] is ts[0] and await a is ts[0] and blocked == [ts[2]] and a.done() and b.result() is ts[1]
+    assert (
+        results[0] is ts[0]
+        and await a is ts[0]
+        and blocked == [ts[2]]
+        and a.done()
+        and b.result() is ts[1]
+    )
     for _ in range(100):  # the callback runs on the loop that added it
         if seen:
             break
@@ -524,7 +554,12 @@ async def _recorded_when_issued(comm: Any) -> dict[str, Any]:
     assert other["op"] == "all_reduce" and "batch" not in other and other["state"] == "done"
     for seq, op, shape in zip(member_seqs, ("all_reduce", "broadcast"), ([3], [4])):
         rec = records[seq]
-        assert (rec["op"], rec["shape"], rec["batch"], rec["state"]) == (op, shape, member_seqs[0], "done"), rec
+        assert (rec["op"], rec["shape"], rec["batch"], rec["state"]) == (
+            op,
+            shape,
+            member_seqs[0],
+            "done",
+        ), rec
         assert rec["issued_at"] >= other["issued_at"], (rec, other)
     try:
         async with comm.coalescing():
@@ -541,7 +576,10 @@ async def _recorded_when_issued(comm: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("loop", LOOPS)
 def test_members_are_views_over_one_pending_entry(loop: str) -> None:
     results = run_ranks(_member_views, world_size=2, timeout=RUN_TIMEOUT, loop=loop)
-    assert results[0] == {"in_flight": 1, "pending_after": 0}  # rank 1 was late: in flight as ONE op
+    assert results[0] == {
+        "in_flight": 1,
+        "pending_after": 0,
+    }  # rank 1 was late: in flight as ONE op
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -561,7 +599,10 @@ def test_mixed_batch_is_flattened_and_correct(world_size: int, loop: str) -> Non
 
 @pytest.mark.parametrize("world_size,loop", RUNS)
 def test_other_tasks_are_not_captured(world_size: int, loop: str) -> None:
-    assert run_ranks(_interleaved, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop) == [{"ok": True}] * world_size
+    assert (
+        run_ranks(_interleaved, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop)
+        == [{"ok": True}] * world_size
+    )
 
 
 @pytest.mark.parametrize("world_size,loop", RUNS)
@@ -573,7 +614,9 @@ def test_body_exception_issues_nothing(world_size: int, loop: str) -> None:
 @pytest.mark.parametrize("loop", LOOPS)
 def test_body_exception_after_interleaved_op_leaves_seq_gap(loop: str) -> None:
     # seqs: batch member (1), the other task's op (2), the next op (3): member's seq is not reused
-    assert run_ranks(_body_raises_after_interleaved_op, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [3, 3]
+    assert run_ranks(
+        _body_raises_after_interleaved_op, world_size=2, timeout=RUN_TIMEOUT, loop=loop
+    ) == [3, 3]
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -598,24 +641,37 @@ def test_batch_of_non_flattenable_ops(world_size: int, loop: str) -> None:
     results = run_ranks(_non_flattenable, world_size=world_size, timeout=RUN_TIMEOUT, loop=loop)
     for rank, res in enumerate(results):
         p2p = {0: ["send"], 1: ["recv"]}.get(rank, [])
-        want = ["broadcast"] * world_size + ["reduce", "all_to_all", "gather", "scatter", "barrier"] + p2p
+        want = (
+            ["broadcast"] * world_size
+            + ["reduce", "all_to_all", "gather", "scatter", "barrier"]
+            + p2p
+        )
         assert res["calls"] == want
         assert res["members"] == len(want)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_abort_during_body_fails_members(loop: str) -> None:
-    assert run_ranks(_aborted_in_body, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == ["aborted", "aborted"]
+    assert run_ranks(_aborted_in_body, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [
+        "aborted",
+        "aborted",
+    ]
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_batch_of_one_is_submitted_as_is(loop: str) -> None:
-    assert run_ranks(_single_op, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [[("all_reduce", 6)]] * 2
+    assert (
+        run_ranks(_single_op, world_size=2, timeout=RUN_TIMEOUT, loop=loop)
+        == [[("all_reduce", 6)]] * 2
+    )
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_members_are_recorded_when_the_batch_is_issued(loop: str) -> None:
-    assert run_ranks(_recorded_when_issued, world_size=2, timeout=RUN_TIMEOUT, loop=loop) == [{"members": [1, 3]}] * 2
+    assert (
+        run_ranks(_recorded_when_issued, world_size=2, timeout=RUN_TIMEOUT, loop=loop)
+        == [{"members": [1, 3]}] * 2
+    )
 
 
 def test_plan_is_deterministic_and_ordered() -> None:
@@ -657,7 +713,9 @@ def test_batch_records_stay_bounded_and_keep_interleaved_ops() -> None:
     assert [r["seq"] for r in rec.snapshot()] == [1, 2, 3, 7, 4, 5, 6]
     assert rec.open_seqs() == [1, 2, 3, 4, 5, 6, 7]
     sends = members(8, 3, "send")
-    rec.issued_batch(sends, [OpSpec(OpKind.SEND, torch.ones(2), peer=1)] * 3, 4.0, 8)  # pushes out seqs 1 and 2
+    rec.issued_batch(
+        sends, [OpSpec(OpKind.SEND, torch.ones(2), peer=1)] * 3, 4.0, 8
+    )  # pushes out seqs 1 and 2
     snap = rec.snapshot()
     assert [r["seq"] for r in snap] == [3, 7, 4, 5, 6, 8, 9, 10]
     assert rec.open_seqs() == [3, 4, 5, 6, 7, 8, 9, 10]

@@ -18,8 +18,14 @@ from asynccoll.testing import run_ranks
 
 OPS = [ac.ReduceOp.SUM, ac.ReduceOp.PROD, ac.ReduceOp.MIN, ac.ReduceOp.MAX, ac.ReduceOp.AVG]
 DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int32, torch.int64, torch.int8, torch.uint8,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
 ]
 
 
@@ -84,19 +90,29 @@ async def every_collective(comm: ac.Communicator) -> int:
         out = torch.zeros(ws * n, dtype=dtype, device=dev)
         got = await comm.all_gather(out, rank_values(r, n, dtype).to(dev))
         assert got is out
-        close_enough(out, torch.cat([rank_values(i, n, dtype) for i in range(ws)]), f"all_gather {dtype}")
+        close_enough(
+            out, torch.cat([rank_values(i, n, dtype) for i in range(ws)]), f"all_gather {dtype}"
+        )
         inp = torch.cat([torch.full((2,), 10 * r + j) for j in range(ws)]).to(dtype).to(dev)
         out = torch.zeros(2 * ws, dtype=dtype, device=dev)
         await comm.all_to_all(out, inp)
-        close_enough(out, torch.cat([torch.full((2,), 10 * j + r) for j in range(ws)]).to(dtype), f"all_to_all {dtype}")
+        close_enough(
+            out,
+            torch.cat([torch.full((2,), 10 * j + r) for j in range(ws)]).to(dtype),
+            f"all_to_all {dtype}",
+        )
         out = torch.zeros(ws * n, dtype=dtype, device=dev) if r == 0 else None
         got = await comm.gather(rank_values(r, n, dtype).to(dev), dst=0, output=out)
         if r == 0:
             assert got is out
-            close_enough(out, torch.cat([rank_values(i, n, dtype) for i in range(ws)]), f"gather {dtype}")
+            close_enough(
+                out, torch.cat([rank_values(i, n, dtype) for i in range(ws)]), f"gather {dtype}"
+            )
         else:
             assert got is None
-        full = torch.cat([rank_values(i, n, dtype) for i in range(ws)]).to(dev) if r == src else None
+        full = (
+            torch.cat([rank_values(i, n, dtype) for i in range(ws)]).to(dev) if r == src else None
+        )
         out = torch.zeros(n, dtype=dtype, device=dev)
         await comm.scatter(out, src=src, input=full)
         close_enough(out, rank_values(r, n, dtype), f"scatter {dtype}")
@@ -125,7 +141,9 @@ async def every_collective(comm: ac.Communicator) -> int:
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("backend,world_size", BACKENDS)
 def test_every_collective(backend: str, world_size: int, loop: str) -> None:
-    results = run_ranks(every_collective, world_size=world_size, backend=backend, timeout=120, loop=loop)
+    results = run_ranks(
+        every_collective, world_size=world_size, backend=backend, timeout=120, loop=loop
+    )
     assert len(results) == world_size
     assert all(n == results[0] and n > 100 for n in results)
 
@@ -141,7 +159,9 @@ async def bool_and_half_reductions(comm: ac.Communicator) -> list[bool]:
 
 @pytest.mark.parametrize("backend,world_size", BACKENDS)
 def test_bool_reductions(backend: str, world_size: int) -> None:
-    results = run_ranks(bool_and_half_reductions, world_size=world_size, backend=backend, timeout=60)
+    results = run_ranks(
+        bool_and_half_reductions, world_size=world_size, backend=backend, timeout=60
+    )
     alone = world_size == 1
     assert results == [[True, True, False, alone, True, False]] * world_size
 
@@ -163,7 +183,9 @@ async def many_in_flight(comm: ac.Communicator) -> float:
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("backend,world_size", BACKENDS)
 def test_many_concurrent_works(backend: str, world_size: int, loop: str) -> None:
-    results = run_ranks(many_in_flight, world_size=world_size, backend=backend, timeout=60, loop=loop)
+    results = run_ranks(
+        many_in_flight, world_size=world_size, backend=backend, timeout=60, loop=loop
+    )
     assert len(set(results)) == 1
 
 

@@ -73,12 +73,18 @@ class Sink:
         self.ledger.fail(target, exc)
 
 
-def _setup(n: int, eager: bool = False, fixups: list[Any] | None = None) -> tuple[Completer, Sink, list[ac.Work], list[Op]]:
+def _setup(
+    n: int, eager: bool = False, fixups: list[Any] | None = None
+) -> tuple[Completer, Sink, list[ac.Work], list[Op]]:
     ledger = Ledger(0, deadlines=DeadlineService(), on_abort=lambda _e: None)
     sink = Sink(ledger)
     completer = Completer(
-        "test-completer", lambda: sink, _wait, _is_done,  # type: ignore[arg-type, return-value]
-        lambda exc, _t: ac.CommAborted(f"failed: {exc}"), eager=eager,
+        "test-completer",
+        lambda: sink,
+        _wait,
+        _is_done,  # type: ignore[arg-type, return-value]
+        lambda exc, _t: ac.CommAborted(f"failed: {exc}"),
+        eager=eager,
     )
     with ledger.lock:
         works = [ledger.reserve("all_reduce", i) for i in range(n)]
@@ -205,6 +211,7 @@ def test_each_fixup_runs_once_when_threads_race_to_settle() -> None:
     def fixup(i: int) -> Any:
         def run() -> None:
             runs[i] += 1
+
         return run
 
     completer, sink, works, ops = _setup(n, fixups=[fixup(i) for i in range(n)])
@@ -243,7 +250,10 @@ def test_a_failed_flattened_batch_settles_its_one_pending_entry() -> None:
     ledger = Ledger(0, deadlines=DeadlineService(), on_abort=lambda _e: None)
     sink = Sink(ledger)
     completer = Completer(
-        "test-completer", lambda: sink, _wait, _is_done,  # type: ignore[arg-type, return-value]
+        "test-completer",
+        lambda: sink,
+        _wait,
+        _is_done,  # type: ignore[arg-type, return-value]
         lambda exc, _t: ac.PeerFailure(f"lost: {exc}"),
     )
     spec = OpSpec(OpKind.ALL_REDUCE, torch.ones(2))
@@ -279,7 +289,7 @@ def test_an_op_nobody_awaits_past_its_deadline_is_a_success_not_a_timeout() -> N
         async with _alone(timeout=0.3) as comm:
             t = torch.ones(3)
             work = comm.all_reduce(t)  # finishes at once; nobody looks at it
-            await asyncio.sleep(1.0)   # its deadline passes
+            await asyncio.sleep(1.0)  # its deadline passes
             state = comm.state
             return state, work.exception(), work.done()
 
@@ -337,7 +347,10 @@ def test_the_completion_thread_drops_an_op_only_after_reporting_it() -> None:
     ledger = Ledger(0, deadlines=DeadlineService(), on_abort=lambda _e: None)
     sink = Sink(ledger)
     completer = Completer(
-        "test-completer", lambda: sink, _wait, _is_done,  # type: ignore[arg-type, return-value]
+        "test-completer",
+        lambda: sink,
+        _wait,
+        _is_done,  # type: ignore[arg-type, return-value]
         lambda exc, _t: ac.CommAborted(f"failed: {exc}"),
     )
     with ledger.lock:

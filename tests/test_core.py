@@ -115,7 +115,10 @@ async def cancelled_with_asyncio_timeout(comm: ac.Communicator) -> float:
 
 
 def test_asyncio_timeout_cancels_only_the_waiting() -> None:
-    assert run_ranks(cancelled_with_asyncio_timeout, world_size=2, backend="gloo", timeout=60) == [2.0, 2.0]
+    assert run_ranks(cancelled_with_asyncio_timeout, world_size=2, backend="gloo", timeout=60) == [
+        2.0,
+        2.0,
+    ]
 
 
 # ---------------------------------------------------------------- validation
@@ -179,10 +182,15 @@ def test_every_error_that_aborts_the_communicator_is_a_comm_aborted() -> None:
     existing ``except`` changes meaning."""
     for cls in (ac.PeerFailure, ac.CollectiveTimeout, ac.CollectiveMismatch):
         assert issubclass(cls, ac.CommAborted), cls
-    assert issubclass(ac.CollectiveTimeout, TimeoutError) and issubclass(ac.CommAborted, RuntimeError)
+    assert issubclass(ac.CollectiveTimeout, TimeoutError) and issubclass(
+        ac.CommAborted, RuntimeError
+    )
     for cls in (ac.CommClosed, ac.BackendUnavailable, ac.InvalidArgument):
         assert not issubclass(cls, ac.CommAborted), cls
-    for error in (ac.CollectiveTimeout("t", 3, "all_reduce"), ac.CollectiveMismatch("m", 3, {0: {}}, ["op"])):
+    for error in (
+        ac.CollectiveTimeout("t", 3, "all_reduce"),
+        ac.CollectiveMismatch("m", 3, {0: {}}, ["op"]),
+    ):
         with pytest.raises(ac.CommAborted):
             raise error
         copy = pickle.loads(pickle.dumps(error))  # ranks' errors cross processes (run_ranks)
@@ -371,7 +379,9 @@ def test_init_errors() -> None:
 
 
 async def wrap_existing_group(ctx: RankContext) -> list[float]:
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("pg/", ctx.store), ctx.rank, ctx.world_size, timedelta(seconds=30))
+    pg = dist.ProcessGroupGloo(
+        dist.PrefixStore("pg/", ctx.store), ctx.rank, ctx.world_size, timedelta(seconds=30)
+    )
     comm = ac.wrap(pg, store=dist.PrefixStore("objs/", ctx.store))
     t = torch.full((3,), float(ctx.rank + 1))
     await comm.all_reduce(t, ac.ReduceOp.MAX)

@@ -33,7 +33,9 @@ DETECT_WITHIN = 10.0
 
 
 async def _comm(ctx: Any, **kw: Any) -> ac.Communicator:
-    return await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=LONG, **kw)
+    return await ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=LONG, **kw
+    )
 
 
 # ------------------------------------------------------------------ mismatch kinds
@@ -165,8 +167,12 @@ async def _one_kind(ctx: Any, name: str) -> dict[str, Any]:
         with pytest.raises(ac.CommAborted):
             comm.all_reduce(torch.ones(1))
         return {
-            "involved": True, "seconds": elapsed, "message": str(first), "seq": first.seq,
-            "details": sorted(first.details), "fields": list(first.fields),
+            "involved": True,
+            "seconds": elapsed,
+            "message": str(first),
+            "seq": first.seq,
+            "details": sorted(first.details),
+            "fields": list(first.fields),
             "copy": pickle.loads(pickle.dumps(first)).fields == first.fields,
         }
     finally:
@@ -204,7 +210,11 @@ def test_every_mismatch_raises_on_every_rank(world_size: int, loop: str) -> None
             assert res["copy"]
             msg = res["message"]
             assert msg.startswith(f"seq {res['seq']} "), msg
-            assert f"rank {odd}" in msg or f"ranks {odd}" in msg or (name == "send_recv_size" and "rank 1" in msg), msg
+            assert (
+                f"rank {odd}" in msg
+                or f"ranks {odd}" in msg
+                or (name == "send_recv_size" and "rank 1" in msg)
+            ), msg
             assert "rank 0" in msg or "ranks 0" in msg, msg
         # Every rank reaches the same verdict (same fields, same ranks).
         assert len({tuple(results[r][name]["fields"]) for r in direct}) == 1
@@ -222,7 +232,9 @@ def test_mismatch_text_is_the_same_whichever_rank_detects_it() -> None:
     single = {0: fingerprint(reduce), 1: fingerprint(reduce), 2: fingerprint(bcast)}
     texts = {str(mismatch(seqs, single, me=r)) for r in range(3)}
     assert texts == {"seq 2 all_reduce: op all_reduce on ranks 0, 1, broadcast on rank 2"}, texts
-    batch = {r: "\x1e".join(single[(r + i) % 3] for i in range(2)) for r in range(3)}  # batches of 2, orders differ
+    batch = {
+        r: "\x1e".join(single[(r + i) % 3] for i in range(2)) for r in range(3)
+    }  # batches of 2, orders differ
     assert len({str(mismatch(seqs, batch, me=r)) for r in range(3)}) == 1
 
 
@@ -309,7 +321,9 @@ async def agreeing_program(ctx: Any, trace_dir: str) -> list[float]:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_agreeing_ranks_pass_the_check(world_size: int, tmp_path: Path) -> None:
-    results = run_ranks(agreeing_program, world_size=world_size, backend=None, timeout=90, args=(str(tmp_path),))
+    results = run_ranks(
+        agreeing_program, world_size=world_size, backend=None, timeout=90, args=(str(tmp_path),)
+    )
     ws = world_size
     for res in results:
         assert res[0] == 4 * ws * (ws + 1) / 2
@@ -320,7 +334,9 @@ def test_agreeing_ranks_pass_the_check(world_size: int, tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ traces + diagnose
-async def never_issues(ctx: Any, trace_dir: str, skip: bool, check: str | None = None) -> dict[str, Any]:
+async def never_issues(
+    ctx: Any, trace_dir: str, skip: bool, check: str | None = None
+) -> dict[str, Any]:
     """Rank 1 does not take part in seq 3 (skip: it skips it locally); rank 0 times out."""
     comm = await _comm(ctx, trace_dir=trace_dir, check=check)
     await comm.all_reduce(torch.ones(2))
@@ -343,13 +359,18 @@ async def never_issues(ctx: Any, trace_dir: str, skip: bool, check: str | None =
 def _diagnose(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "asynccoll.diagnose", str(path), *extra],
-        check=False, capture_output=True, text=True, timeout=60,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
 @pytest.mark.parametrize("check", [None, "fingerprint"])
 def test_rank_that_never_issues_is_named(tmp_path: Path, check: str | None) -> None:
-    results = run_ranks(never_issues, world_size=2, backend=None, timeout=60, args=(str(tmp_path), False, check))
+    results = run_ranks(
+        never_issues, world_size=2, backend=None, timeout=60, args=(str(tmp_path), False, check)
+    )
     assert [r["state"] for r in results] == ["aborted", "aborted"]
     assert results[0]["last"]["seq"] == 3 and results[0]["last"]["state"] == "timed out"
     assert results[1]["last"]["seq"] == 2
@@ -369,14 +390,21 @@ def test_rank_that_never_issues_is_named(tmp_path: Path, check: str | None) -> N
     js = json.loads(_diagnose(tmp_path, "--json").stdout)
     assert js["ok"] is False
     behind = [p for p in js["problems"] if p["kind"] == "behind"]
-    assert behind and behind[0]["rank"] == 1 and behind[0]["seq"] == 3 and behind[0]["op"] == "all_reduce"
+    assert (
+        behind
+        and behind[0]["rank"] == 1
+        and behind[0]["seq"] == 3
+        and behind[0]["op"] == "all_reduce"
+    )
 
 
 def test_rank_that_skips_is_named(tmp_path: Path) -> None:
     """skip_collective records the skipped op as skipped, not done: diagnose blames the
     rank that skipped it, not the one that timed out waiting (it said "ended
     differently: timed out on rank 0, done on rank 1")."""
-    results = run_ranks(never_issues, world_size=2, backend=None, timeout=60, args=(str(tmp_path), True))
+    results = run_ranks(
+        never_issues, world_size=2, backend=None, timeout=60, args=(str(tmp_path), True)
+    )
     assert [r["state"] for r in results] == ["aborted", "aborted"]
     assert results[1]["last"]["seq"] == 3 and results[1]["last"]["state"] == "skipped", results
     proc = _diagnose(tmp_path)
@@ -400,8 +428,13 @@ def test_mismatch_trace_and_diagnose(tmp_path: Path) -> None:
     run_ranks(mismatch_traced, world_size=2, backend=None, timeout=60, args=(str(tmp_path),))
     proc = _diagnose(tmp_path)
     assert proc.returncode == 1
-    assert "recorded CollectiveMismatch: seq 2 all_reduce: dtype float32 on rank 0, float64 on rank 1" in proc.stdout
-    assert "seq 2: ranks disagree: dtype float32 on rank 0, float64 on rank 1" in proc.stdout, proc.stdout
+    assert (
+        "recorded CollectiveMismatch: seq 2 all_reduce: dtype float32 on rank 0, float64 on rank 1"
+        in proc.stdout
+    )
+    assert "seq 2: ranks disagree: dtype float32 on rank 0, float64 on rank 1" in proc.stdout, (
+        proc.stdout
+    )
 
 
 async def traced_ops(ctx: Any, trace_dir: str) -> list[dict[str, Any]]:
@@ -422,7 +455,13 @@ async def traced_ops(ctx: Any, trace_dir: str) -> list[dict[str, Any]]:
 
 def test_timeline_is_valid_chrome_trace(tmp_path: Path) -> None:
     records = run_ranks(traced_ops, world_size=2, backend=None, timeout=60, args=(str(tmp_path),))
-    assert [r["op"] for r in records[0]] == ["all_reduce", "all_reduce", "all_reduce", "send", "all_gather_object"]
+    assert [r["op"] for r in records[0]] == [
+        "all_reduce",
+        "all_reduce",
+        "all_reduce",
+        "send",
+        "all_gather_object",
+    ]
     assert [r["op"] for r in records[1]][3] == "recv"
     assert all(r["state"] == "done" for rs in records for r in rs)
     first = records[0][0]
@@ -433,7 +472,9 @@ def test_timeline_is_valid_chrome_trace(tmp_path: Path) -> None:
         assert not (tmp_path / f"rank{rank}.flight.json").exists()  # nothing went wrong
         data = json.loads((tmp_path / f"rank{rank}.trace.json").read_text())
         events = data["traceEvents"]
-        meta = {(e["name"], e["args"]["name"]) for e in events if e["ph"] == "M" and "name" in e["args"]}
+        meta = {
+            (e["name"], e["args"]["name"]) for e in events if e["ph"] == "M" and "name" in e["args"]
+        }
         assert ("process_name", f"rank {rank}") in meta
         assert {("thread_name", s) for s in ("collectives", "p2p", "objects")} <= meta
         ops = [e for e in events if e["ph"] == "X" and e["cat"] == "op"]
@@ -491,20 +532,34 @@ def test_flight_record_cseq_skips_point_to_point_ops() -> None:
     assert snap[1]["peer"] == 1
 
 
-@pytest.mark.parametrize("kinds", [
-    ("all_reduce", "broadcast", "reduce", "all_gather"),  # recorded in one pass
-    ("all_reduce", "send", "barrier", "scatter", "broadcast"),  # one by one: p2p moves the cseqs
-])
-def test_flight_record_of_a_batch_is_its_members_recorded_one_by_one(kinds: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        ("all_reduce", "broadcast", "reduce", "all_gather"),  # recorded in one pass
+        (
+            "all_reduce",
+            "send",
+            "barrier",
+            "scatter",
+            "broadcast",
+        ),  # one by one: p2p moves the cseqs
+    ],
+)
+def test_flight_record_of_a_batch_is_its_members_recorded_one_by_one(
+    kinds: tuple[str, ...],
+) -> None:
     """A batch's records (``issued_batch``) equal what ``issued`` makes for each member,
     after a p2p op that already moved the cseqs: ops, dtypes, shapes, roots, cseqs."""
+
     def spec(i: int, kind: str) -> OpSpec | None:
         t = torch.ones(i + 1, dtype=torch.float64 if i % 2 else torch.float32)
         if kind == "barrier":
             return None
         if kind == "scatter":
             return OpSpec(OpKind.SCATTER, None, t, peer=1)
-        return OpSpec(OpKind(kind), t, reduce_op=ReduceOp.MAX if i % 2 else ReduceOp.SUM, peer=i % 3)
+        return OpSpec(
+            OpKind(kind), t, reduce_op=ReduceOp.MAX if i % 2 else ReduceOp.SUM, peer=i % 3
+        )
 
     members = [(types.SimpleNamespace(seq=3 + i, op=k), spec(i, k)) for i, k in enumerate(kinds)]
     batched, single = FlightRecorder(), FlightRecorder()
@@ -532,19 +587,43 @@ def test_flight_record_reused_seq_replaces_stale_records() -> None:
 
 # ------------------------------------------------------------------ diagnose on synthetic files
 def _write(path: Path, rank: int, records: list[dict[str, Any]], **extra: Any) -> None:
-    data = {"kind": "asynccoll.flight_record", "rank": rank, "world_size": 3, "backend": "gloo",
-            "reason": None, "error_type": None, "error": None, "records": records, "waiting": [], **extra}
+    data = {
+        "kind": "asynccoll.flight_record",
+        "rank": rank,
+        "world_size": 3,
+        "backend": "gloo",
+        "reason": None,
+        "error_type": None,
+        "error": None,
+        "records": records,
+        "waiting": [],
+        **extra,
+    }
     (path / f"rank{rank}.flight.json").write_text(json.dumps(data))
 
 
-def _r(seq: int, op: str = "all_reduce", shape: list[int] | None = None, state: str = "done") -> dict[str, Any]:
-    return {"seq": seq, "op": op, "dtype": "float32", "shape": shape or [4], "numel": 4, "state": state,
-            "issued_at": 1000.0 + seq, "ended_at": 1000.5 + seq if state != "issued" else None}
+def _r(
+    seq: int, op: str = "all_reduce", shape: list[int] | None = None, state: str = "done"
+) -> dict[str, Any]:
+    return {
+        "seq": seq,
+        "op": op,
+        "dtype": "float32",
+        "shape": shape or [4],
+        "numel": 4,
+        "state": state,
+        "issued_at": 1000.0 + seq,
+        "ended_at": 1000.5 + seq if state != "issued" else None,
+    }
 
 
 def test_diagnose_finds_disagreement_and_missing_rank(tmp_path: Path) -> None:
-    _write(tmp_path, 0, [_r(1), _r(2, shape=[4], state="issued")],
-           waiting=[{"seq": 2, "ops": ["all_reduce"], "waiting_for": [1]}])
+    _write(
+        tmp_path,
+        0,
+        [_r(1), _r(2, shape=[4], state="issued")],
+        waiting=[{"seq": 2, "ops": ["all_reduce"], "waiting_for": [1]}],
+    )
     _write(tmp_path, 1, [_r(1), _r(2, shape=[8], state="issued")])
     proc = _diagnose(tmp_path)
     assert proc.returncode == 1
@@ -613,7 +692,9 @@ async def dropped_without_close(ctx: Any) -> list[int]:
 
 
 def test_checker_thread_ends_when_its_communicator_is_collected() -> None:
-    for before, during, after in run_ranks(dropped_without_close, world_size=2, backend=None, timeout=60):
+    for before, during, after in run_ranks(
+        dropped_without_close, world_size=2, backend=None, timeout=60
+    ):
         assert during == before + 1
         assert after == before
 
@@ -663,7 +744,8 @@ async def verdict_before_news(ctx: Any) -> str:
 
 def test_a_held_op_raises_the_mismatch_even_when_the_peers_abort_news_comes_first() -> None:
     assert run_ranks(verdict_before_news, world_size=2, backend=None, timeout=90) == [
-        "CollectiveMismatch", "CollectiveMismatch"
+        "CollectiveMismatch",
+        "CollectiveMismatch",
     ]
 
 

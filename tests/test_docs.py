@@ -65,7 +65,7 @@ def reference_entries() -> dict[str, str]:
         found = list(_ENTRY.finditer(text))
         for i, m in enumerate(found):
             end = found[i + 1].start() if i + 1 < len(found) else len(text)
-            entries[m[1]] = text[m.end():end]
+            entries[m[1]] = text[m.end() : end]
     return entries
 
 
@@ -97,7 +97,9 @@ def public_names() -> list[str]:
 
 def test_public_lists_are_what_the_packages_export() -> None:
     for mod, m in PUBLIC.items():
-        exported = {n for n in dir(m) if not n.startswith("_") and not inspect.ismodule(getattr(m, n))}
+        exported = {
+            n for n in dir(m) if not n.startswith("_") and not inspect.ismodule(getattr(m, n))
+        }
         assert set(m.__all__) == exported, f"{mod}: __all__ and the module's public names differ"
 
 
@@ -182,22 +184,39 @@ def test_guides_have_scripts() -> None:
         assert f"guides/{guide}.md" in pages, f"docs/guides/{guide}.md has no complete script"
 
 
-@pytest.mark.parametrize(("page", "index", "block"), FRAGMENTS, ids=[f"{p}:{i}" for p, i, _ in FRAGMENTS])
+@pytest.mark.parametrize(
+    ("page", "index", "block"), FRAGMENTS, ids=[f"{p}:{i}" for p, i, _ in FRAGMENTS]
+)
 def test_fragment_compiles(page: str, index: int, block: str) -> None:
-    compile(block, f"{page} block {index}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    compile(
+        block,
+        f"{page} block {index}",
+        "exec",
+        flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+        dont_inherit=True,
+    )
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("page", "index", "block"), SCRIPTS, ids=[f"{p}:{i}" for p, i, _ in SCRIPTS])
+@pytest.mark.parametrize(
+    ("page", "index", "block"), SCRIPTS, ids=[f"{p}:{i}" for p, i, _ in SCRIPTS]
+)
 def test_script_runs(page: str, index: int, block: str, tmp_path: Path) -> None:
     compile(block, f"{page} block {index}", "exec", dont_inherit=True)
     if block.startswith(NEEDS_CUDA) and (why := _why_no_gpu()) is not None:
         pytest.skip(f"{page} block {index} needs a CUDA GPU and nccl4py: {why}")
     script = tmp_path / f"docs_snippet_{index}.py"
     script.write_text(block)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, (
         f"{page} block {index} failed:\n{block}\n--- stdout ---\n{proc.stdout[-3000:]}\n"
@@ -214,7 +233,9 @@ def test_versions_agree() -> None:
 
 
 def test_every_extra_is_documented() -> None:
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     install = (DOCS / "install.md").read_text()
     missing = [e for e in extras if f"[{e}]" not in install and f"`{e}`" not in install]
     assert not missing, f"extras not described in docs/install.md: {missing}"
@@ -222,11 +243,16 @@ def test_every_extra_is_documented() -> None:
 
 def test_diagnose_options_are_documented() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "asynccoll.diagnose", "--help"], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "asynccoll.diagnose", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     assert proc.returncode == 0, proc.stderr
     options = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", proc.stdout)) - {"--help"}
     assert options, proc.stdout
     page = (DOCS / "reference" / "cli.md").read_text()
-    assert not [o for o in options if o not in page], f"options of asynccoll.diagnose not in docs: {options}"
+    assert not [o for o in options if o not in page], (
+        f"options of asynccoll.diagnose not in docs: {options}"
+    )

@@ -14,8 +14,12 @@ from asynccoll import doctor
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "asynccoll.doctor", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "asynccoll.doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_doctor_prints_one_screen_and_exits_0() -> None:
@@ -23,7 +27,17 @@ def test_doctor_prints_one_screen_and_exits_0() -> None:
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert len(text.splitlines()) <= 25
-    for label in ("asynccoll ", "python ", "torch ", "CUDA ", "driver ", "packages ", "libnccl ", "NCCL ", "stream "):
+    for label in (
+        "asynccoll ",
+        "python ",
+        "torch ",
+        "CUDA ",
+        "driver ",
+        "packages ",
+        "libnccl ",
+        "NCCL ",
+        "stream ",
+    ):
         assert any(line.startswith(label) for line in text.splitlines()), (label, text)
     assert f"torch      {torch.__version__}" in text
     if not torch.cuda.is_available():
@@ -57,9 +71,13 @@ def test_a_failing_probe_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch)
     assert "driver     unavailable (OSError" in text and "libnccl    unavailable" in text
 
 
-def _report(cuda: str | None, bindings: str | None, lib_cuda: str = "13.0", nccl4py: str | None = "0.6.0") -> Any:
+def _report(
+    cuda: str | None, bindings: str | None, lib_cuda: str = "13.0", nccl4py: str | None = "0.6.0"
+) -> Any:
     return {
-        "torch_cuda": cuda, "cuda_available": True, "torch_nccl": "2.28.9",
+        "torch_cuda": cuda,
+        "cuda_available": True,
+        "torch_nccl": "2.28.9",
         "packages": {"nccl4py": nccl4py, "cuda-bindings": bindings},
         "libnccl": {"version": "2.28.9", "cuda": lib_cuda, "path": "/x/libnccl.so.2"},
     }
@@ -67,7 +85,9 @@ def _report(cuda: str | None, bindings: str | None, lib_cuda: str = "13.0", nccl
 
 def test_advice_names_the_extra_of_torchs_cuda_major() -> None:
     assert doctor.advice(_report("13.0", "13.5.0")) == []  # all of one CUDA major: nothing to say
-    assert any("asynccoll[nccl-cu13]" in t for t in doctor.advice(_report("13.0", None, nccl4py=None)))
+    assert any(
+        "asynccoll[nccl-cu13]" in t for t in doctor.advice(_report("13.0", None, nccl4py=None))
+    )
     (tip,) = doctor.advice(_report("13.0", "12.9.4"))
     assert "cuda-bindings 12.9.4 is for CUDA 12" in tip and "nccl-cu13" in tip
     (tip,) = doctor.advice(_report("12.8", "12.9.4", lib_cuda="13.0"))

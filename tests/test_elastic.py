@@ -23,15 +23,21 @@ from asynccoll.testing import run_ranks
 
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
 def test_members_admit_a_joiner_and_share_state(loop: str) -> None:
-    results = run_ranks(er.members_wait_then_grow, world_size=3, backend=None, timeout=60, args=(2,), loop=loop)
+    results = run_ranks(
+        er.members_wait_then_grow, world_size=3, backend=None, timeout=60, args=(2,), loop=loop
+    )
     for r, res in enumerate(results):
-        assert res["rank"] == r and res["size"] == 3 and res["name"] == "g", res   # old ranks keep their numbers
+        assert res["rank"] == r and res["size"] == 3 and res["name"] == "g", (
+            res
+        )  # old ranks keep their numbers
         assert res["sum"] == [6.0] * 3, res
         assert res["w"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and res["step"] == 7, res
 
 
 def test_two_joiners_get_ranks_in_arrival_order() -> None:
-    results = run_ranks(er.members_wait_then_grow, world_size=4, backend=None, timeout=60, args=(2,))
+    results = run_ranks(
+        er.members_wait_then_grow, world_size=4, backend=None, timeout=60, args=(2,)
+    )
     assert sorted(res["rank"] for res in results) == [0, 1, 2, 3]
     assert [res["rank"] for res in results[:2]] == [0, 1]
     assert all(res["size"] == 4 and res["sum"] == [10.0] * 3 for res in results), results
@@ -41,7 +47,9 @@ def test_a_grow_deletes_its_keys_once_every_participant_is_done() -> None:
     """The plan, outcome, ``built`` marks, the watch's keys and the joiners' ticket records
     go once the grow is over; only the tickets' ``admit`` marks stay (the room's scan
     reads them). Before, each grow left about 24 keys in the store for good."""
-    results = run_ranks(er.grow_then_look_at_keys, world_size=3, backend=None, timeout=60, args=(2,))
+    results = run_ranks(
+        er.grow_then_look_at_keys, world_size=3, backend=None, timeout=60, args=(2,)
+    )
     for res in results:
         assert res["checked"] >= 12 and res["left"] == [], res
         assert res["admits"] == [True], res
@@ -51,15 +59,19 @@ def test_joiner_that_dies_in_grow_is_named_and_the_members_carry_on() -> None:
     results = run_ranks(er.joiner_dies_in_grow, world_size=3, backend=None, timeout=60, lost=(2,))
     for r in (0, 1):
         res = results[r]
-        assert res["type"] == "PeerFailure" and res["ranks"] == [2], res   # numbered as in the grown group
-        assert res["after"] < 10, res                                      # detected, not the 30 s deadline
+        assert res["type"] == "PeerFailure" and res["ranks"] == [2], (
+            res
+        )  # numbered as in the grown group
+        assert res["after"] < 10, res  # detected, not the 30 s deadline
         assert res["old_state"] == "ok" and res["old_sum"] == [2.0, 2.0], res
         assert res["new"] == [r, 2] and res["new_sum"] == [2.0, 2.0] and res["name"] == "g", res
 
 
 def test_frozen_joiner_is_named_by_heartbeats() -> None:
     # Alive on the process table, silent: only the watch's heartbeats and census can name it.
-    results = run_ranks(er.joiner_freezes_in_grow, world_size=3, backend=None, timeout=60, lost=(2,))
+    results = run_ranks(
+        er.joiner_freezes_in_grow, world_size=3, backend=None, timeout=60, lost=(2,)
+    )
     for r in (0, 1):
         res = results[r]
         assert res["ranks"] == [2] and res["old_state"] == "ok", res
@@ -70,15 +82,21 @@ def test_member_that_dies_in_grow_survivors_shrink_and_the_joiner_gets_in() -> N
     results = run_ranks(er.member_dies_in_grow, world_size=4, backend=None, timeout=90, lost=(2,))
     assert results[2] is None
     by_rank = {res["rank"]: res for res in (results[0], results[1], results[3])}
-    assert sorted(by_rank) == [0, 1, 2], results                 # the joiner waited on and became rank 2
+    assert sorted(by_rank) == [0, 1, 2], results  # the joiner waited on and became rank 2
     assert results[0]["rank"] == 0 and results[1]["rank"] == 1 and results[3]["rank"] == 2, results
     assert all(res["size"] == 3 and res["sum"] == [6.0, 6.0] for res in by_rank.values()), results
 
 
 @pytest.mark.parametrize("victim", [2, 1], ids=["joiner", "member"])
 def test_death_during_broadcast_state_is_a_peer_failure(victim: int) -> None:
-    results = run_ranks(er.dies_in_broadcast_state, world_size=3, backend=None, timeout=60, args=(victim,),
-                        lost=(victim,))
+    results = run_ranks(
+        er.dies_in_broadcast_state,
+        world_size=3,
+        backend=None,
+        timeout=60,
+        args=(victim,),
+        lost=(victim,),
+    )
     survivors = [r for r in range(3) if r != victim]
     for new_rank, r in enumerate(survivors):
         res = results[r]
@@ -120,7 +138,9 @@ def test_broadcast_state_round_trip(src: int) -> None:
     assert got["aliased"] and got["namedtuple"] and got["order"], got
     assert got["tuple"] == "tuple:text:3.5", got
     assert all(got["dtypes"].values()), got["dtypes"]
-    assert got["param_grad"] is False and got["defaultdict"] == "defaultdict0" and got["step"] == 41, got
+    assert (
+        got["param_grad"] is False and got["defaultdict"] == "defaultdict0" and got["step"] == 41
+    ), got
 
 
 def test_broadcast_state_refused_on_every_rank() -> None:
@@ -132,7 +152,10 @@ def test_broadcast_state_refused_on_every_rank() -> None:
 
 def _serve(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "asynccoll.store", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "asynccoll.store", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -147,9 +170,14 @@ def test_store_cli_serves_until_signalled_and_refuses_a_port_in_use() -> None:
         for sig, proc in procs.items():
             assert proc.stdout is not None
             line = proc.stdout.readline()
-            assert line.startswith("asynccoll store: listening on "), (line, proc.stderr.read() if proc.stderr else "")
+            assert line.startswith("asynccoll store: listening on "), (
+                line,
+                proc.stderr.read() if proc.stderr else "",
+            )
             port = int(line.rsplit(":", 1)[1])
-            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+            client = dist.TCPStore(
+                "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)
+            )
             client.set("k", "v")
             assert client.get("k") == b"v" and client.add("n", 2) == 2
             del client
@@ -189,8 +217,16 @@ def test_grow_on_nccl_on_the_simulated_gpu(native: bool) -> None:
             if r == 2:
                 comm = await join_with(factories, "nccl", store=store, name="g", timeout=30)
             else:
-                old = await init_with(factories, "nccl", rank=r, world_size=2, store=store, name="g", timeout=30,
-                                      heartbeat=0)
+                old = await init_with(
+                    factories,
+                    "nccl",
+                    rank=r,
+                    world_size=2,
+                    store=store,
+                    name="g",
+                    timeout=30,
+                    heartbeat=0,
+                )
                 while (n := await old.waiting()) == 0:
                     await asyncio.sleep(0.01)
                 comm = await old.grow(old.world_size + n)
@@ -199,8 +235,17 @@ def test_grow_on_nccl_on_the_simulated_gpu(native: bool) -> None:
             t = gpu.tensor([float(comm.rank + 1)])
             await asyncio.wait_for(comm.all_reduce(t), 20)
             world = sim.nccl.state(nccl_comm).world
-            grown = isinstance(world.key, tuple) and world.key[1] == "grow"  # the simulator's child of a grow
-            res = (comm.rank, comm.world_size, gpu.host(t).item(), comm.backend, world.nranks, grown)
+            grown = (
+                isinstance(world.key, tuple) and world.key[1] == "grow"
+            )  # the simulator's child of a grow
+            res = (
+                comm.rank,
+                comm.world_size,
+                gpu.host(t).item(),
+                comm.backend,
+                world.nranks,
+                grown,
+            )
             await comm.close()
             return res
 
@@ -213,4 +258,6 @@ def test_grow_on_nccl_on_the_simulated_gpu(native: bool) -> None:
 
 def test_joiner_takes_the_members_options() -> None:
     results = run_ranks(er.joiner_takes_the_members_options, world_size=3, backend=None, timeout=60)
-    assert results == [{"sum": [3.0, 3.0], "error": "CollectiveMismatch", "timeout": 25.0}] * 3, results
+    assert results == [{"sum": [3.0, 3.0], "error": "CollectiveMismatch", "timeout": 25.0}] * 3, (
+        results
+    )

@@ -19,7 +19,11 @@ def run_example(name: str, *args: str) -> str:
     """Run an example in its own process group; on timeout kill the whole group (its ranks too)."""
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / name), *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -47,11 +51,17 @@ def test_fault_tolerant_survivors_shrink_and_finish() -> None:
     out = run_example("fault_tolerant.py")
     timeline = {
         what: float(at)
-        for at, what in re.findall(r"^\s+([+-]\d+\.\d+)\s+(failure|detected|shrunk|resumed)\b", out, re.MULTILINE)
+        for at, what in re.findall(
+            r"^\s+([+-]\d+\.\d+)\s+(failure|detected|shrunk|resumed)\b", out, re.MULTILINE
+        )
     }
     assert list(timeline) == ["failure", "detected", "shrunk", "resumed"], out
-    assert timeline["failure"] <= timeline["detected"] <= timeline["shrunk"] <= timeline["resumed"], out
-    assert timeline["resumed"] - timeline["failure"] < 10, out  # recovered in seconds, not at the op deadline
+    assert (
+        timeline["failure"] <= timeline["detected"] <= timeline["shrunk"] <= timeline["resumed"]
+    ), out
+    assert timeline["resumed"] - timeline["failure"] < 10, (
+        out
+    )  # recovered in seconds, not at the op deadline
     assert re.search(r"rank 2 killed at step 20", out), out
     assert re.search(r"detected\s+PeerFailure, ranks \[2\]", out), out
     assert re.search(r"shrunk\s+3 -> 2 ranks", out), out
@@ -67,12 +77,14 @@ def test_fault_tolerant_survivors_shrink_and_finish() -> None:
 def test_train_gradsync_join_uneven_ranks_end_identical() -> None:
     out = run_example("train.py")
     assert "parameters identical on all 2 ranks: True" in out, out
-    assert re.search(r"rank 0: 40 batches, shadowed 3 steps", out), out   # uneven: rank 0 joined early
+    assert re.search(r"rank 0: 40 batches, shadowed 3 steps", out), (
+        out
+    )  # uneven: rank 0 joined early
     assert re.search(r"rank 1: 43 batches, shadowed 0 steps", out), out
     assert "final model from rank 1 (the last to finish)" in out, out
     assert "43 synchronised steps" in out, out
     evals = [float(v) for v in re.findall(r"eval  step\s+\d+: held-out loss (\S+)", out)]
-    assert len(evals) == 4, out                                            # the concurrent eval task ran
+    assert len(evals) == 4, out  # the concurrent eval task ran
     assert evals[-1] < evals[0], out
     first, last = re.search(r"rank 0: .*first loss (\S+), last loss (\S+),", out).groups()  # type: ignore[union-attr]
     assert float(last) < float(first), out
@@ -88,17 +100,30 @@ def test_elastic_recipe_with_torchrun_rank_killed_restarted_rejoins(tmp_path: Pa
         what: float(at)
         for at, what in re.findall(
             r"^\s+([+-]\d+\.\d+)\s+(death|detected|shrunk|resumed|replacement started|join called|"
-            r"grow started|joined|rejoined|state received|first joint step)\b", out, re.MULTILINE,
+            r"grow started|joined|rejoined|state received|first joint step)\b",
+            out,
+            re.MULTILINE,
         )
     }
-    order = ["death", "detected", "shrunk", "resumed", "replacement started", "join called", "grow started",
-             "joined", "rejoined", "state received", "first joint step"]
+    order = [
+        "death",
+        "detected",
+        "shrunk",
+        "resumed",
+        "replacement started",
+        "join called",
+        "grow started",
+        "joined",
+        "rejoined",
+        "state received",
+        "first joint step",
+    ]
     assert set(timeline) == set(order), out
     assert [timeline[w] for w in order[:4]] == sorted(timeline[w] for w in order[:4]), out
     assert timeline["replacement started"] <= timeline["join called"] <= timeline["joined"], out
     assert timeline["joined"] <= timeline["state received"] <= timeline["first joint step"], out
     assert timeline["grow started"] <= timeline["rejoined"] <= timeline["first joint step"], out
-    assert timeline["resumed"] < 10, out            # the survivors went on in seconds, not at a deadline
+    assert timeline["resumed"] < 10, out  # the survivors went on in seconds, not at a deadline
     assert re.search(r"death\s+rank 2 SIGKILLed at step 10", out), out
     assert re.search(r"detected\s+(PeerFailure|CommAborted): rank\(s\) \[2\] failed", out), out
     assert re.search(r"shrunk\s+3 -> 2 ranks", out), out
@@ -114,8 +139,12 @@ def test_elastic_recipe_with_torchrun_rank_killed_restarted_rejoins(tmp_path: Pa
     assert re.search(r"joined\s+as rank 2 of 3", out), out
     assert re.search(r"rejoined\s+2 -> 3 ranks", out), out
     assert "parameters bit-equal on all 3 ranks: True" in out, out
-    sizes = [int(n) for n in re.findall(r"^step\s+\d+\s+loss\s+\S+\s+\((\d) ranks\)", out, re.MULTILINE)]
-    assert sizes[0] == 3 and 2 in sizes, out     # trained on 3, then on the 2 survivors
-    losses = re.search(r"held-out loss (\S+) \(at the start (\S+)\)", out)  # it learnt (one step's loss is noise)
+    sizes = [
+        int(n) for n in re.findall(r"^step\s+\d+\s+loss\s+\S+\s+\((\d) ranks\)", out, re.MULTILINE)
+    ]
+    assert sizes[0] == 3 and 2 in sizes, out  # trained on 3, then on the 2 survivors
+    losses = re.search(
+        r"held-out loss (\S+) \(at the start (\S+)\)", out
+    )  # it learnt (one step's loss is noise)
     assert losses is not None and float(losses[1]) < float(losses[2]), out
     assert png.stat().st_size > 10_000, out

@@ -79,12 +79,15 @@ if __name__ == "__main__":
 """
 
 
-
 def _start(script: Path, *args: object) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=os.getcwd(), PYTHONUNBUFFERED="1")
     return subprocess.Popen(
-        [sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env, preexec_fn=_as_from_a_terminal,
+        [sys.executable, str(script), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=_as_from_a_terminal,
     )
 
 
@@ -111,15 +114,26 @@ def _threads(pid: int) -> list[str]:
 
 def _cpp_lines(err: str) -> list[str]:
     """Lines torch's C++ code printed (warnings, errors, stack frames)."""
-    return [line for line in err.splitlines() if line.startswith(("[W", "[E", "frame #", "terminate called"))]
+    return [
+        line
+        for line in err.splitlines()
+        if line.startswith(("[W", "[E", "frame #", "terminate called"))
+    ]
 
 
 @pytest.mark.parametrize(
     "rank, how, loop",
-    [(0, "sigint", "asyncio"), (1, "sigint", "asyncio"), (0, "timeout", "asyncio"), (1, "timeout", "asyncio"),
-     (1, "sigint", "trio")],
+    [
+        (0, "sigint", "asyncio"),
+        (1, "sigint", "asyncio"),
+        (0, "timeout", "asyncio"),
+        (1, "timeout", "asyncio"),
+        (1, "sigint", "trio"),
+    ],
 )
-def test_init_that_waits_for_a_peer_exits_promptly_and_quietly(tmp_path: Path, rank: int, how: str, loop: str) -> None:
+def test_init_that_waits_for_a_peer_exits_promptly_and_quietly(
+    tmp_path: Path, rank: int, how: str, loop: str
+) -> None:
     """Rank 0 (hosting the store) waits in Gloo's connect; rank 1 waits for a store
     that never comes up. Ctrl-C, or ``timeout=3`` running out, ends the process
     within seconds (the issue measured 18-38 s, minutes with the default timeout)."""
@@ -135,8 +149,10 @@ def test_init_that_waits_for_a_peer_exits_promptly_and_quietly(tmp_path: Path, r
         try:
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired as exc:  # say where it hangs (seen once, at load 12-18)
-            raise AssertionError(f"still alive 60 s later; its threads: {_threads(proc.pid)}; "
-                                 f"stderr so far: {exc.stderr!r}") from None
+            raise AssertionError(
+                f"still alive 60 s later; its threads: {_threads(proc.pid)}; "
+                f"stderr so far: {exc.stderr!r}"
+            ) from None
         elapsed = time.monotonic() - t0
     finally:
         if proc.poll() is None:

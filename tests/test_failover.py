@@ -45,7 +45,12 @@ async def deaths_then_shrink(comm: ac.Communicator, victims: list[int], how: str
     new = await comm.shrink()
     t = torch.full((4,), float(comm.rank + 1))
     await new.all_reduce(t)
-    res = {"named": named, "failed": list(comm.failed_ranks), "new": [new.rank, new.world_size], "sum": float(t[0])}
+    res = {
+        "named": named,
+        "failed": list(comm.failed_ranks),
+        "new": [new.rank, new.world_size],
+        "sum": float(t[0]),
+    }
     await new.close()
     return res
 
@@ -62,9 +67,16 @@ async def deaths_then_shrink(comm: ac.Communicator, victims: list[int], how: str
         (3, [1, 2], "sigterm"),
     ],
 )
-def test_deaths_are_named_exactly_and_survivors_recover(world: int, victims: list[int], how: str) -> None:
+def test_deaths_are_named_exactly_and_survivors_recover(
+    world: int, victims: list[int], how: str
+) -> None:
     results = run_ranks(
-        deaths_then_shrink, world_size=world, backend="gloo", timeout=90, args=(victims, how), lost=victims
+        deaths_then_shrink,
+        world_size=world,
+        backend="gloo",
+        timeout=90,
+        args=(victims, how),
+        lost=victims,
     )
     survivors = [r for r in range(world) if r not in victims]
     expected_sum = float(sum(r + 1 for r in survivors))
@@ -104,7 +116,9 @@ async def death_in_coalesced_batch(comm: ac.Communicator) -> dict:
 
 
 def test_death_during_a_coalesced_batch() -> None:
-    results = run_ranks(death_in_coalesced_batch, world_size=3, backend="gloo", timeout=90, lost=(2,))
+    results = run_ranks(
+        death_in_coalesced_batch, world_size=3, backend="gloo", timeout=90, lost=(2,)
+    )
     assert results[0] == results[1] == {"named": [2], "sum": 2.0, "size": 2}
 
 
@@ -172,7 +186,13 @@ async def dropped_comm_stops_beating(ctx: RankContext) -> dict:
     """Two communicators share one beater and one pulse; a communicator dropped
     without close() stops beating once collected, and the threads end with the last."""
     before = _service_threads()
-    kw = {"rank": ctx.rank, "world_size": ctx.world_size, "store": ctx.store, "timeout": 60, "heartbeat": 0.05}
+    kw = {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "store": ctx.store,
+        "timeout": 60,
+        "heartbeat": 0.05,
+    }
     a = await ac.init("gloo", **kw)
     b = await ac.init("gloo", **kw)
     during = _service_threads()
@@ -192,8 +212,12 @@ async def dropped_comm_stops_beating(ctx: RankContext) -> dict:
     await asyncio.sleep(0.5)
     stopped.append(int(store.add(key, 0)))
     return {
-        "before": before, "during": during, "after": _service_threads(),
-        "moving": moving[1] > moving[0], "stopped": stopped[1] == stopped[0], "services": Service.threads(),
+        "before": before,
+        "during": during,
+        "after": _service_threads(),
+        "moving": moving[1] > moving[0],
+        "stopped": stopped[1] == stopped[0],
+        "services": Service.threads(),
     }
 
 
@@ -210,7 +234,9 @@ async def shrink_reuses_the_census(comm: ac.Communicator) -> dict:
     import asynccoll._faults.shrink as shrink_mod
 
     def no_agreement(*args: object) -> set:
-        raise AssertionError("shrink ran an agreement round although the census recorded the failure")
+        raise AssertionError(
+            "shrink ran an agreement round although the census recorded the failure"
+        )
 
     shrink_mod.agree = no_agreement  # type: ignore[assignment]
     await comm.barrier()
@@ -228,7 +254,9 @@ async def shrink_reuses_the_census(comm: ac.Communicator) -> dict:
 
 
 def test_shrink_after_a_death_runs_no_agreement_round() -> None:
-    results = run_ranks(shrink_reuses_the_census, world_size=3, backend="gloo", timeout=60, lost=(2,))
+    results = run_ranks(
+        shrink_reuses_the_census, world_size=3, backend="gloo", timeout=60, lost=(2,)
+    )
     assert results[0] == results[1] == {"record": [2], "sum": 2.0}
 
 
@@ -245,7 +273,9 @@ async def aborted_comms_leave_no_keys(ctx: RankContext) -> dict:
                 return
             await asyncio.sleep(0.025)
 
-    async def barrier(name: str, n: int) -> None:  # on the run's store (no key left behind: counted out)
+    async def barrier(
+        name: str, n: int
+    ) -> None:  # on the run's store (no key left behind: counted out)
         store.add(name, 1)
         deadline = time.monotonic() + 20
         while int(store.add(name, 0)) < n and time.monotonic() < deadline:
@@ -273,12 +303,17 @@ async def aborted_comms_leave_no_keys(ctx: RankContext) -> dict:
     await comm.close()
     await services_ended()
     await barrier("b3", 2)  # the two survivors
-    return {"before": before, "after": sorted(k for k in store.list_keys() if k not in ("b1", "b2", "b3"))}
+    return {
+        "before": before,
+        "after": sorted(k for k in store.list_keys() if k not in ("b1", "b2", "b3")),
+    }
 
 
 def test_aborted_and_shrunk_communicators_leave_no_keys() -> None:
     """Every communicator that was aborted by a death (then shrunk, or closed) left all
     its keys in the store forever: 23 per 3-rank communicator, one leak per fault."""
-    results = run_ranks(aborted_comms_leave_no_keys, world_size=4, backend=None, timeout=90, lost=(2, 3))
+    results = run_ranks(
+        aborted_comms_leave_no_keys, world_size=4, backend=None, timeout=90, lost=(2, 3)
+    )
     for res in results[:2]:
         assert res["after"] == res["before"], sorted(set(res["after"]) - set(res["before"]))

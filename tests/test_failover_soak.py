@@ -27,8 +27,14 @@ SECONDS = 8.0
 
 
 async def soak(ctx: RankContext) -> dict:
-    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60,
-                         heartbeat=INTERVAL)
+    comm = await ac.init(
+        "gloo",
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        store=ctx.store,
+        timeout=60,
+        heartbeat=INTERVAL,
+    )
     liveness = comm._liveness
     assert liveness is not None and liveness.detect
     others = [r for r in range(ctx.world_size) if r != ctx.rank]

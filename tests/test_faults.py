@@ -47,7 +47,9 @@ async def killed_mid_collective(comm: ac.Communicator, how: str) -> dict:
 
 @pytest.mark.parametrize("how", ["exit", "sigkill", "sigterm"])
 def test_peer_killed_mid_collective_raises_peer_failure(how: str) -> None:
-    results = run_ranks(killed_mid_collective, world_size=3, backend="gloo", timeout=60, args=(how,), lost=(2,))
+    results = run_ranks(
+        killed_mid_collective, world_size=3, backend="gloo", timeout=60, args=(how,), lost=(2,)
+    )
     for res in results[:2]:
         assert res["ranks"] == [2], res  # the dead rank is named
         assert res["failed"] == [2]
@@ -61,7 +63,13 @@ async def p2p_after_a_peer_died(comm: ac.Communicator, kind: str) -> dict:
     await asyncio.sleep(1.0)  # Gloo's device loop sees the closed connection meanwhile
     t = torch.zeros(4)
     # The issue itself fails in Gloo ("Connection closed by peer"): a lost peer, not bad arguments.
-    work = comm.recv(t, 1) if kind == "recv" else comm.send(t, 1) if kind == "send" else comm.all_reduce(t)
+    work = (
+        comm.recv(t, 1)
+        if kind == "recv"
+        else comm.send(t, 1)
+        if kind == "send"
+        else comm.all_reduce(t)
+    )
     with pytest.raises(ac.CommAborted) as info:
         await work
     return {"error": type(info.value).__name__, "state": comm.state}
@@ -71,7 +79,9 @@ async def p2p_after_a_peer_died(comm: ac.Communicator, kind: str) -> dict:
 def test_an_op_issued_to_a_dead_peer_fails_as_a_peer_failure(kind: str) -> None:
     """Found by the chaos soak: a recv issued after its peer died raised InvalidArgument at
     the call ("gloo rejected the arguments: Connection closed by peer") and crashed the rank."""
-    results = run_ranks(p2p_after_a_peer_died, world_size=2, backend="gloo", timeout=60, args=(kind,), lost=(1,))
+    results = run_ranks(
+        p2p_after_a_peer_died, world_size=2, backend="gloo", timeout=60, args=(kind,), lost=(1,)
+    )
     assert results[0] == {"error": "PeerFailure", "state": "aborted"}, results
 
 
@@ -89,7 +99,9 @@ async def frozen_peer(comm: ac.Communicator, timeout: float) -> float:
 
 def test_frozen_peer_times_out_between_t_and_1_5t() -> None:
     timeout = 2.0
-    results = run_ranks(frozen_peer, world_size=2, backend="gloo", timeout=60, args=(timeout,), lost=(1,))
+    results = run_ranks(
+        frozen_peer, world_size=2, backend="gloo", timeout=60, args=(timeout,), lost=(1,)
+    )
     assert timeout <= results[0] <= 1.5 * timeout, results
 
 
@@ -254,7 +266,9 @@ def test_abort_from_a_signal_handler_wakes_an_idle_loop() -> None:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _IDLE_LOOP_ABORT], capture_output=True, text=True, timeout=45)
+    proc = subprocess.run(
+        [sys.executable, "-c", _IDLE_LOOP_ABORT], capture_output=True, text=True, timeout=45
+    )
     assert proc.returncode == 0 and "woke after" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
     assert float(proc.stdout.split("woke after")[1]) < 5.0, proc.stdout
 
@@ -276,7 +290,9 @@ def test_abort_news_reaches_the_other_ranks() -> None:
 
 
 async def heartbeat_detects_frozen_peer(ctx: RankContext) -> dict:
-    comm = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=60, heartbeat=0.2)
+    comm = await ac.init(
+        "gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=60, heartbeat=0.2
+    )
     if ctx.rank == 1:
         await comm.barrier()
         freeze()
@@ -288,7 +304,9 @@ async def heartbeat_detects_frozen_peer(ctx: RankContext) -> dict:
 
 
 def test_heartbeat_mode_detects_a_silent_peer() -> None:
-    results = run_ranks(heartbeat_detects_frozen_peer, world_size=2, backend=None, timeout=60, lost=(1,))
+    results = run_ranks(
+        heartbeat_detects_frozen_peer, world_size=2, backend=None, timeout=60, lost=(1,)
+    )
     assert results[0]["ranks"] == [1]
     assert results[0]["seconds"] < 3.0, results  # ~3 beats of 0.2 s, not the 60 s deadline
 
@@ -388,7 +406,9 @@ async def slow_object_peer(ctx: RankContext) -> list:
     (A blocking store wait would hold the shared store client, peers would read
     the missing beats as death and raise PeerFailure.)
     """
-    comm = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=60, heartbeat=0.2)
+    comm = await ac.init(
+        "gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=60, heartbeat=0.2
+    )
     if ctx.rank == 1:
         await asyncio.sleep(1.5)  # > 3 beats of 0.2 s
     objs = await comm.all_gather_object(ctx.rank * 10)

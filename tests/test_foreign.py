@@ -32,7 +32,9 @@ PORT_IN_USE = (
     "The server socket has failed to listen on any local network address. port: 29500, "
     "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
 )
-CONNECT_TIMED_OUT = "The client socket has timed out after 1000ms while trying to connect to (127.0.0.1, 29500)."
+CONNECT_TIMED_OUT = (
+    "The client socket has timed out after 1000ms while trying to connect to (127.0.0.1, 29500)."
+)
 SERVER_GONE = "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?"
 STORE_WAIT_TIMED_OUT = "wait timeout after 1000ms, keys: /missing"
 
@@ -61,13 +63,17 @@ STORE_WAIT_TIMED_OUT = "wait timeout after 1000ms, keys: /missing"
         (TypeError("timed out"), None),
     ],
 )
-def test_torch_errors_are_read_by_type_then_by_the_table(exc: BaseException, kind: Kind | None) -> None:
+def test_torch_errors_are_read_by_type_then_by_the_table(
+    exc: BaseException, kind: Kind | None
+) -> None:
     assert kind_of(exc) is kind
 
 
 def test_torch_errors_read_from_the_real_store() -> None:
     """The same types, raised by a real TCPStore here (torch 2.13: the table's source)."""
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=1), wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, timeout=timedelta(seconds=1), wait_for_workers=False
+    )
     with pytest.raises(dist.DistStoreError) as waited:
         store.wait(["never"], timedelta(milliseconds=100))
     assert kind_of(waited.value) is Kind.TIMEOUT
@@ -90,7 +96,9 @@ def test_torch_errors_read_from_the_real_store() -> None:
         (RuntimeError("Invalid scalar type"), ac.CommAborted),
     ],
 )
-def test_a_failed_op_becomes_a_comm_aborted_with_its_cause(exc: BaseException, expect: type) -> None:
+def test_a_failed_op_becomes_a_comm_aborted_with_its_cause(
+    exc: BaseException, expect: type
+) -> None:
     err = op_error(exc, kind_of(exc), backend="gloo", seq=7, op="all_reduce")
     assert type(err) is expect and err.__cause__ is exc
     assert "all_reduce (seq 7)" in str(err) and str(exc) in str(err)
@@ -99,7 +107,11 @@ def test_a_failed_op_becomes_a_comm_aborted_with_its_cause(exc: BaseException, e
 
 
 def test_a_contract_error_crosses_the_boundary_as_it_is() -> None:
-    for err in (ac.CommAborted("aborted"), ac.PeerFailure("died", [1]), ac.CollectiveTimeout("late", 3, "send")):
+    for err in (
+        ac.CommAborted("aborted"),
+        ac.PeerFailure("died", [1]),
+        ac.CollectiveTimeout("late", 3, "send"),
+    ):
         assert op_error(err, kind_of(err), backend="gloo", seq=3, op="send") is err
 
 
@@ -129,10 +141,16 @@ class _NcclInvalid(Exception):
     ("exc", "kind"),
     [
         (NcclError(foreign.SYSTEM_ERROR, "unhandled system error"), Kind.PEER),
-        (NcclError(foreign.REMOTE_ERROR, "remote process exited or there was a network error"), Kind.PEER),
+        (
+            NcclError(foreign.REMOTE_ERROR, "remote process exited or there was a network error"),
+            Kind.PEER,
+        ),
         (NcclError(foreign.TIMEOUT, "timeout"), Kind.TIMEOUT),
         (NcclError(3, "internal error - please report this issue to the NCCL developers"), None),
-        (NcclError(5, "invalid usage: connection closed by peer"), None),  # NCCL's text is never read
+        (
+            NcclError(5, "invalid usage: connection closed by peer"),
+            None,
+        ),  # NCCL's text is never read
         (_NcclInvalid("bad argument"), None),
         (TimeoutError(), Kind.TIMEOUT),
     ],
@@ -147,7 +165,9 @@ def test_a_failed_nccl_op_becomes_a_comm_aborted_with_its_cause() -> None:
     err = op_error(lost, nccl_kind(lost), backend="NCCL", seq=4, op="broadcast")
     assert type(err) is ac.PeerFailure and err.__cause__ is lost
     broken = NcclError(3, "internal error")
-    err = op_error(broken, nccl_kind(broken), backend="NCCL", seq=4, op="broadcast", message="said so")
+    err = op_error(
+        broken, nccl_kind(broken), backend="NCCL", seq=4, op="broadcast", message="said so"
+    )
     assert type(err) is ac.CommAborted and str(err) == "said so" and err.__cause__ is broken
 
 
@@ -157,19 +177,28 @@ def _reads_message_text(tree: ast.AST) -> list[int]:
     lines = []
     for node in ast.walk(tree):
         if (
-            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
             and node.func.attr in ("lower", "casefold", "startswith", "endswith", "find")
-            and isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value.func) == "str"
+            and isinstance(node.func.value, ast.Call)
+            and ast.unparse(node.func.value.func) == "str"
         ):
             lines.append(node.lineno)
-        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
-            if any(isinstance(c, ast.Call) and ast.unparse(c.func) == "str" for c in node.comparators):
+        elif isinstance(node, ast.Compare) and any(
+            isinstance(op, (ast.In, ast.NotIn)) for op in node.ops
+        ):
+            if any(
+                isinstance(c, ast.Call) and ast.unparse(c.func) == "str" for c in node.comparators
+            ):
                 lines.append(node.lineno)
     return lines
 
 
 def test_only_the_boundary_reads_message_text() -> None:
-    assert _reads_message_text(ast.parse('if "closed" in str(exc) or str(e).lower(): pass')) == [1, 1]
+    assert _reads_message_text(ast.parse('if "closed" in str(exc) or str(e).lower(): pass')) == [
+        1,
+        1,
+    ]
     found = {}
     for path in sorted((ROOT / "asynccoll").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()

@@ -34,7 +34,9 @@ from asynccoll.testing import run_ranks
 
 HERE = Path(__file__).resolve().parent
 NCCL_MISSING = nccl.missing()
-needs_nccl = pytest.mark.skipif(NCCL_MISSING is not None, reason=f"needs a CUDA GPU and nccl4py: {NCCL_MISSING}")
+needs_nccl = pytest.mark.skipif(
+    NCCL_MISSING is not None, reason=f"needs a CUDA GPU and nccl4py: {NCCL_MISSING}"
+)
 #: The event loop's longest stall allowed in each phase (init, ops, close), in ms.
 STALL_MS = 5.0
 #: asynccoll's issue cost per op, at most this many times torch's ProcessGroupNCCL's (a
@@ -42,7 +44,9 @@ STALL_MS = 5.0
 HOST_COST_LIMIT = 5.0
 
 
-def on_gpu(fn: Any, world_size: int = 1, backend: str | None = "nccl", timeout: float = 90, **kw: Any) -> Any:
+def on_gpu(
+    fn: Any, world_size: int = 1, backend: str | None = "nccl", timeout: float = 90, **kw: Any
+) -> Any:
     return run_ranks(fn, world_size=world_size, backend=backend, timeout=timeout, **kw)
 
 
@@ -82,10 +86,20 @@ def test_close_with_work_pending_finishes_it_then_finalizes() -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_the_loop_never_stalls_in_init_ops_or_close(loop: str) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH"))
-                                                      if p))
-    out = subprocess.run([sys.executable, str(HERE / "gpu_ranks.py"), "stall", loop], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=HERE.parent)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p
+        ),
+    )
+    out = subprocess.run(
+        [sys.executable, str(HERE / "gpu_ranks.py"), "stall", loop],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=HERE.parent,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
     res = json.loads(lines[-1][7:])
@@ -96,8 +110,10 @@ def test_the_loop_never_stalls_in_init_ops_or_close(loop: str) -> None:
 
 # ======================================================== two processes, one GPU
 @needs_nccl
-@pytest.mark.skipif(os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1",
-                    reason="NCCL_MULTI_RANK_GPU_ENABLE=1 lets NCCL >= 2.30 put two ranks on one GPU")
+@pytest.mark.skipif(
+    os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1",
+    reason="NCCL_MULTI_RANK_GPU_ENABLE=1 lets NCCL >= 2.30 put two ranks on one GPU",
+)
 @pytest.mark.timeout(120)
 def test_two_ranks_on_one_gpu_fail_with_the_cause_and_leave_nothing() -> None:
     results = on_gpu(gr.auto_two_ranks_one_gpu, world_size=2, backend=None, timeout=100)
@@ -129,7 +145,9 @@ def test_coalesced_groups_mix_collectives_and_send_recv_to_self() -> None:
 def test_a_bad_call_in_an_nccl_group_fails_group_end() -> None:
     (res,) = on_gpu(gr.nccl_group_error_rule, backend=None)
     assert res["group_end"].startswith("NCCLError: InvalidArgument"), res
-    print("the group's valid member ran:", res["ran"])  # True on NCCL 2.28.9, an H100 (docs/verified.md)
+    print(
+        "the group's valid member ran:", res["ran"]
+    )  # True on NCCL 2.28.9, an H100 (docs/verified.md)
 
 
 # ======================================================================= lifecycle
@@ -152,7 +170,12 @@ def test_init_picks_the_local_rank_device() -> None:
 def test_host_cost_per_op_against_torch_process_group_nccl(record_property: Any) -> None:
     (rows,) = on_gpu(gr.host_cost, backend=None, args=(2000,), timeout=120)
     ours, torchs = rows
-    for key in ("issue_wall_us", "issue_thread_cpu_us", "process_cpu_per_op_us", "throughput_ops_s"):
+    for key in (
+        "issue_wall_us",
+        "issue_thread_cpu_us",
+        "process_cpu_per_op_us",
+        "throughput_ops_s",
+    ):
         record_property(f"asynccoll_{key}", round(ours[key], 2))
         record_property(f"torch_{key}", round(torchs[key], 2))
     print(json.dumps(rows, indent=1))
@@ -164,8 +187,12 @@ def test_host_cost_per_op_against_torch_process_group_nccl(record_property: Any)
 @pytest.mark.timeout(120)
 def test_the_gpu_run_says_there_is_no_gpu_in_seconds(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, str(HERE.parent / "tools" / "gpu_run.py"), "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=110)
+    out = subprocess.run(
+        [sys.executable, str(HERE.parent / "tools" / "gpu_run.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "no CUDA GPU: nothing to run" in out.stdout
     assert time.monotonic() - t0 < 60

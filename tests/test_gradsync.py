@@ -37,15 +37,15 @@ class Case:
     """One training scenario, run by DDP and by GradSync."""
 
     steps: int = 4
-    uneven: int = 0            # rank r gets steps + uneven * r batches, inside join()
-    accumulate: int = 1        # micro-batches per step (all but the last under no_sync)
-    unused: bool = False       # a branch used on some ranks/steps only, and one never used
-    thread: bool = False       # backward in a worker thread
+    uneven: int = 0  # rank r gets steps + uneven * r batches, inside join()
+    accumulate: int = 1  # micro-batches per step (all but the last under no_sync)
+    unused: bool = False  # a branch used on some ranks/steps only, and one never used
+    thread: bool = False  # backward in a worker thread
     bucket_mb: float = 0.0005  # small: several buckets even for this model
     zero_grad_none: bool = True
     grad_views: bool = True
-    step_in_wait: bool = False # ``await sync.wait(opt)``: the optimizer stepped bucket by bucket
-    adam: bool = False         # AdamW instead of SGD with momentum
+    step_in_wait: bool = False  # ``await sync.wait(opt)``: the optimizer stepped bucket by bucket
+    adam: bool = False  # AdamW instead of SGD with momentum
 
 
 class Net(torch.nn.Module):
@@ -53,9 +53,9 @@ class Net(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(IN, HID)
         self.b = torch.nn.Linear(HID, HID)
-        self.extra = torch.nn.Linear(HID, HID)   # used only where ``use_extra``
+        self.extra = torch.nn.Linear(HID, HID)  # used only where ``use_extra``
         if unused:
-            self.never = torch.nn.Linear(HID, HID)   # never used: its grad stays None
+            self.never = torch.nn.Linear(HID, HID)  # never used: its grad stays None
         self.c = torch.nn.Linear(HID, OUT)
 
     def forward(self, x: torch.Tensor, use_extra: bool = True) -> torch.Tensor:
@@ -83,11 +83,17 @@ def n_steps(case: Case, rank: int) -> int:
 async def groups(ctx: Any) -> Any:
     """A torch.distributed default group and an asynccoll communicator on this run's store."""
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore("torch/", ctx.store), rank=ctx.rank, world_size=ctx.world_size
+        "gloo",
+        store=dist.PrefixStore("torch/", ctx.store),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
     )
     try:
         comm = await ac.init(
-            "gloo", rank=ctx.rank, world_size=ctx.world_size, store=dist.PrefixStore("ac/", ctx.store)
+            "gloo",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            store=dist.PrefixStore("ac/", ctx.store),
         )
         try:
             yield comm
@@ -135,7 +141,9 @@ async def train_gradsync(comm: ac.Communicator, model: Net, case: Case) -> list[
                     x, y = batch(comm.rank, step, micro)
                     last = micro == case.accumulate - 1
                     with contextlib.nullcontext() if last else sync.no_sync():
-                        loss = torch.nn.functional.mse_loss(model(x, use_extra(case, comm.rank, step)), y)
+                        loss = torch.nn.functional.mse_loss(
+                            model(x, use_extra(case, comm.rank, step)), y
+                        )
                         if case.thread:
                             await anyio.to_thread.run_sync(loss.backward)
                         else:
@@ -169,7 +177,9 @@ async def compare_with_ddp(ctx: Any, case: Case) -> dict[str, Any]:
             for i, (pa, pb) in enumerate(zip(a, b)):
                 worst = max(worst, float((pa - pb).abs().max()))
                 where = f"step {step} param {i}"
-                torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
+                torch.testing.assert_close(
+                    pa, pb, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
+                )
         # The parameters moved (the comparison is not vacuous), and every rank ends equal.
         moved = float((got[-1][0] - start[0]).abs().max())
         assert moved > 1e-4, moved
@@ -191,7 +201,9 @@ CASES = {
     "thread": Case(thread=True),
     "uneven_thread_unused": Case(uneven=1, thread=True, unused=True, accumulate=2),
     "zero_grad_keep": Case(unused=True, zero_grad_none=False),
-    "zero_grad_keep_no_views": Case(unused=True, zero_grad_none=False, grad_views=False, accumulate=2),
+    "zero_grad_keep_no_views": Case(
+        unused=True, zero_grad_none=False, grad_views=False, accumulate=2
+    ),
     "no_views_uneven": Case(uneven=1, grad_views=False),
     "step_in_wait": Case(step_in_wait=True, unused=True),
     "step_in_wait_adamw_uneven": Case(step_in_wait=True, adam=True, uneven=1),
@@ -203,7 +215,9 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_parameters_equal_ddp(name: str, world_size: int) -> None:
     case = CASES[name]
-    results = run_ranks(compare_with_ddp, world_size=world_size, backend=None, timeout=90, args=(case,))
+    results = run_ranks(
+        compare_with_ddp, world_size=world_size, backend=None, timeout=90, args=(case,)
+    )
     for r in results:
         assert r["worst"] < 1e-5
         if case.unused:
@@ -217,7 +231,9 @@ def test_parameters_equal_ddp(name: str, world_size: int) -> None:
 @pytest.mark.parametrize("loop", LOOPS)
 def test_thread_and_loop_backward_under_each_loop(loop: str, thread: bool) -> None:
     case = Case(uneven=1, thread=thread, accumulate=2, unused=True)
-    results = run_ranks(compare_with_ddp, world_size=2, backend=None, timeout=90, loop=loop, args=(case,))
+    results = run_ranks(
+        compare_with_ddp, world_size=2, backend=None, timeout=90, loop=loop, args=(case,)
+    )
     assert [r["steps"] for r in results] == [4, 5]
 
 
@@ -320,8 +336,8 @@ async def bad_arguments(comm: ac.Communicator) -> int:
         lambda: ac.GradSync(comm, model, bucket_mb=0),
         lambda: ac.GradSync(comm, model, bucket_mb=True),
         lambda: ac.GradSync(comm, []),
-        lambda: ac.GradSync(comm, [torch.zeros(3)]),                        # nothing requires grad
-        lambda: ac.GradSync(comm, [model.weight * 2]),                      # not a leaf
+        lambda: ac.GradSync(comm, [torch.zeros(3)]),  # nothing requires grad
+        lambda: ac.GradSync(comm, [model.weight * 2]),  # not a leaf
         lambda: ac.GradSync(comm, 42),
     ]
     for check in checks:
@@ -354,7 +370,9 @@ async def sparse_gradient(comm: ac.Communicator) -> list[bool]:
     await sync.wait()  # the GradSync and the communicator stay usable
     sync.close()
     await comm.barrier()
-    return [isinstance(info.value, t) for t in (ac.InvalidArgument, ac.AsyncCollError, RuntimeError)]
+    return [
+        isinstance(info.value, t) for t in (ac.InvalidArgument, ac.AsyncCollError, RuntimeError)
+    ]
 
 
 def test_a_sparse_gradient_is_a_typed_error() -> None:
@@ -382,11 +400,15 @@ async def gradient_memory(comm: ac.Communicator, grad_views: bool) -> dict[str, 
     out: dict[str, Any] = {}
     for step in range(2):
         x, y = batch(comm.rank, step, 0)
-        local = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), list(model.parameters()))
+        local = torch.autograd.grad(
+            torch.nn.functional.mse_loss(model(x), y), list(model.parameters())
+        )
         torch.nn.functional.mse_loss(model(x), y).backward()
         out["grads_between"] = [p.grad is not None for p in model.parameters()]
         if not grad_views:
-            out["local_kept"] = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), local))
+            out["local_kept"] = all(
+                torch.equal(p.grad, g) for p, g in zip(model.parameters(), local)
+            )
         await sync.wait()
         out["grads_after"] = [p.grad is not None for p in model.parameters()]
         model.zero_grad()
@@ -441,9 +463,11 @@ def test_buckets_rebuilt_in_ready_order_after_first_step() -> None:
     results = run_ranks(rebuild, world_size=2, timeout=60)
     assert results[0] == results[1]
     # Parameters: l3.weight, l3.bias, l2.weight, l2.bias, l1.weight, l1.bias.
-    assert results[0]["before"] == [[5], [4], [3], [2], [1], [0]]   # reverse registration: l1 first
+    assert results[0]["before"] == [[5], [4], [3], [2], [1], [0]]  # reverse registration: l1 first
     after = [b[0] for b in results[0]["after"]]
-    assert sorted(after[:2]) == [0, 1] and sorted(after[2:4]) == [2, 3], after  # l3, then l2, then l1
+    assert sorted(after[:2]) == [0, 1] and sorted(after[2:4]) == [2, 3], (
+        after
+    )  # l3, then l2, then l1
 
 
 # ------------------------------------------------------------------ faults
@@ -460,10 +484,12 @@ async def peer_dies_mid_training(comm: ac.Communicator, thread: bool) -> str:
             x, y = batch(comm.rank, step, 0)
             loss = torch.nn.functional.mse_loss(model(x), y)
             if thread:
-                await anyio.to_thread.run_sync(loss.backward)   # a hook may raise there: the comm is aborted
+                await anyio.to_thread.run_sync(
+                    loss.backward
+                )  # a hook may raise there: the comm is aborted
             else:
                 loss.backward()
-            await sync.wait()                            # or here: PeerFailure
+            await sync.wait()  # or here: PeerFailure
             model.zero_grad()
     # The GradSync fails fast afterwards too, and closes.
     model.zero_grad()
@@ -483,10 +509,15 @@ def test_peer_death_raises_instead_of_hanging(thread: bool) -> None:
 def test_bucket_assignment() -> None:
     from asynccoll._train.buckets import assign
 
-    kib = [torch.zeros(256) for _ in range(8)]                 # 1 KiB each (float32)
+    kib = [torch.zeros(256) for _ in range(8)]  # 1 KiB each (float32)
     # Growing limits: 1 KiB, then 2, 4, ... up to the cap (3 KiB here).
     assert assign(kib, list(range(8)), 1024, 3072) == [[0], [1, 2], [3, 4, 5], [6, 7]]
     # The walk follows ``order``; dtypes never share a bucket; buckets sorted by their first member.
-    mixed = [torch.zeros(256), torch.zeros(512, dtype=torch.bfloat16), torch.zeros(256), torch.zeros(256)]
+    mixed = [
+        torch.zeros(256),
+        torch.zeros(512, dtype=torch.bfloat16),
+        torch.zeros(256),
+        torch.zeros(256),
+    ]
     assert assign(mixed, [3, 2, 1, 0], 2048, 2048) == [[3, 2], [1], [0]]
     assert assign(mixed, [3, 2, 1, 0], 1 << 20, 1 << 20) == [[3, 2, 0], [1]]

@@ -56,7 +56,9 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the fault count is glibc's malloc behaviour")
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="the fault count is glibc's malloc behaviour"
+)
 def test_a_step_of_a_large_model_does_not_fault_its_gradients_in_again() -> None:
     """Backward allocates each 4 MiB gradient and GradSync drops it once copied; if
     glibc returned that memory to the kernel every step, each step would fault a
@@ -65,28 +67,44 @@ def test_a_step_of_a_large_model_does_not_fault_its_gradients_in_again() -> None
     that (``buckets.storages``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", _STEPS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _STEPS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     per_step = float(out.stdout.strip().splitlines()[-1])
-    assert per_step < 256, f"{per_step:.0f} page faults in the median step: the step's gradients are mapped in again"
+    assert per_step < 256, (
+        f"{per_step:.0f} page faults in the median step: the step's gradients are mapped in again"
+    )
 
 
 async def storages(comm: ac.Communicator) -> bool:
     torch.manual_seed(0)  # the same parameters on every rank
-    a, b = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), torch.nn.Linear(64, 8).double()
+    a, b = (
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+        torch.nn.Linear(64, 8).double(),
+    )
     params = [*a.parameters(), *b.parameters()]
     sync = ac.GradSync(comm, params, bucket_mb=0.001, first_bucket_mb=0.001)
-    assert sum(x.buffer.dtype is torch.float32 for x in sync._buckets) == 2  # two buckets, one storage
+    assert (
+        sum(x.buffer.dtype is torch.float32 for x in sync._buckets) == 2
+    )  # two buckets, one storage
 
     def storage_of(dtype: torch.dtype) -> set[int]:
-        return {x.buffer.untyped_storage().data_ptr() for x in sync._buckets if x.buffer.dtype is dtype}
+        return {
+            x.buffer.untyped_storage().data_ptr() for x in sync._buckets if x.buffer.dtype is dtype
+        }
 
     assert len(storage_of(torch.float32)) == 1 and len(storage_of(torch.float64)) == 1
     x = torch.full((4, 64), float(comm.rank + 1))
     (a(x).sum() + b(x.double()).sum()).backward()
     await sync.wait()
-    assert len(storage_of(torch.float32)) == 1 and len(storage_of(torch.float64)) == 1  # after the first step too
+    assert (
+        len(storage_of(torch.float32)) == 1 and len(storage_of(torch.float64)) == 1
+    )  # after the first step too
     # and the next step is reduced through them (ranks feed 1 and 2: the mean input is 1.5)
     for p in params:
         p.grad = None

@@ -35,7 +35,6 @@ def _run(loop: str, fn: Callable[[], Awaitable[Any]]) -> Any:
     return asyncio.run(fn())
 
 
-
 BAD_ARGS: list[tuple[dict[str, Any], str]] = [
     (dict(timeout=float("inf")), "timeout"),
     (dict(timeout=float("nan")), "timeout"),
@@ -72,7 +71,12 @@ def test_bad_init_arguments_are_invalid_argument(loop: str) -> None:
     async def main() -> None:
         for extra, what in BAD_ARGS:
             kwargs: dict[str, Any] = dict(
-                backend="gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=unused_port(), timeout=5
+                backend="gloo",
+                rank=0,
+                world_size=2,
+                master_addr="127.0.0.1",
+                master_port=unused_port(),
+                timeout=5,
             )
             kwargs.update(extra)
             with pytest.raises(ac.InvalidArgument, match=what):
@@ -85,7 +89,12 @@ def test_bad_init_arguments_are_invalid_argument(loop: str) -> None:
 def test_bad_environment_is_invalid_argument(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        for var, raw in (("MASTER_PORT", "abc"), ("RANK", "zero"), ("WORLD_SIZE", "0"), ("MASTER_PORT", "0")):
+        for var, raw in (
+            ("MASTER_PORT", "abc"),
+            ("RANK", "zero"),
+            ("WORLD_SIZE", "0"),
+            ("MASTER_PORT", "0"),
+        ):
             monkeypatch.setenv("RANK", "0")
             monkeypatch.setenv("WORLD_SIZE", "1")
             monkeypatch.setenv("MASTER_PORT", str(unused_port()))
@@ -104,7 +113,14 @@ def test_port_in_use_is_invalid_argument(loop: str) -> None:
             busy.listen()
             port = busy.getsockname()[1]
             with pytest.raises(ac.InvalidArgument, match="in use"):
-                await ac.init("gloo", rank=0, world_size=2, master_addr="127.0.0.1", master_port=port, timeout=5)
+                await ac.init(
+                    "gloo",
+                    rank=0,
+                    world_size=2,
+                    master_addr="127.0.0.1",
+                    master_port=port,
+                    timeout=5,
+                )
         assert (("127.0.0.1", port)) not in stores.STORES
 
     _run(loop, main)
@@ -117,11 +133,13 @@ def test_store_errors_are_typed() -> None:
         (
             "The server socket has failed to listen on any local network address. port: 29500, "
             "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
-            ac.InvalidArgument, "already in use",
+            ac.InvalidArgument,
+            "already in use",
         ),
         (
             "The client socket has timed out after 1000ms while trying to connect to (127.0.0.1, 29500).",
-            ac.CollectiveTimeout, "did not arrive",
+            ac.CollectiveTimeout,
+            "did not arrive",
         ),
         ("Connection refused", ac.InvalidArgument, "no asynccoll/torch store answers"),
     ]
@@ -136,7 +154,14 @@ def test_a_store_that_never_answers_is_a_timeout() -> None:
 
     async def main() -> None:
         with pytest.raises(ac.CollectiveTimeout, match="did not arrive"):
-            await ac.init("gloo", rank=1, world_size=2, master_addr="127.0.0.1", master_port=unused_port(), timeout=1)
+            await ac.init(
+                "gloo",
+                rank=1,
+                world_size=2,
+                master_addr="127.0.0.1",
+                master_port=unused_port(),
+                timeout=1,
+            )
 
     _run("asyncio", main)
 
@@ -203,7 +228,9 @@ async def concurrent_on_given_store(ctx: RankContext) -> float:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_concurrent_creation_on_a_given_store(loop: str) -> None:
-    assert run_ranks(concurrent_on_given_store, world_size=2, backend=None, timeout=90, loop=loop) == [6.0, 6.0]
+    assert run_ranks(
+        concurrent_on_given_store, world_size=2, backend=None, timeout=90, loop=loop
+    ) == [6.0, 6.0]
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -314,7 +341,9 @@ def test_forgetting_keys_on_a_store_whose_host_is_gone_does_not_fail() -> None:
     load, 1 run in 5)."""
     from datetime import timedelta
 
-    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 2, True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     client = dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timedelta(seconds=10))
     client.set("x", "1")
     del server  # the server stops with its last reference
@@ -330,9 +359,21 @@ def test_forget_waits_for_every_rank_not_proven_dead() -> None:
     has not closed, and one rank deletes them, with what object collective 7 left."""
     from datetime import timedelta
 
-    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     store = dist.PrefixStore("c/", server)
-    for key in ("aborted", "failure", "proc/0", "proc/1", "proc/2", "proc/3", "obj/7/0", "obj/7/0/0", "obj/7/2"):
+    for key in (
+        "aborted",
+        "failure",
+        "proc/0",
+        "proc/1",
+        "proc/2",
+        "proc/3",
+        "obj/7/0",
+        "obj/7/0/0",
+        "obj/7/2",
+    ):
         store.set(key, "3" if key == "failure" else "x")
     dist.PrefixStore("c/gloo/", server).set("0/1", "x")
     written = server.num_keys()
@@ -363,7 +404,9 @@ async def close_at_once(ctx: RankContext) -> dict[str, Any]:
         return backend
 
     t0 = asyncio.get_running_loop().time()
-    comm = await init_with(Factories(gloo=slow_gloo), "gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=30)
+    comm = await init_with(
+        Factories(gloo=slow_gloo), "gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=30
+    )
     took = asyncio.get_running_loop().time() - t0
     if ctx.rank == 0:
         await comm.close()
@@ -382,13 +425,17 @@ def test_init_returns_once_every_rank_has_built_its_backends() -> None:
 
 async def _nccl_refuses(rdv: Any, prefix: str, device: Any, timeout: float) -> Any:
     # What NCCL says to two ranks of one communicator on one GPU (before 2.30).
-    raise ac.BackendUnavailable("NCCL init (rank 0/2, cuda:0) failed: NCCL error 5 (invalid usage): "
-                                "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 1b000")
+    raise ac.BackendUnavailable(
+        "NCCL init (rank 0/2, cuda:0) failed: NCCL error 5 (invalid usage): "
+        "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 1b000"
+    )
 
 
 def _ours(names: set[str], rank: int) -> set[str]:
     """Threads of asynccoll's, less the rank worker's executor (``asynccoll-rank<R>_<N>``)."""
-    return {n for n in names if n.startswith("asynccoll") and not n.startswith(f"asynccoll-rank{rank}_")}
+    return {
+        n for n in names if n.startswith("asynccoll") and not n.startswith(f"asynccoll-rank{rank}_")
+    }
 
 
 async def auto_with_nccl_refused(ctx: RankContext) -> dict[str, Any]:
@@ -418,7 +465,9 @@ async def auto_with_nccl_refused(ctx: RankContext) -> dict[str, Any]:
     await both("b1")
     before, threads = store.num_keys(), {t.name for t in threading.enumerate()}
     await both("b2")
-    factories = Factories(nccl=_nccl_refuses, nccl_missing=lambda: None)  # as where CUDA and nccl4py are
+    factories = Factories(
+        nccl=_nccl_refuses, nccl_missing=lambda: None
+    )  # as where CUDA and nccl4py are
     try:
         await init_with(factories, "auto", **kw)
         error = "no error"

@@ -57,7 +57,9 @@ ROOMS: dict[str, set[str]] = {
     "testing": {"*"},
 }
 
-MAX_LINES = 500
+# Counted after `ruff format` (width 100). Splits should follow concepts, not the count:
+# a module near the guard is a prompt to find the concept that wants its own module.
+MAX_LINES = 600
 
 # ------------------------------------------------------------------ allowlists
 # Files another engineer is rewriting right now; each entry names the issue whose work
@@ -278,11 +280,21 @@ def test_the_reach_counter_counts_what_it_says() -> None:
     )
     path = ROOT / "asynccoll" / "_core" / "_probe.py"
     mod = Module.__new__(Module)
-    mod.path, mod.rel, mod.is_package, mod.name = path, "asynccoll/_core/_probe.py", False, "asynccoll._core._probe"
+    mod.path, mod.rel, mod.is_package, mod.name = (
+        path,
+        "asynccoll/_core/_probe.py",
+        False,
+        "asynccoll._core._probe",
+    )
     mod.source, mod.tree = src, ast.parse(src)
     known = {"asynccoll._core._sub": mod}
     found = [what for _line, what in reaches(mod, known)]
-    assert found == ["from asynccoll._core.work import _DONE", "other._written", "other._elsewhere", "torch._C"]
+    assert found == [
+        "from asynccoll._core.work import _DONE",
+        "other._written",
+        "other._elsewhere",
+        "torch._C",
+    ]
 
 
 def test_no_import_cycles() -> None:
@@ -309,9 +321,11 @@ def test_every_room_is_known() -> None:
     assert rooms <= set(ROOMS), rooms - set(ROOMS)
 
 
-def test_no_module_over_500_lines() -> None:
+def test_no_module_over_the_size_guard() -> None:
     long = {
-        mod.rel: mod.lines for mod in modules().values() if mod.lines > MAX_LINES and mod.rel not in LONG_ALLOWED
+        mod.rel: mod.lines
+        for mod in modules().values()
+        if mod.lines > MAX_LINES and mod.rel not in LONG_ALLOWED
     }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
@@ -320,13 +334,17 @@ def test_allowlists_hold_only_what_still_breaks_a_rule() -> None:
     """An entry whose file now keeps the rule must leave the list (so the lists only shrink)."""
     known = {mod.rel: mod for mod in modules().values()}
     for rel in LONG_ALLOWED:
-        assert rel in known and known[rel].lines > MAX_LINES, f"{rel} is short now: drop it from LONG_ALLOWED"
+        assert rel in known and known[rel].lines > MAX_LINES, (
+            f"{rel} is short now: drop it from LONG_ALLOWED"
+        )
     found = cycles(graph())
     for cycle in CYCLES_ALLOWED:
         assert cycle in found, f"{sorted(cycle)} is no longer a cycle: drop it from CYCLES_ALLOWED"
     _counted, _friend_, allowed = counted_reaches()
     for prefix in REACHES_ALLOWED:
-        assert any(entry.startswith(prefix) for entry in allowed), f"{prefix} reaches nothing now: drop it"
+        assert any(entry.startswith(prefix) for entry in allowed), (
+            f"{prefix} reaches nothing now: drop it"
+        )
 
 
 def test_private_reaches_at_most_ten() -> None:
@@ -341,12 +359,20 @@ def test_capability_tables_live_on_backends() -> None:
     builders = collections.defaultdict(list)
     for mod in modules().values():
         for node in ast.walk(mod.tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Caps":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "Caps"
+            ):
                 builders[mod.rel].append(node.lineno)
-    outside = {rel: lines for rel, lines in builders.items() if not rel.startswith("asynccoll/_backends/")}
+    outside = {
+        rel: lines for rel, lines in builders.items() if not rel.startswith("asynccoll/_backends/")
+    }
     assert set(outside) <= {"asynccoll/_core/backend.py"}, outside
     assert len(outside.get("asynccoll/_core/backend.py", [])) <= 1, outside
-    assert any(rel.startswith("asynccoll/_backends/") for rel in builders), "no backend declares a table"
+    assert any(rel.startswith("asynccoll/_backends/") for rel in builders), (
+        "no backend declares a table"
+    )
     validate = (ROOT / "asynccoll/_core/validate.py").read_text()
     for table in ("CAPS", "_GLOO", "_NCCL", "float16"):
         assert table not in validate, f"validate.py still holds a dtype table ({table})"
@@ -356,9 +382,13 @@ def test_backends_forward_nothing_by_getattr() -> None:
     """A backend wrapper forwards the declared attributes explicitly, never by ``__getattr__``."""
     for mod in modules().values():
         for node in ast.walk(mod.tree):
-            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith("Backend") for b in node.bases):
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(b).endswith("Backend") for b in node.bases
+            ):
                 methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
-                assert "__getattr__" not in methods, f"{mod.rel}: {node.name} forwards by __getattr__"
+                assert "__getattr__" not in methods, (
+                    f"{mod.rel}: {node.name} forwards by __getattr__"
+                )
 
 
 def test_nobody_discovers_backend_features() -> None:
@@ -367,10 +397,13 @@ def test_nobody_discovers_backend_features() -> None:
     for mod in modules().values():
         for node in ast.walk(mod.tree):
             if (
-                isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in ("hasattr", "getattr") and len(node.args) > 1
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+                and len(node.args) > 1
                 and "backend" in ast.unparse(node.args[0]).lower()
-                and isinstance(node.args[1], ast.Constant) and not str(node.args[1].value).startswith("__")
+                and isinstance(node.args[1], ast.Constant)
+                and not str(node.args[1].value).startswith("__")
             ):
                 found.append(f"{mod.rel}:{node.lineno} {ast.unparse(node)}")
     assert not found, found

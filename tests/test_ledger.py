@@ -308,7 +308,9 @@ def test_abort_fails_every_kind_of_waiting_as_settling_each_work_would() -> None
         called: list[ac.Work] = []
         callback.add_done_callback(called.append)
         deadline = time.monotonic() + 5.0
-        while (other_loop._waiters is None or blocked._waiters is None) and time.monotonic() < deadline:
+        while (
+            other_loop._waiters is None or blocked._waiters is None
+        ) and time.monotonic() < deadline:
             await asyncio.sleep(0.001)  # the other thread's waiter and the blocked wait() are in
         await asyncio.sleep(0)
         tasks[3].cancel()
@@ -380,7 +382,9 @@ def _own_failure(kind: str, work: ac.Work) -> ac.AsyncCollError:
     if kind == "timeout":
         return ac.CollectiveTimeout("late", work.seq, work.op)
     if kind == "mismatch":
-        return ac.CollectiveMismatch("differs", work.seq, {0: {"op": "all_reduce"}, 1: {"op": "broadcast"}}, ["op"])
+        return ac.CollectiveMismatch(
+            "differs", work.seq, {0: {"op": "all_reduce"}, 1: {"op": "broadcast"}}, ["op"]
+        )
     if kind == "peer":
         return ac.PeerFailure("rank 1 died", [1])
     return ac.CommAborted("the backend failed")
@@ -388,7 +392,7 @@ def _own_failure(kind: str, work: ac.Work) -> ac.AsyncCollError:
 
 @pytest.mark.parametrize("kind", ["timeout", "mismatch", "peer", "aborted"])
 def test_every_error_after_which_the_communicator_is_aborted_is_a_comm_aborted(kind: str) -> None:
-    """"The communicator is dead" is one ``except ac.CommAborted``: the failed op's own
+    """ "The communicator is dead" is one ``except ac.CommAborted``: the failed op's own
     error, the other pending ops', ``comm.error`` and every later call's. A timeout or a
     mismatch is the failed op's alone; the rest get a plain CommAborted caused by it."""
     ledger, aborted = _ledger()
@@ -417,14 +421,19 @@ def test_an_expired_deadline_and_an_abort_for_a_foreign_reason_are_comm_aborted(
     ledger.expired(late.seq)
     timeout = late.exception()
     assert isinstance(timeout, ac.CollectiveTimeout) and isinstance(timeout, ac.CommAborted)
-    assert isinstance(timeout, TimeoutError) and (timeout.seq, timeout.op) == (late.seq, "all_reduce")
+    assert isinstance(timeout, TimeoutError) and (timeout.seq, timeout.op) == (
+        late.seq,
+        "all_reduce",
+    )
     assert type(other.exception()) is ac.CommAborted and other.exception().__cause__ is timeout
     foreign, _ = _ledger()
     with foreign.lock:
         pending = foreign.reserve("all_reduce")
     interrupt = KeyboardInterrupt()
     foreign.abort(interrupt)
-    assert type(pending.exception()) is ac.CommAborted and pending.exception().__cause__ is interrupt
+    assert (
+        type(pending.exception()) is ac.CommAborted and pending.exception().__cause__ is interrupt
+    )
     assert isinstance(foreign.error, ac.CommAborted)
 
 
@@ -475,8 +484,12 @@ async def completion_without_issuing_loop(comm: ac.Communicator) -> dict:
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_completion_reaches_other_loops_and_threads_while_the_issuing_loop_is_blocked(loop: str) -> None:
-    results = run_ranks(completion_without_issuing_loop, world_size=2, backend="gloo", timeout=60, loop=loop)
+def test_completion_reaches_other_loops_and_threads_while_the_issuing_loop_is_blocked(
+    loop: str,
+) -> None:
+    results = run_ranks(
+        completion_without_issuing_loop, world_size=2, backend="gloo", timeout=60, loop=loop
+    )
     assert results[0]["loop"] > 1.0 and results[0]["thread"] > 1.0, results[0]
 
 
@@ -496,7 +509,9 @@ async def state_when_error_is_seen(comm: ac.Communicator) -> str:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_state_is_aborted_when_the_waiter_sees_the_timeout(loop: str) -> None:
-    assert run_ranks(state_when_error_is_seen, world_size=2, backend="gloo", timeout=60, loop=loop) == [
+    assert run_ranks(
+        state_when_error_is_seen, world_size=2, backend="gloo", timeout=60, loop=loop
+    ) == [
         "aborted",
         "aborted",
     ]
@@ -505,8 +520,11 @@ def test_state_is_aborted_when_the_waiter_sees_the_timeout(loop: str) -> None:
 def _own_threads() -> set[str]:
     # The process-wide deadline thread and the test kit's executor threads are not the communicator's.
     return {
-        t.name for t in threading.enumerate()
-        if t.name.startswith("asynccoll-") and "deadlines" not in t.name and not t.name.startswith("asynccoll-rank")
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("asynccoll-")
+        and "deadlines" not in t.name
+        and not t.name.startswith("asynccoll-rank")
     }
 
 
@@ -514,9 +532,13 @@ async def dropped_without_close(ctx: RankContext) -> dict:
     before = _own_threads()
     # timeout=2: Gloo cannot interrupt an op in flight; the thread waiting on rank 0's
     # pending op ends when Gloo's own timeout fails it.
-    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, heartbeat=0, timeout=2)
+    comm = await ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, heartbeat=0, timeout=2
+    )
     await comm.all_reduce(torch.ones(2))
-    await comm.send(torch.ones(1), 1 - ctx.rank) if ctx.rank == 0 else await comm.recv(torch.ones(1), 0)
+    await comm.send(torch.ones(1), 1 - ctx.rank) if ctx.rank == 0 else await comm.recv(
+        torch.ones(1), 0
+    )
     during = _own_threads() - before
     pending = comm.all_reduce(torch.ones(2)) if ctx.rank == 0 else None  # rank 1 never joins
     del comm
@@ -615,12 +637,18 @@ async def bounded_close(comm: ac.Communicator) -> dict:
     work = comm.all_reduce(torch.ones(2))
     t0 = time.monotonic()
     await comm.close(timeout=0.5)
-    return {"elapsed": time.monotonic() - t0, "state": comm.state, "done": work.done() or comm.rank == 1}
+    return {
+        "elapsed": time.monotonic() - t0,
+        "state": comm.state,
+        "done": work.done() or comm.rank == 1,
+    }
 
 
 def test_close_is_bounded_with_ops_in_flight() -> None:
     results = run_ranks(bounded_close, world_size=2, backend="gloo", timeout=60)
-    assert results[0]["elapsed"] < 5 and results[0]["state"] == "closed" and results[0]["done"], results
+    assert results[0]["elapsed"] < 5 and results[0]["state"] == "closed" and results[0]["done"], (
+        results
+    )
 
 
 _SIGINT_RANK = textwrap.dedent(
@@ -656,8 +684,13 @@ def test_ctrl_c_during_a_long_op_exits_promptly(tmp_path: Any) -> None:
     script.write_text(_SIGINT_RANK)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for r in range(2)
     ]
     try:

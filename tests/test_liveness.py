@@ -76,7 +76,9 @@ class CountingStore(dist.Store):  # type: ignore[misc]
 
 
 def _server() -> Any:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
 
 
 def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
@@ -86,8 +88,14 @@ def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
     server = _server()
     heard = threading.Event()
     members = [
-        Liveness(dist.PrefixStore("c", server), r, 2, interval=0.05, detect=False,
-                 on_failure=(lambda e: heard.set()) if r == 1 else (lambda e: None))
+        Liveness(
+            dist.PrefixStore("c", server),
+            r,
+            2,
+            interval=0.05,
+            detect=False,
+            on_failure=(lambda e: heard.set()) if r == 1 else (lambda e: None),
+        )
         for r in range(2)
     ]
     for m in members:
@@ -98,7 +106,9 @@ def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
         while not server.check(["c/bye/0"]):
             assert time.monotonic() < end, "rank 0 never said goodbye"
             time.sleep(0.01)
-        members[0].publish_abort(CommAborted("all_reduce (seq 3) timed out"))  # ...then the abort hook
+        members[0].publish_abort(
+            CommAborted("all_reduce (seq 3) timed out")
+        )  # ...then the abort hook
         assert heard.wait(10), "rank 1 never heard rank 0's abort"
     finally:
         for m in members:
@@ -106,16 +116,26 @@ def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
 
 
 @pytest.mark.parametrize("woken", [True, False])
-def test_abort_news_recorded_without_a_wake_goes_out_on_wake_or_at_the_next_beat(woken: bool) -> None:
+def test_abort_news_recorded_without_a_wake_goes_out_on_wake_or_at_the_next_beat(
+    woken: bool,
+) -> None:
     """``abort()`` on an event loop records the news and wakes the service only after the
     loop's waiters ran (``Parts.aborted``): recording wakes nobody; ``wake()`` sends it
     at once, and if it never comes the member's next beat sends it."""
     server = _server()
     heard = threading.Event()
-    interval = 3600.0 if woken else 0.2  # woken: no beat comes in the test's time, only wake() sends it
+    interval = (
+        3600.0 if woken else 0.2
+    )  # woken: no beat comes in the test's time, only wake() sends it
     members = [
-        Liveness(dist.PrefixStore("c", server), r, 2, interval=interval, detect=False,
-                 on_failure=(lambda e: heard.set()) if r == 1 else (lambda e: None))
+        Liveness(
+            dist.PrefixStore("c", server),
+            r,
+            2,
+            interval=interval,
+            detect=False,
+            on_failure=(lambda e: heard.set()) if r == 1 else (lambda e: None),
+        )
         for r in range(2)
     ]
     for m in members:
@@ -180,8 +200,9 @@ def _hold_gil(seconds: float) -> float:
 async def gil_holder_beside_a_closer(ctx: RankContext) -> dict[str, Any]:
     """Rank 0 closes and drops its communicator while rank 1 holds the GIL for longer
     than the detection bound: rank 1 must not take rank 0 for dead."""
-    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60,
-                         heartbeat=0.2)
+    comm = await ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60, heartbeat=0.2
+    )
     await comm.barrier()
     if ctx.rank == 0:
         await comm.close()
@@ -205,8 +226,9 @@ def test_a_rank_holding_the_gil_does_not_declare_a_closed_peer_dead() -> None:
 async def gil_holder(ctx: RankContext) -> dict[str, Any]:
     """Rank 1 holds the GIL three times for about a second, with moments between:
     neither it nor its peer is declared dead."""
-    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60,
-                         heartbeat=0.2)
+    comm = await ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60, heartbeat=0.2
+    )
     await comm.barrier()
     held = []
     if ctx.rank == 1:

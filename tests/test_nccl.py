@@ -28,7 +28,9 @@ from asynccoll._base.ops import ReduceOp
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_MISSING = nccl.missing()
-needs_nccl = pytest.mark.skipif(NCCL_MISSING is not None, reason=f"needs CUDA + nccl4py: {NCCL_MISSING}")
+needs_nccl = pytest.mark.skipif(
+    NCCL_MISSING is not None, reason=f"needs CUDA + nccl4py: {NCCL_MISSING}"
+)
 no_cuda = pytest.mark.skipif(HAS_CUDA, reason="checks behaviour without CUDA")
 
 
@@ -83,7 +85,9 @@ def test_missing_checks_that_libnccl_loads() -> None:
     assert nccl.missing(cuda_available=lambda: True) is None  # everything is installed here
 
 
-def test_create_turns_an_unloadable_nccl4py_into_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_create_turns_an_unloadable_nccl4py_into_backend_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from asynccoll._backends.nccl import creation
 
     monkeypatch.setattr(creation, "missing", lambda: None)  # as on a GPU machine
@@ -99,7 +103,9 @@ def test_create_turns_an_unloadable_nccl4py_into_backend_unavailable(monkeypatch
 @no_cuda
 def test_init_nccl_without_cuda_is_backend_unavailable() -> None:
     async def main() -> None:
-        await ac.init(backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port())
+        await ac.init(
+            backend="nccl", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port()
+        )
 
     with pytest.raises(ac.BackendUnavailable, match="CUDA"):
         asyncio.run(main())
@@ -115,7 +121,9 @@ def test_create_without_cuda_is_backend_unavailable() -> None:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_auto_falls_back_to_gloo(loop: str) -> None:
     async def main() -> None:
-        comm = await ac.init(backend="auto", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port())
+        comm = await ac.init(
+            backend="auto", rank=0, world_size=1, master_addr="127.0.0.1", master_port=unused_port()
+        )
         try:
             assert "cuda" not in comm._backends and comm.device == torch.device("cpu")
             t = torch.arange(4.0)
@@ -138,7 +146,9 @@ def test_device_index() -> None:
     cur = lambda: 1  # noqa: E731
     assert nccl.device_index(None, 4, cur, env={}) == 1
     assert nccl.device_index(None, 4, cur, env={"LOCAL_RANK": "3"}) == 3
-    assert nccl.device_index(None, 1, cur, env={"LOCAL_RANK": "5"}) == 0  # one visible GPU per process
+    assert (
+        nccl.device_index(None, 1, cur, env={"LOCAL_RANK": "5"}) == 0
+    )  # one visible GPU per process
     assert nccl.device_index(2, 4, cur) == 2
     assert nccl.device_index("cuda:3", 4, cur) == 3
     assert nccl.device_index("cuda", 4, cur) == 1
@@ -178,8 +188,13 @@ def test_contract_real_ncclib_maps_every_reduce_op() -> None:
     import nccl.core as nc
 
     lib = nccl.NcclLib()
-    want = {ReduceOp.SUM: nc.NcclRedOp.SUM, ReduceOp.PROD: nc.NcclRedOp.PROD, ReduceOp.MIN: nc.NcclRedOp.MIN,
-            ReduceOp.MAX: nc.NcclRedOp.MAX, ReduceOp.AVG: nc.NcclRedOp.AVG}
+    want = {
+        ReduceOp.SUM: nc.NcclRedOp.SUM,
+        ReduceOp.PROD: nc.NcclRedOp.PROD,
+        ReduceOp.MIN: nc.NcclRedOp.MIN,
+        ReduceOp.MAX: nc.NcclRedOp.MAX,
+        ReduceOp.AVG: nc.NcclRedOp.AVG,
+    }
     for op in ReduceOp:
         assert lib.redop(op) is want[op]
 
@@ -195,8 +210,12 @@ def test_contract_real_ncclib_calls_bind_to_nccl4py_signatures() -> None:
     import nccl.core as nc
 
     C = nc.Communicator
-    inspect.signature(C.init).bind(2, 0, nc.UniqueId.from_bytes(bytes(128)), nc.NCCLConfig(blocking=False))
-    inspect.signature(C.shrink).bind(None, [1], nc.NCCLConfig(blocking=False), nc.CommShrinkFlag.ABORT)
+    inspect.signature(C.init).bind(
+        2, 0, nc.UniqueId.from_bytes(bytes(128)), nc.NCCLConfig(blocking=False)
+    )
+    inspect.signature(C.shrink).bind(
+        None, [1], nc.NCCLConfig(blocking=False), nc.CommShrinkFlag.ABORT
+    )
     inspect.signature(nc.group_end).bind(simulate=True)  # group_discard
     assert nc.CommShrinkFlag.ABORT != nc.CommShrinkFlag.DEFAULT
     uid = nccl.NcclLib().unique_id()
@@ -236,7 +255,9 @@ def test_caps_bool_reduces_except_avg_and_fp8_needs_sm90() -> None:
         assert torch.bool in caps.reduce[op] and caps.refusal(op, torch.bool) is None
     assert torch.bool not in caps.reduce[ReduceOp.AVG]
     assert "AVG is not defined" in (caps.refusal(ReduceOp.AVG, torch.bool) or "")
-    assert nccl.COMPLEX <= caps.reduce[ReduceOp.SUM] and not nccl.COMPLEX & caps.reduce[ReduceOp.MAX]
+    assert (
+        nccl.COMPLEX <= caps.reduce[ReduceOp.SUM] and not nccl.COMPLEX & caps.reduce[ReduceOp.MAX]
+    )
     fp8 = torch.float8_e4m3fn
     assert fp8 in caps.for_device((9, 0)).reduce[ReduceOp.SUM]
     old = caps.for_device((8, 9))

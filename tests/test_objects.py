@@ -26,12 +26,16 @@ def _leftover(comm: ac.Communicator, seqs: list[int]) -> list[str]:
     for seq in seqs:
         keys.append(f"obj/{seq}/read")
         for r in range(comm.world_size):
-            keys += [f"obj/{seq}/{r}"] + [f"obj/{seq}/{r}/{i}" for i in range(BIG // objects.CHUNK + 2)]
+            keys += [f"obj/{seq}/{r}"] + [
+                f"obj/{seq}/{r}/{i}" for i in range(BIG // objects.CHUNK + 2)
+            ]
     return [k for k in keys if comm._store.check([k])]
 
 
 async def big_objects(ctx: RankContext) -> list[int]:
-    comm = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60)
+    comm = await ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60
+    )
     r = ctx.rank
     blob = bytes([r + 1]) * BIG
     w = comm.all_gather_object(blob)
@@ -43,9 +47,18 @@ async def big_objects(ctx: RankContext) -> list[int]:
     assert len(one) == BIG and one[:1] == one[-1:] == b"z"
     del one
     # Sizes around the inline and chunk boundaries, several in flight, results in order.
-    sizes = [0, objects.INLINE - 40, objects.INLINE + 1, objects.CHUNK - 40, objects.CHUNK + 7, 3 * objects.CHUNK]
+    sizes = [
+        0,
+        objects.INLINE - 40,
+        objects.INLINE + 1,
+        objects.CHUNK - 40,
+        objects.CHUNK + 7,
+        3 * objects.CHUNK,
+    ]
     works = [comm.all_gather_object(bytes(n) + bytes([r])) for n in sizes]
-    works.append(comm.broadcast_object({"r": r, "pad": b"q" * objects.CHUNK} if r == 0 else None, src=0))
+    works.append(
+        comm.broadcast_object({"r": r, "pad": b"q" * objects.CHUNK} if r == 0 else None, src=0)
+    )
     results = [await x for x in works]  # all in flight, awaited one by one (any loop)
     for n, res in zip(sizes, results):
         assert [len(x) for x in res] == [n + 1, n + 1] and [x[-1] for x in res] == [0, 1]
@@ -54,7 +67,9 @@ async def big_objects(ctx: RankContext) -> list[int]:
     await comm.all_gather_object(None)  # every rank has finished reading the ones above
     assert _leftover(comm, seqs) == []
     # The shared store still serves everyone: a second communicator on it works.
-    other = await ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60)
+    other = await ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=60
+    )
     assert await other.all_gather_object(r) == [0, 1]
     await other.close()
     assert comm.state == "ok"
@@ -102,7 +117,9 @@ async def object_peer_dies(comm: ac.Communicator, kind: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", ["all_gather", "broadcast"])
 def test_a_peer_that_dies_during_an_object_collective_is_named_at_once(kind: str) -> None:
-    results = run_ranks(object_peer_dies, world_size=3, backend="gloo", timeout=90, args=(kind,), lost=(2,))
+    results = run_ranks(
+        object_peer_dies, world_size=3, backend="gloo", timeout=90, args=(kind,), lost=(2,)
+    )
     for res in results[:2]:
         assert res["ranks"] == [2], res
         assert res["detected"] < 5.0, res  # the issue: the whole 30 s deadline; a tensor op: ~10 ms

@@ -83,7 +83,10 @@ async def every_pattern(comm: ac.Communicator, rounds: int) -> dict[str, int]:
         w = comm.all_reduce(ts[2])
         await w
         await group
-        check("coalesced batch, then an op on one member", bool((ts[2] == 6).all()) and bool((ts[0] == 3).all()))
+        check(
+            "coalesced batch, then an op on one member",
+            bool((ts[2] == 6).all()) and bool((ts[0] == 3).all()),
+        )
 
         t = _full(r + 1)
         await gather(lambda t=t: comm.all_reduce(t), lambda t=t: comm.all_reduce(t))  # two tasks
@@ -140,15 +143,35 @@ def test_readme_first_example_gives_both_ranks_the_same_right_values(tmp_path: P
     assert block is not None, "README lost its first example"
     script = tmp_path / "first.py"
     script.write_text(block.group(1))
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which(
+        "torchrun"
+    )
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     for run in range(3):
         logs = tmp_path / f"logs{run}"  # one stdout file per rank: the two never interleave
         proc = subprocess.run(
-            [*cmd, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(unused_port()),
-             "--log-dir", str(logs), "--redirects", "1", str(script)],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100,
+            [
+                *cmd,
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(unused_port()),
+                "--log-dir",
+                str(logs),
+                "--redirects",
+                "1",
+                str(script),
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=100,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         printed = sorted(p.read_text().strip() for p in logs.rglob("stdout.log"))
@@ -168,7 +191,9 @@ def test_gate_holds_overlaps_and_everything_after_them_in_call_order() -> None:
     assert gate.run(spans([_spec(buf[0:8])]), [w[0]], issued.append, 0)
     assert gate.run(spans([_spec(buf[8:16])]), [w[1]], issued.append, 1)  # adjacent, disjoint: goes
     assert not gate.run(spans([_spec(buf[7:9])]), [w[2]], issued.append, 2)  # overlaps both
-    assert not gate.run(spans([_spec(other)]), [w[3]], issued.append, 3)  # disjoint, but after a held op
+    assert not gate.run(
+        spans([_spec(other)]), [w[3]], issued.append, 3
+    )  # disjoint, but after a held op
     assert not gate.run([], [w[4]], issued.append, 4)  # no memory (a barrier): in order too
     assert issued == [0, 1] and gate.holding == 3
     assert gate.finished([w[0]]) == [] and issued == [0, 1]  # buf[8:16] still in flight
@@ -202,7 +227,9 @@ def test_gate_counts_inputs_and_outputs_and_hands_back_failed_issues() -> None:
     assert not gate.run(spans([_spec(out[4:])]), [reader], refuse)  # overlaps the output
     [(works, exc)] = gate.finished([first])
     assert list(works) == [reader] and isinstance(exc, ac.InvalidArgument)
-    assert gate.run(spans([_spec(out)]), [Work("all_reduce", 3)], lambda: None)  # nothing left behind
+    assert gate.run(
+        spans([_spec(out)]), [Work("all_reduce", 3)], lambda: None
+    )  # nothing left behind
 
 
 def test_gate_a_failed_issue_leaves_nothing_behind() -> None:
@@ -252,4 +279,7 @@ async def chain_awaiting_only_the_last(comm: ac.Communicator, depth: int) -> lis
 
 def test_a_chain_of_held_ops_completes_when_only_the_last_is_awaited() -> None:
     depth = 20
-    assert run_ranks(chain_awaiting_only_the_last, world_size=2, args=(depth,), timeout=60) == [[2.0**depth] * 4] * 2
+    assert (
+        run_ranks(chain_awaiting_only_the_last, world_size=2, args=(depth,), timeout=60)
+        == [[2.0**depth] * 4] * 2
+    )

@@ -29,7 +29,9 @@ def test_run_ranks_snippets_are_guarded_scripts() -> None:
     using = [b for b in BLOCKS if "run_ranks(" in b]
     assert using, "README has no run_ranks example"
     for block in using:
-        assert GUARD in block, f"a run_ranks snippet fails when pasted into a script without {GUARD!r}:\n{block}"
+        assert GUARD in block, (
+            f"a run_ranks snippet fails when pasted into a script without {GUARD!r}:\n{block}"
+        )
     assert SCRIPTS
 
 
@@ -38,8 +40,17 @@ def test_run_ranks_snippets_are_guarded_scripts() -> None:
 def test_readme_script_runs(index: int, tmp_path: Path) -> None:
     script = tmp_path / f"readme_snippet_{index}.py"
     script.write_text(SCRIPTS[index])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
-    assert proc.returncode == 0, f"snippet {index} failed:\n{SCRIPTS[index]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, (
+        f"snippet {index} failed:\n{SCRIPTS[index]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    )

@@ -25,7 +25,9 @@ from asynccoll._faults.liveness import Liveness
 
 def _gloo_backend() -> TorchGroupBackend:
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
-    return TorchGroupBackend(pg, name="gloo", device_type="cpu", world_size=1, timeout=10.0, caps=gloo.CAPS)
+    return TorchGroupBackend(
+        pg, name="gloo", device_type="cpu", world_size=1, timeout=10.0, caps=gloo.CAPS
+    )
 
 
 def test_backend_declares_its_features_with_defaults() -> None:
@@ -55,7 +57,10 @@ def test_checked_backend_forwards_each_declared_attribute() -> None:
     wrapped = checker.wrap(inner)
     try:
         assert (wrapped.name, wrapped.device_type, wrapped.caps, wrapped.device) == (
-            "gloo", "cpu", gloo.CAPS, inner.device
+            "gloo",
+            "cpu",
+            gloo.CAPS,
+            inner.device,
         )
 
         def census() -> tuple[int, ...]:
@@ -66,7 +71,9 @@ def test_checked_backend_forwards_each_declared_attribute() -> None:
         assert wrapped.shrink_agreed(None, 0, 1, [1], True, 1.0) is None
     finally:
         wrapped.release()  # the checker's thread ends and the inner backend is released
-    assert inner._aborted and inner._pg is None, "release() must reach the inner backend's release()"
+    assert inner._aborted and inner._pg is None, (
+        "release() must reach the inner backend's release()"
+    )
 
 
 def test_work_stream_hook_is_set_through_a_method() -> None:
@@ -80,7 +87,9 @@ def test_work_stream_hook_is_set_through_a_method() -> None:
 
 def test_liveness_hold_keeps_the_service_until_release() -> None:
     def service_ends(hold: bool) -> bool:
-        live = Liveness(dist.HashStore(), 0, 2, interval=0.05, detect=False, on_failure=lambda exc: None)
+        live = Liveness(
+            dist.HashStore(), 0, 2, interval=0.05, detect=False, on_failure=lambda exc: None
+        )
         live.start()
         beater = live._service._beater
         if hold:
@@ -107,7 +116,9 @@ def test_init_with_uses_the_factories_for_every_build_shrink_included() -> None:
 
     async def main() -> float:
         store = dist.HashStore()
-        comm = await init_with(Factories(gloo=counting_gloo), "gloo", rank=0, world_size=1, store=store, timeout=10)
+        comm = await init_with(
+            Factories(gloo=counting_gloo), "gloo", rank=0, world_size=1, store=store, timeout=10
+        )
         new = await comm.shrink(exclude=())
         t = torch.ones(2)
         await new.all_reduce(t)

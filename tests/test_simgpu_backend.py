@@ -44,14 +44,18 @@ def test_op_waits_for_the_callers_stream_and_wait_stream_orders_a_later_kernel()
             user, side = gpu.stream(f"user{r}"), gpu.stream(f"side{r}")
             t = gpu.tensor(torch.zeros(4), stream=user)
             hold = gpu.latch()
-            gpu.kernel(user, lambda: t.as_subclass(torch.Tensor).fill_(r + 1), hold=hold, name=f"long{r}")
+            gpu.kernel(
+                user, lambda: t.as_subclass(torch.Tensor).fill_(r + 1), hold=hold, name=f"long{r}"
+            )
             with gpu.use_stream(user):
                 w = comm.all_reduce(t)
             w.wait_stream(side)
             with gpu.use_stream(side):
                 t.mul_(10)  # a kernel on `side`: must run after the all_reduce
             nccl_comm = comm._backends["cuda"].handle.communicator
-            await asyncio.to_thread(until, lambda: sim.nccl.pushed(nccl_comm) == 1)  # on the comm stream
+            await asyncio.to_thread(
+                until, lambda: sim.nccl.pushed(nccl_comm) == 1
+            )  # on the comm stream
             gpu.idle()
             assert not w.done() and gpu.host(t).tolist() == [0.0] * 4  # held behind the long kernel
             hold.open()
@@ -213,7 +217,10 @@ def test_dead_peer_is_peer_failure_with_the_nccl_code() -> None:
         sim.nccl.kill(be1.handle.communicator)
         with pytest.raises(ac.PeerFailure) as info:
             w.wait(WAIT)
-        assert isinstance(info.value.__cause__, nccl.NcclError) and info.value.__cause__.status == nccl.REMOTE_ERROR
+        assert (
+            isinstance(info.value.__cause__, nccl.NcclError)
+            and info.value.__cause__.status == nccl.REMOTE_ERROR
+        )
         be0.abort()
         be1.abort()
         close_all(be0, be1)
@@ -299,7 +306,10 @@ def test_two_communicators_on_one_device_use_their_own_streams() -> None:
         b0, b1 = sim.backends(2)
         streams_ = {id(be.runtime.comm_stream) for be in (a0, a1, b0, b1)}
         assert len(streams_) == 4
-        ts = {be: gpu.tensor([float(i + 1)], device=be.device) for i, be in enumerate((a0, a1, b0, b1))}
+        ts = {
+            be: gpu.tensor([float(i + 1)], device=be.device)
+            for i, be in enumerate((a0, a1, b0, b1))
+        }
         works = []
         for _ in range(5):  # both launchers run concurrently
             for be in (a0, b0, a1, b1):
@@ -362,14 +372,26 @@ def test_init_checks_nccl_and_picks_the_device_off_the_loop() -> None:
         seen: list[str] = []
         factories = sim.factories()
         checked = dataclasses.replace(
-            factories, nccl_missing=lambda: seen.append(threading.current_thread().name) or None)
+            factories, nccl_missing=lambda: seen.append(threading.current_thread().name) or None
+        )
 
         async def main() -> str:
             loop_thread = threading.current_thread().name
-            with mock.patch.object(torch.cuda, "is_initialized", return_value=False), \
-                    mock.patch.object(torch.cuda, "current_device", side_effect=AssertionError("initializes CUDA")):
-                async with init_with(checked, "nccl", rank=0, world_size=1, store=dist.HashStore(), timeout=20,
-                                     heartbeat=0) as comm:
+            with (
+                mock.patch.object(torch.cuda, "is_initialized", return_value=False),
+                mock.patch.object(
+                    torch.cuda, "current_device", side_effect=AssertionError("initializes CUDA")
+                ),
+            ):
+                async with init_with(
+                    checked,
+                    "nccl",
+                    rank=0,
+                    world_size=1,
+                    store=dist.HashStore(),
+                    timeout=20,
+                    heartbeat=0,
+                ) as comm:
                     assert comm.device == torch.device("cuda", 0)
             return loop_thread
 
@@ -416,7 +438,10 @@ def test_shrink_defaults_to_abort_when_ops_are_in_flight() -> None:
         submit(bes[0], OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))  # rank 1 never joins
         until(lambda: bool(sim.nccl.state(bes[0].handle.communicator).launches))
         solo = bes[0].shrink([1])
-        assert sim.nccl.state(bes[0].handle.communicator).mock.shrink.call_args.args[2] is nc.CommShrinkFlag.ABORT
+        assert (
+            sim.nccl.state(bes[0].handle.communicator).mock.shrink.call_args.args[2]
+            is nc.CommShrinkFlag.ABORT
+        )
         assert (solo.rank, solo.world_size) == (0, 1)
         bes[0].abort()
         close_all(solo, *bes)

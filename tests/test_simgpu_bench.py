@@ -15,15 +15,29 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(torch.version.cuda is not None, reason="the simulated GPU needs a CPU build of torch")
+@pytest.mark.skipif(
+    torch.version.cuda is not None, reason="the simulated GPU needs a CPU build of torch"
+)
 @pytest.mark.timeout(240)
 def test_gpu_sim_bench_runs(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "bench.gpu", "--sim", "--iters", "60", "--out", str(tmp_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--sim", "--iters", "60", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     res = json.loads((tmp_path / "gpu_sim.json").read_text())
-    for key in ("issue_us", "issue_thread_cpu_us", "call_to_nccl_returned_us", "member_us", "completion_us"):
+    for key in (
+        "issue_us",
+        "issue_thread_cpu_us",
+        "call_to_nccl_returned_us",
+        "member_us",
+        "completion_us",
+    ):
         assert res["results"][key]["p50"] > 0, key
     assert set(res["results"]["profile"]) == {"caller", "launch", "watcher"}
     assert all(res["results"]["profile"][t] for t in ("caller", "launch", "watcher"))

@@ -58,8 +58,13 @@ def test_1_a_call_failing_inside_a_group_launches_nothing() -> None:
         sim.nccl.fail_call(comm_of(be), "broadcast", nc.NcclInvalid("boom"))
         a, b = sim.gpu.tensor([1.0]), sim.gpu.tensor([2.0])
         works = [Work("all_reduce", 1), Work("broadcast", 2)]
-        be.submit_batch([OpSpec(OpKind.ALL_REDUCE, a, timeout=10), OpSpec(OpKind.BROADCAST, b, peer=0, timeout=10)],
-                        works)
+        be.submit_batch(
+            [
+                OpSpec(OpKind.ALL_REDUCE, a, timeout=10),
+                OpSpec(OpKind.BROADCAST, b, peer=0, timeout=10),
+            ],
+            works,
+        )
         for w in works:
             with pytest.raises(ac.CommAborted):
                 w.wait(WAIT)
@@ -75,8 +80,10 @@ def test_1_every_argument_is_resolved_before_the_group_starts() -> None:
         (be,) = sim.backends(1)
         st = sim.nccl.state(comm_of(be))
         f, flag = sim.gpu.tensor([1.0]), sim.gpu.tensor([True, False])
-        specs = [OpSpec(OpKind.ALL_REDUCE, f, timeout=10),
-                 OpSpec(OpKind.ALL_REDUCE, flag, reduce_op=ReduceOp.AVG, timeout=10)]
+        specs = [
+            OpSpec(OpKind.ALL_REDUCE, f, timeout=10),
+            OpSpec(OpKind.ALL_REDUCE, flag, reduce_op=ReduceOp.AVG, timeout=10),
+        ]
         with pytest.raises(ac.InvalidArgument, match="AVG"):
             be.submit_batch(specs, [Work("all_reduce", 1), Work("all_reduce", 2)])
         assert st.launches == []
@@ -177,8 +184,12 @@ def test_3_wait_stream_on_a_launched_op_waits_on_its_event() -> None:
 def test_4_the_comm_stream_is_not_one_of_torchs_pool_streams() -> None:
     with SimCluster() as sim:
         bes = sim.backends(2)
-        pool = {torch.cuda.Stream(device=d, priority=p).cuda_stream
-                for d in (0, 1) for p in (0, -1, -2, -3) for _ in range(32)}
+        pool = {
+            torch.cuda.Stream(device=d, priority=p).cuda_stream
+            for d in (0, 1)
+            for p in (0, -1, -2, -3)
+            for _ in range(32)
+        }
         mine = {be.runtime.comm_stream.cuda_stream for be in bes}
         assert len(mine) == 2 and not mine & pool
         close_all(*bes)
@@ -233,7 +244,9 @@ def test_7_fp8_reductions_are_refused_at_the_call_below_sm90() -> None:
 
         async def body(comm: Any) -> Any:
             t = gpu.tensor(torch.ones(4).to(fp8))
-            with pytest.raises(ac.InvalidArgument, match="float8_e4m3fn"):  # validate.py asks be.caps
+            with pytest.raises(
+                ac.InvalidArgument, match="float8_e4m3fn"
+            ):  # validate.py asks be.caps
                 comm.all_reduce(t)
             out = gpu.tensor(torch.zeros(8).to(fp8))
             await comm.all_gather(out, t)  # moving fp8 is fine on any device
@@ -268,7 +281,10 @@ def test_8_communicators_of_a_device_launch_in_issue_order() -> None:
         b0, b1 = sim.backends(2)
         stuck = gpu.latch()
         sim.nccl.block_calls(comm_of(a0), stuck)
-        ts = {be: gpu.tensor([float(i + 1)], device=be.device) for i, be in enumerate((a0, a1, b0, b1))}
+        ts = {
+            be: gpu.tensor([float(i + 1)], device=be.device)
+            for i, be in enumerate((a0, a1, b0, b1))
+        }
         works = [submit(a0, OpKind.ALL_REDUCE, ts[a0])]
         until(lambda: a0.handle.calling)
         works += [submit(b0, OpKind.ALL_REDUCE, ts[b0]), submit(a1, OpKind.ALL_REDUCE, ts[a1])]
@@ -323,6 +339,8 @@ def test_10_revoke_exists_from_nccl_2_28_7() -> None:
             old = types.ModuleType(f"nccl.core({version})")
             old.__dict__.update(vars(sim.nccl.module))
             v = types.SimpleNamespace(major=version[0], minor=version[1], micro=version[2])
-            old.get_version = lambda v=v: types.SimpleNamespace(libnccl=types.SimpleNamespace(version=v))  # type: ignore[attr-defined]
+            old.get_version = lambda v=v: types.SimpleNamespace(
+                libnccl=types.SimpleNamespace(version=v)
+            )  # type: ignore[attr-defined]
             assert NcclLib(old).can_revoke(comm_of(be)) is expect, version
         be.close()

@@ -16,8 +16,20 @@ import torch
 import asynccoll as ac
 from asynccoll.testing.simgpu import SimCluster
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
-          torch.int32, torch.int64, torch.uint32, torch.uint64, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.complex64,
+]
 OPS = list(ac.ReduceOp)
 
 
@@ -57,7 +69,11 @@ def expect(op: ac.ReduceOp, xs: list[torch.Tensor]) -> torch.Tensor:
     elif op is ac.ReduceOp.MAX:
         r = st.amax(0)
     else:
-        r = st.sum(0) / len(xs) if dt.is_floating_point else torch.div(st.sum(0), len(xs), rounding_mode="floor")
+        r = (
+            st.sum(0) / len(xs)
+            if dt.is_floating_point
+            else torch.div(st.sum(0), len(xs), rounding_mode="floor")
+        )
     return r.to(dt)
 
 
@@ -66,7 +82,9 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype is torch.bool and bool((a.view(torch.uint8) > 1).any()):
         return False  # a bool byte other than 0/1 (e.g. a uint8 SUM of bools) is garbage
     if a.dtype.is_floating_point or a.dtype.is_complex:
-        return a.shape == b.shape and torch.allclose(a.to(torch.complex128), b.to(torch.complex128), rtol=1e-2)
+        return a.shape == b.shape and torch.allclose(
+            a.to(torch.complex128), b.to(torch.complex128), rtol=1e-2
+        )
     return torch.equal(a, b)
 
 
@@ -94,9 +112,11 @@ def test_every_collective_every_op_every_dtype(ws: int) -> None:
                     big = [torch.cat([value(k * 10 + j, dt) for j in range(ws)]) for k in range(ws)]
                     out = gpu.tensor(torch.zeros(6, dtype=dt))
                     await comm.reduce_scatter(out, gpu.tensor(big[r]), op)
-                    want = expect(op, big)[r * 6:(r + 1) * 6]
+                    want = expect(op, big)[r * 6 : (r + 1) * 6]
                     if not same(out, want):
-                        bad.append(f"reduce_scatter {dt} {op.name}: {gpu.host(out).tolist()} != {want.tolist()}")
+                        bad.append(
+                            f"reduce_scatter {dt} {op.name}: {gpu.host(out).tolist()} != {want.tolist()}"
+                        )
                 for root in range(ws):
                     t = gpu.tensor(xs[r])
                     await comm.broadcast(t, root)
@@ -118,7 +138,11 @@ def test_every_collective_every_op_every_dtype(ws: int) -> None:
                     if r == root and not same(out, torch.cat(xs)):
                         bad.append(f"gather {dt} root {root}: {gpu.host(out).tolist()}")
                     out = gpu.tensor(torch.zeros(6, dtype=dt))
-                    src = gpu.tensor(torch.cat([value(root * 10 + j, dt) for j in range(ws)])) if r == root else None
+                    src = (
+                        gpu.tensor(torch.cat([value(root * 10 + j, dt) for j in range(ws)]))
+                        if r == root
+                        else None
+                    )
                     await comm.scatter(out, root, src)
                     if not same(out, value(root * 10 + r, dt)):
                         bad.append(f"scatter {dt} root {root}")

@@ -41,7 +41,12 @@ def on_thread(fn: Any, *args: Any) -> Any:
 # ====================================================================== device
 def test_sim_tensors_look_like_cuda_tensors_of_their_device(gpu: SimGPU) -> None:
     t = gpu.tensor([1.0, 2.0])
-    assert isinstance(t, SimTensor) and t.is_cuda and not t.is_cpu and t.device == torch.device("cuda", 0)
+    assert (
+        isinstance(t, SimTensor)
+        and t.is_cuda
+        and not t.is_cpu
+        and t.device == torch.device("cuda", 0)
+    )
     v = t.view(torch.uint8)
     assert isinstance(v, SimTensor) and v.is_cuda and v.device == t.device
     torch.cuda.set_device(1)
@@ -204,13 +209,28 @@ def shape(fn: Any) -> list[tuple[str, Any, Any]]:
 
 
 def test_doubles_have_torchs_signatures() -> None:
-    real = {"Stream": cudart._REAL_STREAM, "ExternalStream": cudart._REAL_EXTERNAL, "Event": cudart._REAL_EVENT}
-    for name, cls in (("Stream", cudart.Stream), ("ExternalStream", cudart.ExternalStream), ("Event", cudart.Event)):
+    real = {
+        "Stream": cudart._REAL_STREAM,
+        "ExternalStream": cudart._REAL_EXTERNAL,
+        "Event": cudart._REAL_EVENT,
+    }
+    for name, cls in (
+        ("Stream", cudart.Stream),
+        ("ExternalStream", cudart.ExternalStream),
+        ("Event", cudart.Event),
+    ):
         for attr, member in vars(cls).items():
-            if attr.startswith("_") and attr != "__new__" or not callable(member) or isinstance(member, staticmethod):
+            if (
+                attr.startswith("_")
+                and attr != "__new__"
+                or not callable(member)
+                or isinstance(member, staticmethod)
+            ):
                 continue
             want = getattr(real[name], attr, None)
-            if want is None:  # a C++ member the CPU build lacks (query, synchronize of _CudaStreamBase)
+            if (
+                want is None
+            ):  # a C++ member the CPU build lacks (query, synchronize of _CudaStreamBase)
                 continue
             assert shape(member) == shape(want), f"{name}.{attr}"
     with SimGPU():
@@ -228,7 +248,9 @@ def test_per_thread_device_and_current_stream(gpu: SimGPU) -> None:
         assert torch.cuda.current_device() == 1 and torch.cuda.current_stream() == s1
         assert on_thread(torch.cuda.current_device) == 0  # another thread is not affected
         assert on_thread(lambda: torch.cuda.current_stream(1)) == torch.cuda.default_stream(1)
-    assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(1) == torch.cuda.default_stream(1)
+    assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(
+        1
+    ) == torch.cuda.default_stream(1)
     with torch.cuda.device(1):
         assert torch.cuda.current_device() == 1
     assert torch.cuda.current_device() == 0
@@ -391,7 +413,9 @@ def test_wait_event_awaits_a_simulated_event(gpu: SimGPU) -> None:
     assert gpu.errors == []
 
 
-def test_the_simulator_refuses_a_cuda_build_of_torch_as_a_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_simulator_refuses_a_cuda_build_of_torch_as_a_skip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """On torch 2.11+cu130 (the H100 run) opening a SimGPU failed ~100 tests with
     "object.__new__(ExternalStream) is not safe": a CUDA build's stream and event classes
     refuse the doubles. It is now a SkipTest naming the cause, before anything is patched."""

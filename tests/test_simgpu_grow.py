@@ -68,7 +68,11 @@ def test_two_members_grow_to_three_with_ncclcommgrow() -> None:
         )
         assert all(isinstance(be, nccl.NcclBackend) for be in grown), grown
         grown[2].bind(standalone_sink(2))
-        assert [(be.rank, be.world_size, be.device.index) for be in grown] == [(0, 3, 0), (1, 3, 1), (2, 3, 2)]
+        assert [(be.rank, be.world_size, be.device.index) for be in grown] == [
+            (0, 3, 0),
+            (1, 3, 1),
+            (2, 3, 2),
+        ]
         states = [sim.nccl.state(be.handle.communicator) for be in grown]
         assert len({s.world.key for s in states}) == 1 and states[0].world.key[1] == "grow"
         assert sim.nccl.module.Communicator.init.call_count == 2  # no fresh init: one grow

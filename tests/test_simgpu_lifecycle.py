@@ -43,8 +43,10 @@ def init_raising(sim: SimCluster, exc: BaseException) -> None:
 
 
 # ======================================================================= init
-@pytest.mark.parametrize(("code", "expect"), [(Result.Timeout, ac.CollectiveTimeout),
-                                              (Result.InternalError, ac.BackendUnavailable)])
+@pytest.mark.parametrize(
+    ("code", "expect"),
+    [(Result.Timeout, ac.CollectiveTimeout), (Result.InternalError, ac.BackendUnavailable)],
+)
 def test_init_errors_are_mapped_by_type(code: Any, expect: type) -> None:
     with SimCluster() as sim:
         init_raising(sim, NCCLError(int(code)))
@@ -52,8 +54,10 @@ def test_init_errors_are_mapped_by_type(code: Any, expect: type) -> None:
             sim.backends(1)
 
 
-@pytest.mark.parametrize(("code", "expect"), [(Result.RemoteError, ac.PeerFailure),
-                                              (Result.InvalidUsage, ac.BackendUnavailable)])
+@pytest.mark.parametrize(
+    ("code", "expect"),
+    [(Result.RemoteError, ac.PeerFailure), (Result.InvalidUsage, ac.BackendUnavailable)],
+)
 def test_an_init_that_reports_an_error_is_aborted(code: Any, expect: type) -> None:
     with SimCluster() as sim:
         real = sim.nccl.module.Communicator.init.side_effect
@@ -65,7 +69,9 @@ def test_an_init_that_reports_an_error_is_aborted(code: Any, expect: type) -> No
 
         sim.nccl.module.Communicator.init.side_effect = broken
         # NCCL's own words (ncclGetLastError, e.g. "Duplicate GPU detected") name the cause.
-        with pytest.raises(expect, match=f"NCCL error {int(code)}: .*: simulated NCCL error {int(code)}$"):
+        with pytest.raises(
+            expect, match=f"NCCL error {int(code)}: .*: simulated NCCL error {int(code)}$"
+        ):
             sim.backends(1)
         assert sim.nccl.live() == []  # the half-built communicator was aborted
 
@@ -74,7 +80,9 @@ def test_an_init_cancelled_by_its_task_leaves_nothing_behind() -> None:
     with SimCluster() as sim:
 
         async def main() -> None:
-            task = asyncio.ensure_future(sim.create(Rdv(dist.HashStore(), 0, 2), timeout=30))  # rank 1 never comes
+            task = asyncio.ensure_future(
+                sim.create(Rdv(dist.HashStore(), 0, 2), timeout=30)
+            )  # rank 1 never comes
             await asyncio.sleep(0.3)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -127,7 +135,9 @@ def test_an_unusable_communicator_fails_the_ops_in_flight() -> None:
         be0, be1 = sim.backends(2)
         w = submit(be0, sim.gpu.tensor([1.0]))  # rank 1 never joins: in flight
         until(lambda: be0.busy())
-        sim.nccl.fail_call(comm_of(be0), "get_async_error", nc.NcclInvalid("gone"))  # the health check
+        sim.nccl.fail_call(
+            comm_of(be0), "get_async_error", nc.NcclInvalid("gone")
+        )  # the health check
         with pytest.raises(ac.CommAborted, match="NCCL reported error"):
             w.wait(WAIT)
         be0.abort()
@@ -212,7 +222,9 @@ def test_a_shrink_whose_parent_fails_raises_peer_failure() -> None:
 
         def shrink_then_die(*a: Any, **k: Any) -> Any:
             child = real(*a, **k)
-            sim.nccl.set_error(comm_of(bes[0]), int(Result.RemoteError))  # a survivor died meanwhile
+            sim.nccl.set_error(
+                comm_of(bes[0]), int(Result.RemoteError)
+            )  # a survivor died meanwhile
             return child
 
         sim.nccl.state(comm_of(bes[0])).mock.shrink.side_effect = shrink_then_die

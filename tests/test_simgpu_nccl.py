@@ -62,8 +62,12 @@ def test_sim_communicator_has_exactly_nccl4pys_interface() -> None:
         with pytest.raises(AttributeError):
             sim.nccl.module.Communicator.init_rank  # noqa: B018 - not an nccl4py name
         with pytest.raises(nc.NcclInvalid):  # nccl4py's own check: a tensor of another device
-            comm.allreduce(sim.gpu.tensor([1.0], device=1), sim.gpu.tensor([1.0], device=1), nc.NcclRedOp.SUM,
-                           stream=s)
+            comm.allreduce(
+                sim.gpu.tensor([1.0], device=1),
+                sim.gpu.tensor([1.0], device=1),
+                nc.NcclRedOp.SUM,
+                stream=s,
+            )
         comm.abort()
         with pytest.raises(nc.NcclInvalid):
             comm.get_async_error()  # aborted: nccl4py's null communicator
@@ -80,7 +84,11 @@ def test_sim_nccl_reports_real_result_codes_and_in_progress() -> None:
         assert c0.get_async_error() is Result.Success and c1.get_async_error() is Result.Success
         t = sim.gpu.tensor([1.0])
         c0.allreduce(t, t, nc.NcclRedOp.SUM, stream=streams_of(sim, 1)[0])
-        assert [c0.get_async_error() for _ in range(3)] == [Result.InProgress, Result.InProgress, Result.Success]
+        assert [c0.get_async_error() for _ in range(3)] == [
+            Result.InProgress,
+            Result.InProgress,
+            Result.Success,
+        ]
         c0.abort()
         c1.abort()
         assert sim.nccl.live() == []
@@ -147,7 +155,9 @@ def test_fp8_reductions_need_sm90() -> None:
                 with pytest.raises(NCCLError) as info:
                     comm.allreduce(t, t, nc.NcclRedOp.SUM, stream=s)  # enqueue.cc:3029
                 assert info.value.status == Result.InvalidArgument
-                assert comm.get_async_error() == Result.InvalidArgument  # the communicator is broken
+                assert (
+                    comm.get_async_error() == Result.InvalidArgument
+                )  # the communicator is broken
             comm.abort()
 
 
@@ -199,7 +209,9 @@ def test_revoke_stays_in_progress_until_the_device_work_drained() -> None:
         ready(a)
         sim.gpu.idle()
         a.revoke()
-        assert all(a.get_async_error() == Result.InProgress for _ in range(10))  # commRevokeAsync syncs
+        assert all(
+            a.get_async_error() == Result.InProgress for _ in range(10)
+        )  # commRevokeAsync syncs
         sim.nccl.drain_aborted()
         ready(a)
         a.abort()
@@ -258,7 +270,9 @@ def test_grow_rules() -> None:
             a.get_unique_id()  # nccl.h: not while a previous id is unconsumed
         assert info.value.status == Result.InvalidUsage
         with pytest.raises(nc.NcclInvalid):
-            a.grow(3, nc.UniqueId.from_bytes(uid), rank=2)  # nccl4py: a new rank needs a null communicator
+            a.grow(
+                3, nc.UniqueId.from_bytes(uid), rank=2
+            )  # nccl4py: a new rank needs a null communicator
         ga = lib.grow(a, 3, uid)  # the root passes the id
         with torch.cuda.device(1):
             gb = lib.grow(b, 3, None)  # other members pass none
@@ -314,11 +328,18 @@ def test_revoke_and_grow_need_a_recent_libnccl() -> None:
         (comm,) = world(sim, 1)
         lib = sim.lib()
         assert lib.can_revoke(comm) and lib.can_grow(comm)  # the installed libnccl (2.32)
-        for version, revoke, grow in (((2, 28, 6), False, False), ((2, 28, 7), True, False),
-                                      ((2, 29, 2), True, True)):
+        for version, revoke, grow in (
+            ((2, 28, 6), False, False),
+            ((2, 28, 7), True, False),
+            ((2, 29, 2), True, True),
+        ):
             old = types.ModuleType(f"nccl.core({version})")
             old.__dict__.update(vars(sim.nccl.module))
             v = types.SimpleNamespace(major=version[0], minor=version[1], micro=version[2])
-            old.get_version = lambda v=v: types.SimpleNamespace(libnccl=types.SimpleNamespace(version=v))  # type: ignore[attr-defined]
-            assert (NcclLib(old).can_revoke(comm), NcclLib(old).can_grow(comm)) == (revoke, grow), version
+            old.get_version = lambda v=v: types.SimpleNamespace(
+                libnccl=types.SimpleNamespace(version=v)
+            )  # type: ignore[attr-defined]
+            assert (NcclLib(old).can_revoke(comm), NcclLib(old).can_grow(comm)) == (revoke, grow), (
+                version
+            )
         comm.abort()

@@ -33,7 +33,10 @@ def nccl_state(sim: SimCluster, comm: Any) -> Any:
 
 
 def death_and_shrink(
-    sim: SimCluster, stall_revoke_on: int | None = None, exclude: list[int] | None = [2], **run: Any,  # noqa: B006
+    sim: SimCluster,
+    stall_revoke_on: int | None = None,
+    exclude: list[int] | None = [2],  # noqa: B006 - never mutated
+    **run: Any,
 ) -> list[Any]:
     """3 ranks; rank 2 dies after one all_reduce; the survivors see a failure and
     shrink. Returns, per survivor: (parent state, failed_ranks, new rank/size, result)."""
@@ -104,7 +107,9 @@ def test_with_heartbeats_shrink_without_exclude_drops_the_dead_rank() -> None:
         out = death_and_shrink(sim, exclude=None, heartbeat=0.25, timeout=4.0)
         for r, (st, failed, shape, value, _child) in enumerate(out):
             assert set(failed) <= {2} and shape == (r, 2) and value == 30.0
-            assert st.calls.index("revoke") < st.calls.index("shrink") and st.shrink_flags == [ABORT]
+            assert st.calls.index("revoke") < st.calls.index("shrink") and st.shrink_flags == [
+                ABORT
+            ]
         assert sim.nccl.module.Communicator.init.call_count == 3
         assert sim.nccl.live() == [] and sim.gpu.errors == []
 
@@ -176,7 +181,9 @@ def test_abort_with_a_stalled_revoke_is_bounded_and_cannot_shrink() -> None:
         be0.handle.abort_timeout = 0.4
         st = sim.nccl.state(be0.handle.communicator)
         w = Work("all_reduce", 1)
-        be0.submit(OpSpec(OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]), timeout=30.0), w)  # rank 1 never joins
+        be0.submit(
+            OpSpec(OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]), timeout=30.0), w
+        )  # rank 1 never joins
         sim.nccl.stall_revoke(be0.handle.communicator)
         done = threading.Event()
 

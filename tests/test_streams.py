@@ -131,9 +131,7 @@ def test_import_starts_no_thread_and_no_cuda() -> None:
         "assert 'cupy' not in sys.modules\n"
         "print('ok', sorted(streams.__all__) == sorted(set(streams.__all__)))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok True"
 
@@ -141,9 +139,18 @@ def test_import_starts_no_thread_and_no_cuda() -> None:
 def test_public_names() -> None:
     for name in streams.__all__:
         assert hasattr(streams, name), name
-    for name in ("CudaUnavailable", "EventPool", "EventWatcher", "LoopWaker", "wait_event",
-                 "comm_stream", "current_stream", "as_torch_tensor", "StreamSet",
-                 "cuda_available"):
+    for name in (
+        "CudaUnavailable",
+        "EventPool",
+        "EventWatcher",
+        "LoopWaker",
+        "wait_event",
+        "comm_stream",
+        "current_stream",
+        "as_torch_tensor",
+        "StreamSet",
+        "cuda_available",
+    ):
         assert name in streams.__all__
     assert issubclass(streams.CudaUnavailable, RuntimeError)
     assert streams.EventWatcher.__module__ == "streams"
@@ -175,8 +182,13 @@ def test_cuda_unavailable_is_explained(call: Callable[[], Any]) -> None:
 @no_cuda
 def test_cuda_array_objects_without_cuda() -> None:
     class CudaArray:
-        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1234, False),
-                                    "version": 3, "stream": None}
+        __cuda_array_interface__ = {
+            "shape": (4,),
+            "typestr": "<f4",
+            "data": (1234, False),
+            "version": 3,
+            "stream": None,
+        }
 
     class CudaStreamLike:
         def __cuda_stream__(self) -> tuple[int, int]:
@@ -567,8 +579,9 @@ def test_wait_event_wakes_the_loop(
     ticks, elapsed, loop_module = run_on(loop_factory, main())
     assert elapsed >= 0.14
     assert ticks >= 10, f"the loop stalled while waiting ({ticks} heartbeats)"
-    assert loop_module.startswith("uvloop" if loop_factory is not asyncio.new_event_loop
-                                  else "asyncio")
+    assert loop_module.startswith(
+        "uvloop" if loop_factory is not asyncio.new_event_loop else "asyncio"
+    )
 
 
 @pytest.mark.parametrize("loop_factory", LOOPS)
@@ -724,7 +737,8 @@ def test_gpu_event_pool_reuses_events(gpu: Any) -> None:
 
 @pytest.mark.parametrize("loop_factory", LOOPS)
 def test_gpu_wait_event_resumes_after_kernel(
-    loop_factory: Callable[[], asyncio.AbstractEventLoop], gpu: Any,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+    gpu: Any,
 ) -> None:
     pool = streams.EventPool(0)
 
@@ -784,8 +798,13 @@ def test_gpu_current_stream_of_foreign_arrays(gpu: Any) -> None:
 
     class Cai:  # CuPy-like, without CuPy: __cuda_array_interface__ v3 with its stream
         def __init__(self, stream: int | None) -> None:
-            self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0x10, False),
-                                             "version": 3, "stream": stream}
+            self.__cuda_array_interface__ = {
+                "shape": (4,),
+                "typestr": "<f4",
+                "data": (0x10, False),
+                "version": 3,
+                "stream": stream,
+            }
 
     class OnDevice:  # DLPack device only (device type 2 = CUDA)
         def __init__(self, index: int) -> None:
@@ -795,14 +814,21 @@ def test_gpu_current_stream_of_foreign_arrays(gpu: Any) -> None:
             return (2, self.index)
 
     class CupyLike:  # .device.id, as CuPy arrays have
-        __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "data": (0x10, False), "version": 3}
+        __cuda_array_interface__ = {
+            "shape": (1,),
+            "typestr": "<f4",
+            "data": (0x10, False),
+            "version": 3,
+        }
 
         class device:  # noqa: N801 - CuPy's attribute name
             id = 0
 
     assert streams.current_stream(Cai(side.cuda_stream)) == side
     assert streams.current_stream(Cai(None)) == torch.cuda.current_stream(0)
-    assert streams.current_stream(Cai(1)) == torch.cuda.default_stream(0)  # the legacy default stream
+    assert streams.current_stream(Cai(1)) == torch.cuda.default_stream(
+        0
+    )  # the legacy default stream
     with torch.cuda.stream(side):
         assert streams.current_stream(OnDevice(0)) == side
         assert streams.current_stream(CupyLike()) == side

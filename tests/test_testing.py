@@ -69,12 +69,21 @@ async def _context(ctx: RankContext) -> tuple[Any, ...]:
     if ctx.rank == 0:
         ctx.store.set("shared", "from-0")
     seen = ctx.store.get("shared").decode()
-    return (ctx.rank, ctx.world_size, ctx.master_addr, ctx.timeout,
-            isinstance(ctx.store, dist.PrefixStore), fresh, seen)
+    return (
+        ctx.rank,
+        ctx.world_size,
+        ctx.master_addr,
+        ctx.timeout,
+        isinstance(ctx.store, dist.PrefixStore),
+        fresh,
+        seen,
+    )
 
 
 async def _own_communicator(ctx: RankContext) -> float:
-    async with ac.init("gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=20) as comm:
+    async with ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=ctx.store, timeout=20
+    ) as comm:
         t = torch.tensor([10.0 * (ctx.rank + 1)])
         await comm.all_reduce(t)
         return t.item()
@@ -96,8 +105,12 @@ async def _raise_on_every_rank(ctx: RankContext) -> None:
 
 async def _timed_out_on_rank1(ctx: RankContext) -> None:
     if ctx.rank == 1:
-        raise ac.CollectiveTimeout("all_reduce (seq 3) on rank 1 did not complete within its deadline", 3, "all_reduce")
-    cause = ac.CollectiveTimeout("all_reduce (seq 3) on rank 1 did not complete within its deadline", 3, "all_reduce")
+        raise ac.CollectiveTimeout(
+            "all_reduce (seq 3) on rank 1 did not complete within its deadline", 3, "all_reduce"
+        )
+    cause = ac.CollectiveTimeout(
+        "all_reduce (seq 3) on rank 1 did not complete within its deadline", 3, "all_reduce"
+    )
     raise ac.CommAborted("aborted by rank 1") from cause
 
 
@@ -188,7 +201,9 @@ def test_event_loop_choice(loop):
 def test_backend_none_gives_a_context_with_a_fresh_store():
     for _ in range(2):  # the second run must not see the first run's keys
         results = run_ranks(_context, backend=None, timeout=30)
-        assert [r[:5] + r[6:] for r in results] == [(r, 2, "127.0.0.1", 30.0, True, "from-0") for r in range(2)]
+        assert [r[:5] + r[6:] for r in results] == [
+            (r, 2, "127.0.0.1", 30.0, True, "from-0") for r in range(2)
+        ]
         assert results[0][5] is True  # rank 0 looks before it sets: a fresh store each run
     assert run_ranks(_own_communicator, backend=None) == [30.0, 30.0]
 
@@ -274,7 +289,9 @@ def test_aborted_communicator_replaces_workers(pool):
     assert not set(pool.pids) & set(before)
 
 
-@pytest.mark.parametrize("how, says", [("exit", "exited with code 3"), ("sigkill", "SIGKILL"), ("sigterm", "SIGTERM")])
+@pytest.mark.parametrize(
+    "how, says", [("exit", "exited with code 3"), ("sigkill", "SIGKILL"), ("sigterm", "SIGTERM")]
+)
 def test_unexpected_death_is_reported(pool, how, says):
     with pytest.raises(RuntimeError, match="rank 1") as info:
         run_ranks(_crash_rank1, backend=None, args=(how,), pool=pool)
@@ -357,7 +374,9 @@ _ORPHAN = textwrap.dedent(
 def test_workers_exit_when_their_parent_is_killed():
     """A parent killed without cleanup (no atexit): its workers notice and exit."""
     code = _ORPHAN.format(here=HERE, root=ROOT)
-    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, timeout=90)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, timeout=90
+    )
     assert proc.returncode == -9
     pids = [int(x) for x in proc.stdout.split()]
     assert len(pids) == 2, proc.stdout

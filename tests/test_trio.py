@@ -82,7 +82,9 @@ async def cancel_only_the_waiting(comm: ac.Communicator) -> list[str]:
 
 
 def test_cancel_scopes_cancel_only_the_waiting() -> None:
-    results = run_ranks(cancel_only_the_waiting, world_size=2, backend="gloo", timeout=60, loop="trio")
+    results = run_ranks(
+        cancel_only_the_waiting, world_size=2, backend="gloo", timeout=60, loop="trio"
+    )
     assert results == [["fail_after", "move_on_after", "nursery"], []]
 
 
@@ -103,12 +105,20 @@ async def deadline_fires_under_trio(comm: ac.Communicator) -> dict[str, str]:
     with pytest.raises(ac.CommAborted) as aborted:
         await second
     assert not isinstance(aborted.value, ac.PeerFailure)
-    assert aborted.value.__cause__ is timed_out.value or isinstance(aborted.value.__cause__, ac.CollectiveTimeout)
-    return {"state": comm.state, "error": type(comm.error).__name__, "first": type(timed_out.value).__name__}
+    assert aborted.value.__cause__ is timed_out.value or isinstance(
+        aborted.value.__cause__, ac.CollectiveTimeout
+    )
+    return {
+        "state": comm.state,
+        "error": type(comm.error).__name__,
+        "first": type(timed_out.value).__name__,
+    }
 
 
 def test_deadline_fires_on_its_own_under_trio() -> None:
-    results = run_ranks(deadline_fires_under_trio, world_size=2, backend="gloo", timeout=60, loop="trio")
+    results = run_ranks(
+        deadline_fires_under_trio, world_size=2, backend="gloo", timeout=60, loop="trio"
+    )
     assert results[0] == {"state": "aborted", "error": "CommAborted", "first": "CollectiveTimeout"}
     assert results[1] == {"state": "aborted", "error": "CommAborted"}
 
@@ -162,7 +172,9 @@ async def abort_wakes_trio_waiters(comm: ac.Communicator, how: str) -> dict[str,
         elif how == "run_sync_soon":
             # A callback trio runs between tasks, queued from a plain thread.
             token = trio.lowlevel.current_trio_token()
-            threading.Thread(target=token.run_sync_soon, args=(comm.abort, "from run_sync_soon")).start()
+            threading.Thread(
+                target=token.run_sync_soon, args=(comm.abort, "from run_sync_soon")
+            ).start()
         else:
             raise AssertionError(how)
 
@@ -182,7 +194,9 @@ ABORTERS = ["task", "to_thread", "thread", "signal", "signal_receiver", "run_syn
 
 @pytest.mark.parametrize("how", ABORTERS)
 def test_abort_from_anywhere_wakes_every_trio_waiter(how: str) -> None:
-    results = run_ranks(abort_wakes_trio_waiters, world_size=2, backend="gloo", timeout=60, args=(how,), loop="trio")
+    results = run_ranks(
+        abort_wakes_trio_waiters, world_size=2, backend="gloo", timeout=60, args=(how,), loop="trio"
+    )
     assert results[0]["state"] == "aborted" and "from" in results[0]["reason"], results[0]
     assert results[1] == {"state": "aborted"}
 
@@ -227,7 +241,12 @@ def test_shrink_under_trio() -> None:
 # ------------------------------------------------------------ init scopes
 async def init_scopes(ctx: RankContext) -> list[Any]:
     """``async with ac.init(...)`` inside trio.run: normal exit closes, cancellation aborts."""
-    args: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world_size, "store": ctx.store, "timeout": 30}
+    args: dict[str, Any] = {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "store": ctx.store,
+        "timeout": 30,
+    }
     async with ac.init("gloo", **args) as comm:
         t = torch.full((2,), float(ctx.rank + 1))
         await comm.all_reduce(t)
@@ -238,7 +257,9 @@ async def init_scopes(ctx: RankContext) -> list[Any]:
             await second.barrier()
             await trio.sleep(30)  # the scope's deadline cancels the body
     assert scope.cancelled_caught
-    assert isinstance(second.error, ac.CommAborted) and "Cancelled" in str(second.error), second.error
+    assert isinstance(second.error, ac.CommAborted) and "Cancelled" in str(second.error), (
+        second.error
+    )
     return [float(t[0]), objs, second.state]
 
 
@@ -269,7 +290,9 @@ def test_async_with_init_in_this_process(runner: str) -> None:
 
 # ------------------------------------------------------------ leaks
 def _threads() -> set[int]:
-    return {t.ident for t in threading.enumerate() if "asynccoll-deadlines" not in t.name and t.ident}
+    return {
+        t.ident for t in threading.enumerate() if "asynccoll-deadlines" not in t.name and t.ident
+    }
 
 
 def _fds() -> int:
@@ -278,7 +301,9 @@ def _fds() -> int:
 
 def _tasks() -> int:
     def count(task: Any) -> int:
-        return 1 + sum(count(child) for nursery in task.child_nurseries for child in nursery.child_tasks)
+        return 1 + sum(
+            count(child) for nursery in task.child_nurseries for child in nursery.child_tasks
+        )
 
     return count(trio.lowlevel.current_root_task())
 
@@ -327,7 +352,11 @@ async def cancelled_mid_collective(comm: ac.Communicator) -> dict[str, Any]:
         await comm.barrier()
     await trio.sleep(0.1)
     assert comm.pending == 0 and comm.state == "ok"
-    extra = [t.name for t in threading.enumerate() if t.ident not in threads and "asynccoll-deadlines" not in t.name]
+    extra = [
+        t.name
+        for t in threading.enumerate()
+        if t.ident not in threads and "asynccoll-deadlines" not in t.name
+    ]
     # The backend's completion thread starts the first time someone waits on an op that
     # has not finished (once per communicator): the warm-up may not have needed it on
     # this rank (seen once under two CPU hogs). One such thread is not a leak; a second is.
@@ -337,7 +366,9 @@ async def cancelled_mid_collective(comm: ac.Communicator) -> dict[str, Any]:
 
 
 def test_cancelled_nursery_leaves_nothing_behind() -> None:
-    for res in run_ranks(cancelled_mid_collective, world_size=2, backend="gloo", timeout=90, loop="trio"):
+    for res in run_ranks(
+        cancelled_mid_collective, world_size=2, backend="gloo", timeout=90, loop="trio"
+    ):
         assert res["threads"] == [] and res["fds"] <= 0 and res["tasks"] <= 0, res
 
 

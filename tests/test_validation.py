@@ -82,9 +82,13 @@ async def own_arguments_alike(comm: ac.Communicator) -> int:
         lambda: comm.all_reduce(quant),
         lambda: comm.broadcast(quant, 0),
         lambda: comm.gather(strided, 0, torch.zeros(4 * ws, 2).t() if comm.rank == 0 else None),
-        lambda: comm.gather(conj, 0, torch.zeros(2 * ws, dtype=torch.complex64) if comm.rank == 0 else None),
+        lambda: comm.gather(
+            conj, 0, torch.zeros(2 * ws, dtype=torch.complex64) if comm.rank == 0 else None
+        ),
         lambda: comm.scatter(strided, 0, torch.zeros(4 * ws, 2) if comm.rank == 0 else None),
-        lambda: comm.scatter(conj, 0, torch.zeros(2 * ws, dtype=torch.complex64) if comm.rank == 0 else None),
+        lambda: comm.scatter(
+            conj, 0, torch.zeros(2 * ws, dtype=torch.complex64) if comm.rank == 0 else None
+        ),
         lambda: comm.gather(torch.ones(2), dst=0, output=torch.zeros(2 * ws), timeout=float("inf")),
         lambda: comm.broadcast(torch.ones(2), 0, timeout=float("nan")),
     ]
@@ -98,15 +102,25 @@ async def own_arguments_alike(comm: ac.Communicator) -> int:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_root_and_non_root_reject_alike(loop: str) -> None:
-    assert run_ranks(own_arguments_alike, world_size=2, backend="gloo", timeout=60, loop=loop) == [10, 10]
+    assert run_ranks(own_arguments_alike, world_size=2, backend="gloo", timeout=60, loop=loop) == [
+        10,
+        10,
+    ]
 
 
 async def unsupported_dtypes(comm: ac.Communicator) -> int:
     ws = comm.world_size
     n = 0
     bad_reduce = [
-        (dt, op) for dt in (torch.uint16, torch.uint32, torch.uint64, torch.int16, torch.float8_e4m3fn,
-                            torch.float8_e5m2)
+        (dt, op)
+        for dt in (
+            torch.uint16,
+            torch.uint32,
+            torch.uint64,
+            torch.int16,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+        )
         for op in R
     ] + [(dt, op) for dt in (torch.complex64, torch.complex128) for op in (R.PROD, R.MIN, R.MAX)]
     bad_reduce += [(torch.bool, R.AVG), (torch.complex32, R.AVG)]
@@ -115,7 +129,10 @@ async def unsupported_dtypes(comm: ac.Communicator) -> int:
         assert "bool" in msg or "supports" in msg, msg
         _refused(comm, lambda dt=dt, op=op: comm.reduce(torch.zeros(4, dtype=dt), 0, op))
         _refused(
-            comm, lambda dt=dt, op=op: comm.reduce_scatter(torch.zeros(2, dtype=dt), torch.zeros(2 * ws, dtype=dt), op)
+            comm,
+            lambda dt=dt, op=op: comm.reduce_scatter(
+                torch.zeros(2, dtype=dt), torch.zeros(2 * ws, dtype=dt), op
+            ),
         )
         n += 3
     # What Gloo reduces for complex: SUM and AVG.
@@ -123,7 +140,14 @@ async def unsupported_dtypes(comm: ac.Communicator) -> int:
     await comm.all_reduce(c, R.AVG)
     assert c.tolist() == [1 + 2j] * 2
     # Data movement of dtypes Gloo lacks travels as bytes, with the right values.
-    for dt in (torch.uint16, torch.uint32, torch.uint64, torch.int16, torch.float8_e4m3fn, torch.complex64):
+    for dt in (
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.int16,
+        torch.float8_e4m3fn,
+        torch.complex64,
+    ):
         mine = (torch.arange(3) + 10 * comm.rank).to(dt)
         out = torch.zeros(3 * ws, dtype=dt)
         await comm.all_gather(out, mine)
@@ -152,12 +176,23 @@ def test_nccl_table_matches_nccl4py_enums() -> None:
     NCCL 2.28.9 returned ncclInvalidArgument), so the table refuses it at the call."""
     bindings = pytest.importorskip("nccl.bindings.nccl")
     names = {
-        "Int8": "int8", "Uint8": "uint8", "Int32": "int32", "Uint32": "uint32", "Int64": "int64",
-        "Uint64": "uint64", "Float16": "float16", "Float32": "float32", "Float64": "float64",
-        "Bfloat16": "bfloat16", "Float8e4m3": "float8_e4m3fn", "Float8e5m2": "float8_e5m2",
+        "Int8": "int8",
+        "Uint8": "uint8",
+        "Int32": "int32",
+        "Uint32": "uint32",
+        "Int64": "int64",
+        "Uint64": "uint64",
+        "Float16": "float16",
+        "Float32": "float32",
+        "Float64": "float64",
+        "Bfloat16": "bfloat16",
+        "Float8e4m3": "float8_e4m3fn",
+        "Float8e5m2": "float8_e5m2",
     }
     members = [m.name for m in bindings.DataType if m.name != "NumTypes"]
-    assert sorted(members) == sorted(names), "nccl4py's DataType changed: update the NCCL backend's caps"
+    assert sorted(members) == sorted(names), (
+        "nccl4py's DataType changed: update the NCCL backend's caps"
+    )
     ops = {m.name.upper() for m in bindings.RedOp if m.name in ("Sum", "Prod", "Max", "Min", "Avg")}
     assert ops == {op.name for op in R}
     caps = nccl.NcclBackend.caps  # what the backend declares, and validate asks
@@ -178,7 +213,7 @@ async def aliasing(comm: ac.Communicator) -> int:
     t = torch.arange(2.0 * ws)
     _refused(comm, lambda: comm.all_to_all(t, t), "overlap")
     big = torch.zeros(4 * ws)
-    _refused(comm, lambda: comm.all_to_all(big[: 2 * ws], big[ws: 3 * ws]), "overlap")
+    _refused(comm, lambda: comm.all_to_all(big[: 2 * ws], big[ws : 3 * ws]), "overlap")
     _refused(comm, lambda: comm.all_gather(big[: 2 * ws], big[1:3]), "chunk")
     _refused(comm, lambda: comm.reduce_scatter(big[1:3], big[: 2 * ws]), "chunk")
     if r == 0:
@@ -186,14 +221,14 @@ async def aliasing(comm: ac.Communicator) -> int:
         _refused(comm, lambda: comm.scatter(big[:2], 0, big[: 2 * ws]), "overlap")
     # In place (NCCL's definition): this rank's chunk of the larger buffer.
     out = torch.zeros(2 * ws)
-    mine = out[2 * r: 2 * r + 2]
+    mine = out[2 * r : 2 * r + 2]
     mine.fill_(r + 1)
     await comm.all_gather(out, mine)
     assert out.tolist() == [float(q + 1) for q in range(ws) for _ in range(2)]
     inp = torch.arange(2.0 * ws) + 10 * r
-    await comm.reduce_scatter(inp[2 * r: 2 * r + 2], inp)
+    await comm.reduce_scatter(inp[2 * r : 2 * r + 2], inp)
     want = sum(torch.arange(2.0 * ws) + 10 * q for q in range(ws))
-    assert inp[2 * r: 2 * r + 2].tolist() == want[2 * r: 2 * r + 2].tolist()
+    assert inp[2 * r : 2 * r + 2].tolist() == want[2 * r : 2 * r + 2].tolist()
     # all_to_all into a separate buffer: the right values every time.
     for _ in range(3):
         src = torch.arange(2.0 * ws) + 10 * r

@@ -31,22 +31,39 @@ ROOT = Path(__file__).resolve().parent.parent
 def _clone(dest: Path) -> Path:
     repo = dest / "asynccoll"
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(repo)], check=True)
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], check=True,
-                          capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     print(f"fresh clone of {ROOT} at {head}: {repo}", flush=True)
     return repo
 
 
 def _env(repo: Path) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
+    )
     env.pop("PYTEST_ADDOPTS", None)
     return env
 
 
 def _check_imports(repo: Path, env: dict[str, str]) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "import asynccoll, streams; print(asynccoll.__file__); print(streams.__file__)"],
-        cwd=repo, env=env, check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import asynccoll, streams; print(asynccoll.__file__); print(streams.__file__)",
+        ],
+        cwd=repo,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.split()
     for path in out:
         if not Path(path).resolve().is_relative_to(repo.resolve()):
@@ -69,7 +86,9 @@ def _failures(xml: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--hogs", type=int, default=2, help="CPU-hog processes running meanwhile")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per suite run")
@@ -84,14 +103,27 @@ def main(argv: list[str] | None = None) -> int:
         repo = _clone(work)
         env = _env(repo)
         _check_imports(repo, env)
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
+        hogs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)
+        ]
         for i in range(1, args.runs + 1):
             xml = work / f"run{i}.xml"
             load = os.getloadavg()[0]
             t0 = time.monotonic()
-            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args.pytest_args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={xml}",
+                *args.pytest_args,
+            ]
             try:
-                proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=args.timeout)
+                proc = subprocess.run(
+                    cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=args.timeout
+                )
                 tail = proc.stdout.strip().splitlines()[-1:] or [""]
             except subprocess.TimeoutExpired:
                 tail = [f"the run took more than {args.timeout:g} s"]
@@ -99,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, text in failed.items():
                 seen.setdefault(name, []).append(i)
                 first.setdefault(name, text)
-            print(f"run {i}/{args.runs}: {'GREEN' if not failed else f'{len(failed)} failed'} in "
-                  f"{time.monotonic() - t0:.0f} s (load {load:.1f} at start, {args.hogs} hogs): {tail[0]}", flush=True)
+            print(
+                f"run {i}/{args.runs}: {'GREEN' if not failed else f'{len(failed)} failed'} in "
+                f"{time.monotonic() - t0:.0f} s (load {load:.1f} at start, {args.hogs} hogs): {tail[0]}",
+                flush=True,
+            )
     finally:
         for hog in hogs:
             hog.kill()

@@ -36,8 +36,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_gpu.py", "tests/test_streams.py", "tests/test_nccl.py", "tests/test_doctor.py",
-         "tests/test_docs.py::test_script_runs"]
+TESTS = [
+    "tests/test_gpu.py",
+    "tests/test_streams.py",
+    "tests/test_nccl.py",
+    "tests/test_doctor.py",
+    "tests/test_docs.py::test_script_runs",
+]
 #: pytest -k: every test of the files above but the docs' scripts other than the GPU guide's.
 SELECT = "not test_script_runs or gpu"
 
@@ -65,11 +70,18 @@ class Run:
     def run(self, name: str, cmd: list[str], limit: float, log: str) -> int | None:
         """Run ``cmd`` in the repository with its output going to ``log`` as it comes;
         after ``limit`` seconds SIGINT, then SIGKILL. Its exit status (None: killed)."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+            ),
+        )
         self.say(f"{name}: {' '.join(cmd)} (at most {limit:.0f} s) -> {log}")
         with (self.out / log).open("w") as f:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
                 return proc.wait(timeout=max(1.0, limit))
             except subprocess.TimeoutExpired:
@@ -93,9 +105,16 @@ def _kill_group(pgid: int) -> None:
 
 def doctor(run: Run) -> dict[str, Any]:
     """Phase 0: the doctor's report (text and JSON); the JSON as a dict ({} if it failed)."""
-    run.run("doctor", [sys.executable, "-m", "asynccoll.doctor"], min(60.0, run.left()), "doctor.txt")
-    out = subprocess.run([sys.executable, "-m", "asynccoll.doctor", "--json"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    run.run(
+        "doctor", [sys.executable, "-m", "asynccoll.doctor"], min(60.0, run.left()), "doctor.txt"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "asynccoll.doctor", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     try:
         report: dict[str, Any] = json.loads(out.stdout)
     except json.JSONDecodeError:
@@ -103,9 +122,15 @@ def doctor(run: Run) -> dict[str, Any]:
         return {}
     (run.out / "doctor.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     lib = report.get("libnccl")
-    lib_text = f"libnccl {lib['version']} (CUDA {lib['cuda']})" if isinstance(lib, dict) else f"libnccl: {lib}"
-    run.say(f"torch {report.get('torch')} (CUDA {report.get('torch_cuda')}); devices {report.get('devices')}; "
-            f"{lib_text}; NCCL backend: {report.get('nccl_backend')}")
+    lib_text = (
+        f"libnccl {lib['version']} (CUDA {lib['cuda']})"
+        if isinstance(lib, dict)
+        else f"libnccl: {lib}"
+    )
+    run.say(
+        f"torch {report.get('torch')} (CUDA {report.get('torch_cuda')}); devices {report.get('devices')}; "
+        f"{lib_text}; NCCL backend: {report.get('nccl_backend')}"
+    )
     return report
 
 
@@ -122,7 +147,9 @@ def junit_counts(path: Path) -> tuple[dict[str, int], list[str], dict[str, int]]
         skipped = case.find("skipped")
         if bad is not None:
             counts["failed"] += 1
-            failures.append(f"{name}: {(bad.get('message') or '').splitlines()[0][:300] if bad.get('message') else ''}")
+            failures.append(
+                f"{name}: {(bad.get('message') or '').splitlines()[0][:300] if bad.get('message') else ''}"
+            )
         elif skipped is not None:
             counts["skipped"] += 1
             why = (skipped.get("message") or "")[:160]
@@ -137,8 +164,23 @@ def tests(run: Run, workers: int) -> bool:
     limit = min(240.0, run.left() - 100.0)
     xml = run.out / "gpu_tests.xml"
     xml.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", "-n", str(workers),
-           "-o", "faulthandler_timeout=100", f"--junitxml={xml}", "-k", SELECT, *TESTS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rfEs",
+        "-n",
+        str(workers),
+        "-o",
+        "faulthandler_timeout=100",
+        f"--junitxml={xml}",
+        "-k",
+        SELECT,
+        *TESTS,
+    ]
     code = run.run("tests", cmd, limit, "gpu_tests.log")
     tail = (run.out / "gpu_tests.log").read_text(errors="replace").strip().splitlines()[-1:]
     run.say(f"tests: exit {code}: {tail[0] if tail else '(no output)'}")
@@ -160,7 +202,15 @@ def bench(run: Run, iters: int) -> bool:
     if limit < 30:
         run.say("bench: skipped (no time left)")
         return False
-    cmd = [sys.executable, "-m", "bench.gpu", "--iters", str(iters), "--json", str(run.out / "bench.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.gpu",
+        "--iters",
+        str(iters),
+        "--json",
+        str(run.out / "bench.json"),
+    ]
     code = run.run("bench", cmd, limit, "bench.txt")
     text = (run.out / "bench.txt").read_text(errors="replace")
     run.say(f"bench: exit {code}\n{text.strip()[-2500:]}")
@@ -169,14 +219,23 @@ def bench(run: Run, iters: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results" / "gpu"),
-                    help="the report directory (default: $OUT, else bench/results/gpu)")
-    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default 420)")
-    ap.add_argument("--workers", type=int, default=4, help="pytest-xdist workers sharing the GPU (default 4)")
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(ROOT / "bench" / "results" / "gpu"),
+        help="the report directory (default: $OUT, else bench/results/gpu)",
+    )
+    ap.add_argument(
+        "--budget", type=float, default=420.0, help="seconds for the whole run (default 420)"
+    )
+    ap.add_argument(
+        "--workers", type=int, default=4, help="pytest-xdist workers sharing the GPU (default 4)"
+    )
     ap.add_argument("--iters", type=int, default=1000, help="bench.gpu --iters (default 1000)")
     args = ap.parse_args(argv)
     run = Run(Path(args.out).resolve(), args.budget)
-    run.say(f"asynccoll GPU run: {sys.executable}, {ROOT}, report in {run.out}, budget {args.budget:.0f} s")
+    run.say(
+        f"asynccoll GPU run: {sys.executable}, {ROOT}, report in {run.out}, budget {args.budget:.0f} s"
+    )
     report = doctor(run)
     if not report:
         run.say(f"{sys.executable} cannot import asynccoll (see doctor.txt): nothing to run")
@@ -187,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ok = tests(run, args.workers)
     ok = bench(run, args.iters) and ok
-    run.say(f"done in {time.monotonic() - run.t0:.0f} s: {'all passed' if ok else 'FAILURES (see above)'}; "
-            f"files: {' '.join(sorted(p.name for p in run.out.iterdir()))}")
+    run.say(
+        f"done in {time.monotonic() - run.t0:.0f} s: {'all passed' if ok else 'FAILURES (see above)'}; "
+        f"files: {' '.join(sorted(p.name for p in run.out.iterdir()))}"
+    )
     return 0 if ok else 1
 
 

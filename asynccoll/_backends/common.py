@@ -28,7 +28,9 @@ from .._core.work import Bundle, Work
 Target = Work | Bundle
 
 
-def avg_fixup(op: ReduceOp, out: torch.Tensor, world_size: int) -> tuple[ReduceOp, Callable[[], object] | None]:
+def avg_fixup(
+    op: ReduceOp, out: torch.Tensor, world_size: int
+) -> tuple[ReduceOp, Callable[[], object] | None]:
     """How to run ``op`` on a backend without native AVG for ``out``'s dtype.
 
     Returns the op to run and a fix-up for the result: AVG of integers is a SUM
@@ -110,7 +112,9 @@ class Completer:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
-    def watch(self, waitable: Any, target: Target, fixup: Callable[[], object] | None = None) -> None:
+    def watch(
+        self, waitable: Any, target: Target, fixup: Callable[[], object] | None = None
+    ) -> None:
         fifo = self._fifo
         fifo.append([waitable, target, fixup])
         target.set_poke(self.poke)
@@ -130,7 +134,9 @@ class Completer:
         if ring:
             self._ring(True)
             return
-        if self._eager:  # only its thread waits: a second wait() on a Gloo send/recv blocks for good
+        if (
+            self._eager
+        ):  # only its thread waits: a second wait() on a Gloo send/recv blocks for good
             return
         fifo = self._fifo
         if fifo and self._is_done(fifo[0][0]):  # the common "nothing finished yet" costs one call
@@ -217,7 +223,13 @@ class Completer:
 
     def _drain(self, urgent: bool) -> None:
         """Settle ops in order; while ``urgent``, wait for unfinished ones, until the FIFO is empty."""
-        fifo, claim, wait, is_done, sink = self._fifo, self._claim, self._wait, self._is_done, self._sink
+        fifo, claim, wait, is_done, sink = (
+            self._fifo,
+            self._claim,
+            self._wait,
+            self._is_done,
+            self._sink,
+        )
         ready: list[Target] = []
         while not self._stopped:
             if self._failed:

@@ -93,7 +93,12 @@ def _alike(specs: Sequence[OpSpec]) -> list[torch.Tensor] | None:
     append = tensors.append
     for spec in specs:
         t = spec.tensor
-        if spec.kind is not _AR or spec.reduce_op is not rop or t.dtype is not dtype or t.get_device() != device:
+        if (
+            spec.kind is not _AR
+            or spec.reduce_op is not rop
+            or t.dtype is not dtype
+            or t.get_device() != device
+        ):
             return None
         append(t)
     return tensors
@@ -122,7 +127,9 @@ def submit_batch(
             i = idx[0]
             issue.append((specs[i], works[i]))
         else:
-            issue.append(_flatten([specs[i] for i in idx], [works[i] for i in idx], rank, world_size))
+            issue.append(
+                _flatten([specs[i] for i in idx], [works[i] for i in idx], rank, world_size)
+            )
     for spec, work in issue:
         submit(spec, work)
 
@@ -146,7 +153,9 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(_flat_views(tensors))
 
 
-def _unpack_into(dsts: list[torch.Tensor], flat: torch.Tensor, numels: list[int]) -> Callable[[], None]:
+def _unpack_into(
+    dsts: list[torch.Tensor], flat: torch.Tensor, numels: list[int]
+) -> Callable[[], None]:
     """A copy-back of consecutive pieces of 1-D ``flat`` into the 1-D ``dsts``
     (``_flat_views``, made once for packing and copying back)."""
 
@@ -157,7 +166,11 @@ def _unpack_into(dsts: list[torch.Tensor], flat: torch.Tensor, numels: list[int]
 
 
 def _flatten(
-    specs: Sequence[OpSpec], works: Sequence[Work], rank: int, ws: int, tensors: list[torch.Tensor] | None = None
+    specs: Sequence[OpSpec],
+    works: Sequence[Work],
+    rank: int,
+    ws: int,
+    tensors: list[torch.Tensor] | None = None,
 ) -> tuple[OpSpec, Bundle]:
     """One flat spec standing for ``specs`` (whose tensors ``_alike`` may have listed
     already), and the Bundle of ``works`` it settles."""
@@ -204,11 +217,15 @@ def _flatten(
     return flat_spec, Bundle(works, kind.value, copy_back, keep)
 
 
-def _gather_rows_into(outs: list[torch.Tensor], flat2d: torch.Tensor, numels: list[int]) -> Callable[[], None]:
+def _gather_rows_into(
+    outs: list[torch.Tensor], flat2d: torch.Tensor, numels: list[int]
+) -> Callable[[], None]:
     """A copy-back of column block ``i`` of ``flat2d`` (world_size rows) into ``outs[i]``."""
     ws = flat2d.shape[0]
 
     def copy() -> None:
-        torch.split_with_sizes_copy(flat2d, numels, dim=1, out=[o.view(ws, n) for o, n in zip(outs, numels)])
+        torch.split_with_sizes_copy(
+            flat2d, numels, dim=1, out=[o.view(ws, n) for o, n in zip(outs, numels)]
+        )
 
     return copy

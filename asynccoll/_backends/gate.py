@@ -95,12 +95,14 @@ class MemoryGate:
         # id(Work) -> its call's unit, for every Work in flight.
         self._units: dict[int, _Unit] = {}
         # Calls held back, in call order: (ranges, works, issue, args).
-        self._held: collections.deque[tuple[list[Span], Sequence[Work], Callable[..., None], tuple[Any, ...]]] = (
-            collections.deque()
-        )
+        self._held: collections.deque[
+            tuple[list[Span], Sequence[Work], Callable[..., None], tuple[Any, ...]]
+        ] = collections.deque()
         self._closed = False
 
-    def run(self, ranges: list[Span], works: Sequence[Work], issue: Callable[..., None], *args: Any) -> bool:
+    def run(
+        self, ranges: list[Span], works: Sequence[Work], issue: Callable[..., None], *args: Any
+    ) -> bool:
         """Call ``issue(*args)`` now and return True, or hold it and return False.
 
         ``works``: the Works ``issue`` starts; their ranges leave the gate when all
@@ -118,7 +120,9 @@ class MemoryGate:
                 raise
             return True
 
-    def finished(self, targets: Iterable[Work | Bundle]) -> list[tuple[Sequence[Work], BaseException]]:
+    def finished(
+        self, targets: Iterable[Work | Bundle]
+    ) -> list[tuple[Sequence[Work], BaseException]]:
         """These settled: their ranges leave the gate, and the held calls that can go
         now are issued, in order. Returns the held calls whose issue raised, with the
         exception (their Works must fail: the peers may have issued them)."""

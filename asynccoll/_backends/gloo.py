@@ -15,7 +15,9 @@ from .._core.backend import Caps, dtypes
 # (uint16/32/64, int16, float8, complex in all_gather/all_to_all/gather/scatter)
 # fails only when the op runs ("Invalid scalar type") and leaves the group
 # unusable, so it must never reach Gloo. send/recv carry any dtype.
-_BASIC = dtypes("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool")
+_BASIC = dtypes(
+    "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool"
+)
 # Complex reductions: SUM works (Gloo sums the real view); PROD/MIN/MAX fail in the
 # op ("does not support complex"); AVG is SUM + a division, which complex32 lacks.
 _COMPLEX = dtypes("complex64", "complex128", "complex32")

@@ -126,7 +126,9 @@ class TorchGroupBackend(Backend):
     ) -> tuple[Any, Callable[[], object] | None]:
         """The torch reduce op for ``spec``, and a fix-up to run on ``result`` (default:
         ``tensor``) on success (see ``common.avg_fixup``)."""
-        op, fixup = avg_fixup(spec.reduce_op, tensor if result is None else result, self._world_size)
+        op, fixup = avg_fixup(
+            spec.reduce_op, tensor if result is None else result, self._world_size
+        )
         return _TORCH_OPS[op], fixup
 
     def _error(self, exc: BaseException, target: Work | Bundle) -> BaseException:
@@ -152,13 +154,19 @@ class TorchGroupBackend(Backend):
     def submit_batch(self, specs: Sequence[OpSpec], works: Sequence[Work]) -> None:
         """A coalesced batch: one flattened collective per (kind, dtype, op), see ``flatten``."""
         issue = flatten.submit_batch
-        if not self._gate.run(spans(specs), works, issue, self._issue, specs, works, self._pg.rank(), self._world_size):
+        if not self._gate.run(
+            spans(specs), works, issue, self._issue, specs, works, self._pg.rank(), self._world_size
+        ):
             self._waiter.hurry()
 
     def _issue(self, spec: OpSpec, work: Work | Bundle) -> None:
         """Start ``spec`` on the group now (the gate let it through)."""
         pg, kind, t = self._pg, spec.kind, spec.tensor
-        if kind is OpKind.ALL_REDUCE and spec.reduce_op is ReduceOp.SUM and spec.timeout <= self._timeout:
+        if (
+            kind is OpKind.ALL_REDUCE
+            and spec.reduce_op is ReduceOp.SUM
+            and spec.timeout <= self._timeout
+        ):
             try:  # the most common op, without the general dispatch below
                 tw = pg.allreduce([t], self._sum_opts)
             except (RuntimeError, TypeError, ValueError) as exc:
@@ -176,20 +184,30 @@ class TorchGroupBackend(Backend):
                 op, fixup = self._reduce(spec, t)
                 if spec.peer != pg.rank():
                     fixup = None
-                tw = pg.reduce([t], self._opts(c10d.ReduceOptions, spec, reduceOp=op, rootRank=spec.peer))
+                tw = pg.reduce(
+                    [t], self._opts(c10d.ReduceOptions, spec, reduceOp=op, rootRank=spec.peer)
+                )
             elif kind is OpKind.ALL_GATHER:
                 tw = pg._allgather_base(spec.output, t, self._opts(c10d.AllgatherOptions, spec))
             elif kind is OpKind.REDUCE_SCATTER:
                 op, fixup = self._reduce(spec, t, spec.output)
-                tw = pg._reduce_scatter_base(spec.output, t, self._opts(c10d.ReduceScatterOptions, spec, reduceOp=op))
+                tw = pg._reduce_scatter_base(
+                    spec.output, t, self._opts(c10d.ReduceScatterOptions, spec, reduceOp=op)
+                )
             elif kind is OpKind.ALL_TO_ALL:
-                tw = pg.alltoall_base(spec.output, t, [], [], self._opts(c10d.AllToAllOptions, spec))
+                tw = pg.alltoall_base(
+                    spec.output, t, [], [], self._opts(c10d.AllToAllOptions, spec)
+                )
             elif kind is OpKind.GATHER:
-                outs = [list(spec.output.chunk(self._world_size))] if spec.output is not None else []
+                outs = (
+                    [list(spec.output.chunk(self._world_size))] if spec.output is not None else []
+                )
                 tw = pg.gather(outs, [t], self._opts(c10d.GatherOptions, spec, rootRank=spec.peer))
             elif kind is OpKind.SCATTER:
                 ins = [list(t.chunk(self._world_size))] if t is not None else []
-                tw = pg.scatter([spec.output], ins, self._opts(c10d.ScatterOptions, spec, rootRank=spec.peer))
+                tw = pg.scatter(
+                    [spec.output], ins, self._opts(c10d.ScatterOptions, spec, rootRank=spec.peer)
+                )
             elif kind is OpKind.SEND:
                 tw = pg.send([t], spec.peer, 0)
             elif kind is OpKind.RECV:
@@ -242,7 +260,9 @@ class TorchGroupBackend(Backend):
             # op until Gloo's own timeout: the last reference goes on a thread of
             # its own, never here (``box`` is the only reference: no local may
             # outlive the hand-over, or the destructor could run on this thread).
-            reaper = threading.Thread(target=_release, args=(box,), daemon=True, name="asynccoll-reaper")
+            reaper = threading.Thread(
+                target=_release, args=(box,), daemon=True, name="asynccoll-reaper"
+            )
             reaper.start()
             strand(reaper)
         del box

@@ -111,6 +111,7 @@ async def run_in_thread(
             return await _result(future)
     except BaseException:
         if on_late is not None:
+
             def late(f: concurrent.futures.Future[Any]) -> None:
                 if f.exception() is None:
                     on_late(f.result())

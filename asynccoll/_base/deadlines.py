@@ -218,7 +218,9 @@ class DeadlineClient:
         try:
             target.expired(seq)
         except Exception as exc:  # noqa: BLE001 - the shared timer must survive a failing handler
-            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
+            threading.excepthook(
+                threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None))
+            )
 
     def _fire_fifo(self, target: Expirable) -> None:
         """The FIFO's head came due (timer thread): expire what is due, arm the rest."""
@@ -231,7 +233,9 @@ class DeadlineClient:
                 if deadline <= now:
                     due.append(seq)
             if fifo:
-                self._arm(math.inf, fifo[0][0])  # an infinite "timeout": the service's horizon stays
+                self._arm(
+                    math.inf, fifo[0][0]
+                )  # an infinite "timeout": the service's horizon stays
         for seq in due:
             if target.is_live(seq):
                 self._expire(target, seq)
@@ -254,4 +258,3 @@ def service() -> DeadlineService:
             if _service is None:
                 _service = DeadlineService()
     return _service
-

@@ -90,7 +90,10 @@ class CollectiveMismatch(CommAborted):
         self.fields: tuple[str, ...] = tuple(fields)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.args[0] if self.args else "", self.seq, self.details, self.fields))
+        return (
+            type(self),
+            (self.args[0] if self.args else "", self.seq, self.details, self.fields),
+        )
 
 
 class CommClosed(AsyncCollError):

@@ -102,7 +102,11 @@ REMOTE_ERROR = 6  #: ncclRemoteError: a peer reported an error
 TIMEOUT = 8  #: ncclTimeout: a bootstrap or init that did not complete
 PEER_ERRORS = (SYSTEM_ERROR, REMOTE_ERROR)
 #: What each of them means.
-NCCL_CODES: dict[int, Kind] = {SYSTEM_ERROR: Kind.PEER, REMOTE_ERROR: Kind.PEER, TIMEOUT: Kind.TIMEOUT}
+NCCL_CODES: dict[int, Kind] = {
+    SYSTEM_ERROR: Kind.PEER,
+    REMOTE_ERROR: Kind.PEER,
+    TIMEOUT: Kind.TIMEOUT,
+}
 
 
 def status_of(exc: BaseException) -> int | None:
@@ -133,7 +137,12 @@ def _caused(new: AsyncCollError, cause: BaseException) -> AsyncCollError:
 
 
 def op_error(
-    exc: BaseException, kind: Kind | None, *, backend: str, seq: int | None = None, op: str | None = None,
+    exc: BaseException,
+    kind: Kind | None,
+    *,
+    backend: str,
+    seq: int | None = None,
+    op: str | None = None,
     message: str | None = None,
 ) -> CommAborted:
     """The contract's error for an operation that failed with ``exc`` in ``backend``:
@@ -155,7 +164,11 @@ def op_error(
 
 
 def creation_error(
-    exc: BaseException, kind: Kind | None, *, what: str, timeout: float | None = None,
+    exc: BaseException,
+    kind: Kind | None,
+    *,
+    what: str,
+    timeout: float | None = None,
     otherwise: type[AsyncCollError] = CommAborted,
 ) -> AsyncCollError:
     """The contract's error for ``what`` (the creation of a communicator: its store
@@ -166,7 +179,9 @@ def creation_error(
         within = "in time" if timeout is None else f"within {timeout} s"
         return _caused(CollectiveTimeout(f"{what}: peers did not arrive {within}: {exc}"), exc)
     if kind is Kind.PEER:
-        return _caused(PeerFailure(f"{what}: a peer failed while the communicator was created: {exc}"), exc)
+        return _caused(
+            PeerFailure(f"{what}: a peer failed while the communicator was created: {exc}"), exc
+        )
     return _caused(otherwise(f"{what} failed: {exc}"), exc)
 
 
@@ -183,7 +198,9 @@ def store_error(exc: BaseException, addr: str, port: int, timeout: float) -> Asy
             f"port, or pass store= ({text})"
         )
     elif kind is Kind.TIMEOUT:
-        new = CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s: {text}")
+        new = CollectiveTimeout(
+            f"store at {addr}:{port}: peers did not arrive within {timeout} s: {text}"
+        )
     else:
         new = InvalidArgument(
             f"no asynccoll/torch store answers at {addr}:{port} (check master_addr and master_port): {text}"

@@ -91,7 +91,9 @@ class FlightRecorder:
         self._append(rec)
         self._open[seq] = rec
 
-    def _record(self, seq: int, op: str, spec: Any, t: float, batch: int | None, root: int = -1) -> list[Any]:
+    def _record(
+        self, seq: int, op: str, spec: Any, t: float, batch: int | None, root: int = -1
+    ) -> list[Any]:
         """The open record of op ``seq`` (counting it among the point-to-point ops if it is one)."""
         if op in _P2P:
             self._p2p += 1
@@ -103,13 +105,23 @@ class FlightRecorder:
         # What every rank has (scatter: only the root has an input).
         tensor = spec.output if spec.kind is _SCATTER or spec.tensor is None else spec.tensor
         return [
-            seq, op,
+            seq,
+            op,
             None if tensor is None else tensor.dtype,
             None if tensor is None else tensor.shape,
-            spec.peer, spec.reduce_op, batch, t, None, 0.0, None, cseq,
+            spec.peer,
+            spec.reduce_op,
+            batch,
+            t,
+            None,
+            0.0,
+            None,
+            cseq,
         ]
 
-    def issued_batch(self, works: Sequence[Any], specs: Sequence[Any], t: float, batch: int) -> None:
+    def issued_batch(
+        self, works: Sequence[Any], specs: Sequence[Any], t: float, batch: int
+    ) -> None:
         """Record a coalesced batch's members (``works``, running ``specs``), issued
         together at wall time ``t``; ``batch`` is the first member's seq.
 
@@ -126,10 +138,25 @@ class FlightRecorder:
             for old in itertools.islice(ring, min(evicted, before)):
                 if old[_STATE] is None:
                     opened.pop(old[_SEQ], None)
-        if _ONE_BY_ONE.isdisjoint([w.op for w in works]):  # the common batch: _record's layout, inlined
+        if _ONE_BY_ONE.isdisjoint(
+            [w.op for w in works]
+        ):  # the common batch: _record's layout, inlined
             p2p = self._p2p
             records = [
-                [w.seq, w.op, s.tensor.dtype, s.tensor.shape, s.peer, s.reduce_op, batch, t, None, 0.0, None, w.seq - p2p]
+                [
+                    w.seq,
+                    w.op,
+                    s.tensor.dtype,
+                    s.tensor.shape,
+                    s.peer,
+                    s.reduce_op,
+                    batch,
+                    t,
+                    None,
+                    0.0,
+                    None,
+                    w.seq - p2p,
+                ]
                 for w, s in zip(works, specs)
             ]
             ring.extend(records)
@@ -164,7 +191,9 @@ class FlightRecorder:
         The first outcome recorded stays."""
         self.ended_all((seq,), state, t, error)
 
-    def ended_all(self, seqs: Iterable[int], state: str, t: float, error: str | None = None) -> None:
+    def ended_all(
+        self, seqs: Iterable[int], state: str, t: float, error: str | None = None
+    ) -> None:
         """:meth:`ended` for each of ``seqs`` (a coalesced batch's members, the Works an abort failed)."""
         for rec in map(self._open.pop, seqs, itertools.repeat(None)):
             if rec is not None:

@@ -22,7 +22,9 @@ def _int(value: Any, what: str, low: int, high: int | None = None) -> int:
     try:
         number = operator.index(value)
     except TypeError:
-        raise InvalidArgument(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
+        raise InvalidArgument(
+            f"{what} must be an int, got {value!r} ({type(value).__name__})"
+        ) from None
     if number < low or (high is not None and number > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise InvalidArgument(f"{what} must be {bound}, got {number}")
@@ -34,7 +36,9 @@ def env_int(value: Any, var: str, what: str, low: int, high: int | None = None) 
         return _int(value, what, low, high)
     raw = os.environ.get(var)
     if raw is None:
-        raise InvalidArgument(f"{what} not given and ${var} is not set (launch with torchrun or pass {what}=)")
+        raise InvalidArgument(
+            f"{what} not given and ${var} is not set (launch with torchrun or pass {what}=)"
+        )
     try:
         number = int(raw)
     except ValueError:
@@ -52,16 +56,20 @@ def check_args(
     if heartbeat is not None:
         validate.seconds(heartbeat, "heartbeat", allow_zero=True)
     if store is not None and not isinstance(store, dist.Store):
-        raise InvalidArgument(f"store must be a torch.distributed.Store (TCPStore, FileStore...), got {type(store).__name__}")
+        raise InvalidArgument(
+            f"store must be a torch.distributed.Store (TCPStore, FileStore...), got {type(store).__name__}"
+        )
     if master_addr is not None and (not isinstance(master_addr, str) or not master_addr):
-        raise InvalidArgument(f"master_addr must be a host name or IP address (str), got {master_addr!r}")
+        raise InvalidArgument(
+            f"master_addr must be a host name or IP address (str), got {master_addr!r}"
+        )
     if device is not None:
         if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
-            raise InvalidArgument(f"device must be None, an int, a str or a torch.device, got {device!r}")
+            raise InvalidArgument(
+                f"device must be None, an int, a str or a torch.device, got {device!r}"
+            )
         try:
             torch.device(device)
         except (RuntimeError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"device={device!r} is not a device: {exc}") from None
     return float(timeout)
-
-

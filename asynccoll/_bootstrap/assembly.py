@@ -37,7 +37,9 @@ _TICK = 0.003
 class _Assembly:
     """One participant's view of grow ``g`` (blocking methods run off the loop)."""
 
-    def __init__(self, room: Room, g: int, rank: int, size: int, joiners: dict[int, int], watch: Liveness) -> None:
+    def __init__(
+        self, room: Room, g: int, rank: int, size: int, joiners: dict[int, int], watch: Liveness
+    ) -> None:
         self.gen = room.generation(g)
         self.room = room
         self.rank = rank
@@ -96,7 +98,13 @@ class _Assembly:
 
 
 async def assemble(
-    room: Room, g: int, rank: int, size: int, joiners: dict[int, int], interval: float, timeout: float,
+    room: Room,
+    g: int,
+    rank: int,
+    size: int,
+    joiners: dict[int, int],
+    interval: float,
+    timeout: float,
     build: Callable[[Any], Awaitable[Communicator]],
 ) -> Communicator:
     """Build grow ``g``'s communicator (rank ``rank`` of ``size``) under the watch.
@@ -108,8 +116,12 @@ async def assemble(
     """
     news: list[BaseException] = []
     watch = Liveness(
-        dist.PrefixStore("watch", room.generation(g)), rank, size,
-        interval=interval, detect=True, on_failure=news.append,
+        dist.PrefixStore("watch", room.generation(g)),
+        rank,
+        size,
+        interval=interval,
+        detect=True,
+        on_failure=news.append,
     )
     await off_loop(watch.start, timeout, "grow")
     view = _Assembly(room, g, rank, size, joiners, watch)
@@ -141,8 +153,12 @@ async def assemble(
 
 
 async def _race(
-    view: _Assembly, timeout: float, news: list[BaseException],
-    build: Callable[[Any], Awaitable[Communicator]], built: list[Communicator], errors: list[BaseException],
+    view: _Assembly,
+    timeout: float,
+    news: list[BaseException],
+    build: Callable[[Any], Awaitable[Communicator]],
+    built: list[Communicator],
+    errors: list[BaseException],
 ) -> str:
     """Build while watching; the agreed outcome (``ok`` or ``failed|<ranks>|<why>``)."""
     deadline = time.monotonic() + timeout

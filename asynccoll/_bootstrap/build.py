@@ -31,7 +31,16 @@ from .._diag.diagnostics import Diagnostics
 from .._faults.liveness import Liveness
 from .._faults.shrink import shrink
 from .args import check_args
-from .rendezvous import Rendezvous, agree_options, all_created, comm_prefix, drop_count, forget, off_loop, rendezvous
+from .rendezvous import (
+    Rendezvous,
+    agree_options,
+    all_created,
+    comm_prefix,
+    drop_count,
+    forget,
+    off_loop,
+    rendezvous,
+)
 from .stores import STORES, exclusive
 
 #: Seconds Gloo's connect timeout outlasts ours.
@@ -50,7 +59,9 @@ async def build_gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroup
         # Ctrl-C) and the process exits, its wait is still quietly under way instead of
         # printing C++ warnings on the way out. Its ops then get our timeout again
         # (ProcessGroupGloo._set_default_timeout, torch >= 2.1).
-        pg = dist.ProcessGroupGloo(store, rdv.rank, rdv.world_size, timedelta(seconds=timeout + _GLOO_MARGIN))
+        pg = dist.ProcessGroupGloo(
+            store, rdv.rank, rdv.world_size, timedelta(seconds=timeout + _GLOO_MARGIN)
+        )
         set_default = getattr(pg, "_set_default_timeout", None)
         if set_default is not None:
             set_default(timedelta(seconds=timeout))
@@ -58,7 +69,12 @@ async def build_gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroup
 
     pg = await off_loop(build, timeout, "gloo init")
     return TorchGroupBackend(
-        pg, name="gloo", device_type="cpu", world_size=rdv.world_size, timeout=timeout, caps=gloo.CAPS
+        pg,
+        name="gloo",
+        device_type="cpu",
+        world_size=rdv.world_size,
+        timeout=timeout,
+        caps=gloo.CAPS,
     )
 
 
@@ -69,7 +85,9 @@ async def build_nccl(rdv: Rendezvous, prefix: str, device: Any, timeout: float) 
     return backend
 
 
-async def join_nccl(store: Any, rank: int, new_size: int, device: Any, timeout: float, *, lib: Any = None) -> Any:
+async def join_nccl(
+    store: Any, rank: int, new_size: int, device: Any, timeout: float, *, lib: Any = None
+) -> Any:
     from .._backends import nccl
 
     # The device is resolved here, on the caller's thread (as nccl.create does); the
@@ -142,16 +160,31 @@ async def build_communicator(
         elif backend == "nccl":
             raise BackendUnavailable(missing)
     rdv = await rendezvous(
-        rank=rank, world_size=world_size, master_addr=master_addr,
-        master_port=master_port, store=store, timeout=timeout,
+        rank=rank,
+        world_size=world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        store=store,
+        timeout=timeout,
     )
     if group is not None:
-        group = group.bound(rdv.store, rdv.key)  # the first communicator's store: joiners meet there
+        group = group.bound(
+            rdv.store, rdv.key
+        )  # the first communicator's store: joiners meet there
     try:
         lock = await exclusive(rdv.store, rdv.rank, timeout)
         try:
             comm = await connect(
-                rdv, backend, use_nccl, device, timeout, check, trace_dir, heartbeat, nccl_backend, factories,
+                rdv,
+                backend,
+                use_nccl,
+                device,
+                timeout,
+                check,
+                trace_dir,
+                heartbeat,
+                nccl_backend,
+                factories,
                 group,
             )
         finally:
@@ -168,14 +201,23 @@ async def build_communicator(
     if sole:  # no other communicator is made on this namespace: its creation counter is done
         try:
             await off_loop(functools.partial(drop_count, rdv.store, rdv.rank), timeout, "store")
-        except AsyncCollError:  # the store failed meanwhile: the key stays (the communicator notices)
+        except (
+            AsyncCollError
+        ):  # the store failed meanwhile: the key stays (the communicator notices)
             pass
     return comm
 
 
 async def connect(
-    rdv: Rendezvous, backend: str, use_nccl: bool, device: Any, timeout: float,
-    check: str | None, trace_dir: Any, heartbeat: float | None, nccl_backend: Backend | None = None,
+    rdv: Rendezvous,
+    backend: str,
+    use_nccl: bool,
+    device: Any,
+    timeout: float,
+    check: str | None,
+    trace_dir: Any,
+    heartbeat: float | None,
+    nccl_backend: Backend | None = None,
     factories: Factories = REAL,
     group: Any = None,
 ) -> Communicator:
@@ -183,15 +225,26 @@ async def connect(
     prefix = await comm_prefix(rdv, timeout)
     backends: dict[str | None, Backend] = {}
     try:
-        await agree_options(rdv, prefix, {
-            "backend": backend, "nccl": use_nccl, "check": check, "heartbeat": heartbeat,
-            "world_size": rdv.world_size, "name": getattr(group, "name", None),
-        }, timeout)
+        await agree_options(
+            rdv,
+            prefix,
+            {
+                "backend": backend,
+                "nccl": use_nccl,
+                "check": check,
+                "heartbeat": heartbeat,
+                "world_size": rdv.world_size,
+                "name": getattr(group, "name", None),
+            },
+            timeout,
+        )
         if backend in ("gloo", "auto"):
             backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
         if use_nccl:
             backends["cuda"] = nccl_backend or await factories.nccl(rdv, prefix, device, timeout)
-        diagnostics = await build_diagnostics(rdv, prefix, backends, backend, check, trace_dir, timeout)
+        diagnostics = await build_diagnostics(
+            rdv, prefix, backends, backend, check, trace_dir, timeout
+        )
         await all_created(rdv, prefix, timeout)
     except BaseException as exc:
         # A backend that failed ("auto": NCCL refused two ranks on one GPU) must not
@@ -200,7 +253,9 @@ async def connect(
             be.release()
         if isinstance(exc, _REFUSED):  # the store is fine: the last rank out deletes the keys
             try:
-                await off_loop(functools.partial(forget, rdv, prefix), min(timeout, _FORGET_S), "store")
+                await off_loop(
+                    functools.partial(forget, rdv, prefix), min(timeout, _FORGET_S), "store"
+                )
             except AsyncCollError:
                 pass  # keys left behind: the creation error is the one to report
         raise
@@ -213,10 +268,16 @@ async def connect(
     store = rdv.prefixed(prefix)
 
     def liveness(on_failure: Callable[[BaseException], None]) -> Membership:
-        return Liveness(store, rdv.rank, rdv.world_size, interval=interval, detect=detect, on_failure=on_failure)
+        return Liveness(
+            store, rdv.rank, rdv.world_size, interval=interval, detect=detect, on_failure=on_failure
+        )
 
     async def rebuild(
-        new_rank: int, new_size: int, suffix: str, failed: bool = False, excluded: tuple[int, ...] = ()
+        new_rank: int,
+        new_size: int,
+        suffix: str,
+        failed: bool = False,
+        excluded: tuple[int, ...] = (),
     ) -> Communicator:
         # For a backend-level shrink (see _faults/shrink.py): ``excluded`` are the old
         # ranks left out, ``failed`` says it follows a failure (its abort flag).
@@ -228,14 +289,27 @@ async def connect(
         # failure, DEFAULT for a planned shrink; None (a new init) unless every survivor can.
         shrunk = None
         if cuda is not None:  # Backend.shrink_agreed: None where there is no native shrink
-            job = functools.partial(cuda.shrink_agreed, store, new_rank, new_size, excluded, failed, timeout)
+            job = functools.partial(
+                cuda.shrink_agreed, store, new_rank, new_size, excluded, failed, timeout
+            )
             shrunk = await off_loop(job, timeout, "nccl shrink")
         try:
             new = await build_communicator(
-                backend, rank=new_rank, world_size=new_size, master_addr=None, master_port=None,
-                store=store, device=device, timeout=timeout, check=check,
-                trace_dir=trace_dir, heartbeat=heartbeat, nccl_backend=shrunk, factories=factories,
-                group=group, sole=True,
+                backend,
+                rank=new_rank,
+                world_size=new_size,
+                master_addr=None,
+                master_port=None,
+                store=store,
+                device=device,
+                timeout=timeout,
+                check=check,
+                trace_dir=trace_dir,
+                heartbeat=heartbeat,
+                nccl_backend=shrunk,
+                factories=factories,
+                group=group,
+                sole=True,
             )
         except BaseException:
             if shrunk is not None:
@@ -263,8 +337,13 @@ async def connect(
 
 
 async def build_diagnostics(
-    rdv: Rendezvous, prefix: str, backends: dict[str | None, Backend], name: str,
-    check: str | None, trace_dir: Any, timeout: float,
+    rdv: Rendezvous,
+    prefix: str,
+    backends: dict[str | None, Backend],
+    name: str,
+    check: str | None,
+    trace_dir: Any,
+    timeout: float,
 ) -> Diagnostics:
     """The communicator's diagnostics; with ``check``, wraps ``backends`` in place."""
     checker = None
@@ -276,7 +355,8 @@ async def build_diagnostics(
         host = store_host(rdv.store)
         checker = await off_loop(
             lambda: FingerprintChecker.connect(store, rdv.rank, rdv.world_size, timeout, host),
-            timeout, "fingerprint channel",
+            timeout,
+            "fingerprint channel",
         )
         for key, be in list(backends.items()):
             # Not NCCL yet: its submit records the caller's current stream, so it cannot
@@ -284,8 +364,9 @@ async def build_diagnostics(
             if be.device_type != "cuda":
                 backends[key] = checker.wrap(be)
     return Diagnostics(
-        rank=rdv.rank, world_size=rdv.world_size, backend=name,
-        trace_dir=os.fspath(trace_dir) if trace_dir is not None else None, checker=checker,
+        rank=rdv.rank,
+        world_size=rdv.world_size,
+        backend=name,
+        trace_dir=os.fspath(trace_dir) if trace_dir is not None else None,
+        checker=checker,
     )
-
-

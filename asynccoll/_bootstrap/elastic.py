@@ -87,8 +87,13 @@ class Options:
 
     def shared(self) -> dict[str, Any]:
         """What a joiner adopts (the device stays each process's own)."""
-        return {"backend": self.backend, "timeout": self.timeout, "check": self.check,
-                "heartbeat": self.heartbeat, "trace_dir": self.trace_dir}
+        return {
+            "backend": self.backend,
+            "timeout": self.timeout,
+            "check": self.check,
+            "heartbeat": self.heartbeat,
+            "trace_dir": self.trace_dir,
+        }
 
     def watch_interval(self) -> float:
         """Heartbeat interval of the assembly's watch (the group's own, else its backend's default)."""
@@ -131,24 +136,32 @@ class Group:
         count, error = 0, None
         if comm.rank == 0:
             try:
-                live = await off_loop(functools.partial(self.room.scan, self.options.backend), limit, "waiting")
+                live = await off_loop(
+                    functools.partial(self.room.scan, self.options.backend), limit, "waiting"
+                )
                 count = len(live)
             except Exception as exc:  # noqa: BLE001 - raised below as the cause, after the others are told
                 count, error = _FAILED, exc
         count = await _share(comm, count, limit)
         if count < 0:
-            raise CommAborted("waiting(): rank 0 could not read the group's waiting room") from error
+            raise CommAborted(
+                "waiting(): rank 0 could not read the group's waiting room"
+            ) from error
         return count
 
     # --------------------------------------------------------------------- grow
-    async def grow(self, comm: Communicator, world_size: Any, timeout: float | None) -> Communicator:
+    async def grow(
+        self, comm: Communicator, world_size: Any, timeout: float | None
+    ) -> Communicator:
         """See ``Communicator.grow``."""
         size = _size(world_size, comm.world_size)
         limit = validate.timeout(timeout, comm.timeout) if timeout is not None else comm.timeout
         if comm.state == "closed":
             raise CommClosed("cannot grow a closed communicator")
         if comm.state == "aborted":
-            raise CommAborted(f"cannot grow an aborted communicator (shrink it first): {comm.error}")
+            raise CommAborted(
+                f"cannot grow an aborted communicator (shrink it first): {comm.error}"
+            )
         cuda = comm.backends.get("cuda")
         g = await self._admission(comm, size, limit, cuda is not None)
         opts = self.options
@@ -156,10 +169,14 @@ class Group:
         native = None
         if cuda is not None:  # Backend.grow_agreed: ncclCommGrow where every member can, else None
             native = functools.partial(_grow_native, cuda, size, limit)
-        build = functools.partial(_build_at, opts, self, comm.rank, size, opts.device, opts.trace_dir, native)
+        build = functools.partial(
+            _build_at, opts, self, comm.rank, size, opts.device, opts.trace_dir, native
+        )
         try:
             joiners = await off_loop(functools.partial(self.room.joiners, g), limit, "grow")
-            new = await assemble(self.room, g, comm.rank, size, joiners, opts.watch_interval(), limit, build)
+            new = await assemble(
+                self.room, g, comm.rank, size, joiners, opts.watch_interval(), limit, build
+            )
         except PeerFailure as exc:
             lost = [r for r in exc.ranks if r < comm.world_size]
             if lost:  # members died: the old communicator is broken, ready for shrink()
@@ -177,7 +194,12 @@ class Group:
         """Step 1 (see the module docstring): the number of the grow every member takes part in."""
         deadline = time.monotonic() + limit
         # "cuda": the members have an NCCL backend, so the joiners meet its native grow.
-        plan = {"world_size": size, "old_size": comm.world_size, "cuda": cuda, **self.options.shared()}
+        plan = {
+            "world_size": size,
+            "old_size": comm.world_size,
+            "cuda": cuda,
+            **self.options.shared(),
+        }
         k = size - comm.world_size
         while True:
             left = deadline - time.monotonic()
@@ -189,7 +211,9 @@ class Group:
             except BaseException as exc:
                 if mine > 0:  # joiners were admitted to grow `mine`: tell them it is off
                     with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(self.room.call_off, mine, exc, abandon_on_cancel=True)
+                        await anyio.to_thread.run_sync(
+                            self.room.call_off, mine, exc, abandon_on_cancel=True
+                        )
                 raise
             if status > 0:
                 return status
@@ -198,9 +222,13 @@ class Group:
                     f"grow to {size} ranks: {k} joiner(s) of group {self.name!r} did not arrive within {limit} s"
                 )
             if status == _FAILED:
-                raise CommAborted(f"grow to {size} ranks: rank 0 could not admit joiners") from error
+                raise CommAborted(
+                    f"grow to {size} ranks: rank 0 could not admit joiners"
+                ) from error
 
-    async def _admit_round(self, k: int, plan: dict[str, Any], left: float) -> tuple[int, BaseException | None]:
+    async def _admit_round(
+        self, k: int, plan: dict[str, Any], left: float
+    ) -> tuple[int, BaseException | None]:
         """Rank 0: admit ``k`` joiners within one round; the grow's number, or a status."""
         room = self.room
         until = time.monotonic() + max(0.0, min(_ROUND, left))
@@ -233,7 +261,9 @@ def _size(world_size: Any, old: int) -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise InvalidArgument(f"grow: world_size must be an int, got {world_size!r}")
     if world_size <= old:
-        raise InvalidArgument(f"grow: world_size must be larger than the current {old}, got {world_size}")
+        raise InvalidArgument(
+            f"grow: world_size must be larger than the current {old}, got {world_size}"
+        )
     return world_size
 
 
@@ -249,18 +279,32 @@ def _grow_native(cuda: Backend, size: int, limit: float, store: Any) -> Awaitabl
 
 def _join_native(opts: Options, rank: int, size: int, store: Any) -> Awaitable[Backend | None]:
     """A joiner's part of the native grow (``Factories.nccl_join``; None: build afresh)."""
-    return opts.factories.nccl_join(dist.PrefixStore(_NATIVE, store), rank, size, opts.device, opts.timeout)
+    return opts.factories.nccl_join(
+        dist.PrefixStore(_NATIVE, store), rank, size, opts.device, opts.timeout
+    )
 
 
 def _build_at(
-    opts: Options, group: Group, rank: int, size: int, device: Any, trace_dir: Any,
-    native: Callable[[Any], Awaitable[Backend | None]] | None, store: Any,
+    opts: Options,
+    group: Group,
+    rank: int,
+    size: int,
+    device: Any,
+    trace_dir: Any,
+    native: Callable[[Any], Awaitable[Backend | None]] | None,
+    store: Any,
 ) -> Awaitable[Communicator]:
     return _build(opts, group, rank, size, store, device, trace_dir, native)
 
 
 async def _build(
-    opts: Options, group: Group, rank: int, size: int, store: Any, device: Any, trace_dir: Any,
+    opts: Options,
+    group: Group,
+    rank: int,
+    size: int,
+    store: Any,
+    device: Any,
+    trace_dir: Any,
     native: Callable[[Any], Awaitable[Backend | None]] | None = None,
 ) -> Communicator:
     # native: the grow's native NCCL part, done first on the same store by every
@@ -268,9 +312,21 @@ async def _build(
     grown = await native(store) if native is not None else None
     try:
         return await build_communicator(
-            opts.backend, rank=rank, world_size=size, master_addr=None, master_port=None, store=store,
-            device=device, timeout=opts.timeout, check=opts.check, trace_dir=trace_dir,
-            heartbeat=opts.heartbeat, nccl_backend=grown, factories=opts.factories, group=group, sole=True,
+            opts.backend,
+            rank=rank,
+            world_size=size,
+            master_addr=None,
+            master_port=None,
+            store=store,
+            device=device,
+            timeout=opts.timeout,
+            check=opts.check,
+            trace_dir=trace_dir,
+            heartbeat=opts.heartbeat,
+            nccl_backend=grown,
+            factories=opts.factories,
+            group=group,
+            sole=True,
         )
     except BaseException:
         if grown is not None:
@@ -280,8 +336,16 @@ async def _build(
 
 # --------------------------------------------------------------------------- join
 async def join(
-    backend: str, *, store: Any, master_addr: str | None, master_port: int | None, name: Any,
-    device: Any, timeout: float, trace_dir: Any, factories: Factories = REAL,
+    backend: str,
+    *,
+    store: Any,
+    master_addr: str | None,
+    master_port: int | None,
+    name: Any,
+    device: Any,
+    timeout: float,
+    trace_dir: Any,
+    factories: Factories = REAL,
 ) -> Communicator:
     """See ``asynccoll.join``."""
     timeout = check_args(backend, store, master_addr, device, timeout, None)
@@ -290,7 +354,9 @@ async def join(
     if store is None:
         master_addr = master_addr or os.environ.get("MASTER_ADDR")
         if not master_addr or (master_port is None and os.environ.get("MASTER_PORT") is None):
-            raise InvalidArgument("join: no store: pass store=, or master_addr/master_port (or set $MASTER_ADDR/$MASTER_PORT)")
+            raise InvalidArgument(
+                "join: no store: pass store=, or master_addr/master_port (or set $MASTER_ADDR/$MASTER_PORT)"
+            )
         port = env_int(master_port, "MASTER_PORT", "master_port", 1, 65535)
         # rank -1: a joiner is always a client of the group's store, never its server.
         store, key = await tcp_store(master_addr, port, -1, 1, timeout)
@@ -302,7 +368,13 @@ async def join(
 
 
 async def _join(
-    backend: str, root: Any, key: tuple[str, int] | None, name: str, device: Any, timeout: float, trace_dir: Any,
+    backend: str,
+    root: Any,
+    key: tuple[str, int] | None,
+    name: str,
+    device: Any,
+    timeout: float,
+    trace_dir: Any,
     factories: Factories,
 ) -> Communicator:
     room = Room(root, name)
@@ -310,8 +382,13 @@ async def _join(
     while True:
         ticket, g, plan = await _admitted(room, backend, deadline, timeout)
         opts = Options(
-            backend=plan["backend"], timeout=float(plan["timeout"]), check=plan["check"],
-            heartbeat=plan["heartbeat"], trace_dir=plan["trace_dir"], device=device, factories=factories,
+            backend=plan["backend"],
+            timeout=float(plan["timeout"]),
+            check=plan["check"],
+            heartbeat=plan["heartbeat"],
+            trace_dir=plan["trace_dir"],
+            device=device,
+            factories=factories,
         )
         group = Group(name, opts, root, key)
         rank = int(plan["old_size"]) + plan["tickets"].index(ticket)
@@ -321,7 +398,9 @@ async def _join(
         build = functools.partial(_build_at, opts, group, rank, size, device, mine, native)
         try:
             joiners = {int(plan["old_size"]) + i: t for i, t in enumerate(plan["tickets"])}
-            return await assemble(room, g, rank, size, joiners, opts.watch_interval(), opts.timeout, build)
+            return await assemble(
+                room, g, rank, size, joiners, opts.watch_interval(), opts.timeout, build
+            )
         except CommAborted as exc:
             if not is_abort_error(exc) or time.monotonic() >= deadline:
                 raise  # a timeout or a mismatch answers this join, and so does the deadline
@@ -329,7 +408,9 @@ async def _join(
             # wait for the members' next one.
 
 
-async def _admitted(room: Room, backend: str, deadline: float, timeout: float) -> tuple[int, int, dict[str, Any]]:
+async def _admitted(
+    room: Room, backend: str, deadline: float, timeout: float
+) -> tuple[int, int, dict[str, Any]]:
     """Take a ticket and wait until a grow admits it: (ticket, the grow's number, its plan).
 
     A ticket resolved otherwise (declared dead, a cancelled plan) is replaced by a new
@@ -363,7 +444,7 @@ async def _admitted(room: Room, backend: str, deadline: float, timeout: float) -
             )
         if isinstance(answer, str):
             if answer.startswith(REFUSED):
-                raise InvalidArgument(f"join: {answer[len(REFUSED):]}")
+                raise InvalidArgument(f"join: {answer[len(REFUSED) :]}")
             continue  # declared dead while alive (an unreadable process table): a new ticket
         g, plan = answer
         if plan is not None:

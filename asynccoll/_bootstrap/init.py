@@ -26,7 +26,11 @@ from .build import REAL, Factories, build_communicator
 class _Init:
     """What ``init()`` and ``join()`` return: awaitable, and an async context manager that closes."""
 
-    def __init__(self, kwargs: dict[str, Any], make: Callable[..., Awaitable[Communicator]] = build_communicator) -> None:
+    def __init__(
+        self,
+        kwargs: dict[str, Any],
+        make: Callable[..., Awaitable[Communicator]] = build_communicator,
+    ) -> None:
         self._kwargs = kwargs
         self._make = make
         self._comm: Communicator | None = None
@@ -81,9 +85,18 @@ def init(
     """
     return _Init(
         dict(
-            backend=backend, rank=rank, world_size=world_size, master_addr=master_addr,
-            master_port=master_port, store=store, device=device, timeout=timeout,
-            check=check, trace_dir=trace_dir, heartbeat=heartbeat, name=name,
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            store=store,
+            device=device,
+            timeout=timeout,
+            check=check,
+            trace_dir=trace_dir,
+            heartbeat=heartbeat,
+            name=name,
         ),
         _init_named,
     )
@@ -93,10 +106,13 @@ async def _init_named(*, name: Any, **kwargs: Any) -> Communicator:
     group = None
     if name is not None:
         options = elastic.Options(
-            backend=kwargs["backend"], timeout=validate.seconds(kwargs["timeout"], "timeout"),
-            check=kwargs["check"], heartbeat=kwargs["heartbeat"],
+            backend=kwargs["backend"],
+            timeout=validate.seconds(kwargs["timeout"], "timeout"),
+            check=kwargs["check"],
+            heartbeat=kwargs["heartbeat"],
             trace_dir=str(kwargs["trace_dir"]) if kwargs["trace_dir"] is not None else None,
-            device=kwargs["device"], factories=kwargs.get("factories", REAL),
+            device=kwargs["device"],
+            factories=kwargs.get("factories", REAL),
         )
         group = elastic.Group(elastic.check_name(name), options)
     return await build_communicator(**kwargs, group=group)
@@ -127,8 +143,14 @@ def join(
     """
     return _Init(
         dict(
-            backend=backend, store=store, master_addr=master_addr, master_port=master_port, name=name,
-            device=device, timeout=timeout, trace_dir=trace_dir,
+            backend=backend,
+            store=store,
+            master_addr=master_addr,
+            master_port=master_port,
+            name=name,
+            device=device,
+            timeout=timeout,
+            trace_dir=trace_dir,
         ),
         elastic.join,
     )
@@ -161,15 +183,21 @@ def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Com
     from torch._C._distributed_c10d import Backend as _TorchBackend
 
     if not isinstance(process_group, (dist.ProcessGroup, _TorchBackend)):
-        raise InvalidArgument(f"wrap() needs a torch.distributed.ProcessGroup, got {type(process_group).__name__}")
+        raise InvalidArgument(
+            f"wrap() needs a torch.distributed.ProcessGroup, got {type(process_group).__name__}"
+        )
     timeout = validate.seconds(timeout, "timeout")
     if store is not None and not isinstance(store, dist.Store):
-        raise InvalidArgument(f"store must be a torch.distributed.Store, got {type(store).__name__}")
+        raise InvalidArgument(
+            f"store must be a torch.distributed.Store, got {type(store).__name__}"
+        )
     ws = process_group.size()
     name = process_group.name() if hasattr(process_group, "name") else "torch"
     # A Gloo group declares Gloo's capability table; any other kind leaves the checks to torch.
     kind, caps = ("gloo", gloo.CAPS) if name == "gloo" else ("torch", ANY)
-    backend = TorchGroupBackend(process_group, name=kind, device_type=None, world_size=ws, timeout=timeout, caps=caps)
+    backend = TorchGroupBackend(
+        process_group, name=kind, device_type=None, world_size=ws, timeout=timeout, caps=caps
+    )
     return Communicator(
         rank=process_group.rank(),
         world_size=ws,

@@ -30,7 +30,9 @@ class Rendezvous:
     (this rendezvous holds one reference to it), or None for a store given by the user.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, key: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self, store: Any, rank: int, world_size: int, key: tuple[str, int] | None = None
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -48,7 +50,9 @@ async def off_loop(fn: Callable[[], Any], timeout: float, what: str) -> Any:
         raise
     except TimeoutError:
         raise CollectiveTimeout(f"{what}: peers did not arrive within {timeout} s") from None
-    except RuntimeError as exc:  # torch's store and Gloo errors (DistError subclasses, RuntimeError)
+    except (
+        RuntimeError
+    ) as exc:  # torch's store and Gloo errors (DistError subclasses, RuntimeError)
         raise creation_error(exc, kind_of(exc), what=what, timeout=timeout) from exc
 
 
@@ -94,14 +98,14 @@ async def comm_prefix(rdv: Rendezvous, timeout: float) -> str:
     return f"asynccoll/{n}/"
 
 
-
-
 def _until(store: Any, keys: list[str], deadline: float) -> None:
     if not poll_keys(store, keys, deadline):
         raise TimeoutError
 
 
-async def agree_options(rdv: Rendezvous, prefix: str, options: dict[str, Any], timeout: float) -> None:
+async def agree_options(
+    rdv: Rendezvous, prefix: str, options: dict[str, Any], timeout: float
+) -> None:
     """Every rank states the options of the communicator it is creating; where they
     differ, every rank raises ``CollectiveMismatch`` (before any backend is built).
 
@@ -124,9 +128,15 @@ async def agree_options(rdv: Rendezvous, prefix: str, options: dict[str, Any], t
             return bytes(store.get("opts/verdict")).decode()
         keys = [f"opts/{r}" for r in range(rdv.world_size)]
         _until(store, keys, deadline)
-        values = [bytes(v).decode() for i in range(0, len(keys), 512) for v in store.multi_get(keys[i : i + 512])]
-        verdict = "ok" if all(v == mine for v in values) else json.dumps(
-            {r: json.loads(v) for r, v in enumerate(values) if v != mine or r == 0}
+        values = [
+            bytes(v).decode()
+            for i in range(0, len(keys), 512)
+            for v in store.multi_get(keys[i : i + 512])
+        ]
+        verdict = (
+            "ok"
+            if all(v == mine for v in values)
+            else json.dumps({r: json.loads(v) for r, v in enumerate(values) if v != mine or r == 0})
         )
         store.set("opts/verdict", verdict)
         return verdict
@@ -135,19 +145,32 @@ async def agree_options(rdv: Rendezvous, prefix: str, options: dict[str, Any], t
     if verdict == "ok":
         return
     details = {int(r): o for r, o in json.loads(verdict).items()}
-    fields = sorted({k for o in details.values() for k in o if len({json.dumps(d.get(k)) for d in details.values()}) > 1})
+    fields = sorted(
+        {
+            k
+            for o in details.values()
+            for k in o
+            if len({json.dumps(d.get(k)) for d in details.values()}) > 1
+        }
+    )
     parts = []
     for field in fields:
         groups: dict[str, list[int]] = {}
         for r in sorted(details):
             groups.setdefault(str(details[r].get(field)), []).append(r)
-        parts.append(f"{field} " + ", ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}"
-                                             for v, rs in groups.items()))
+        parts.append(
+            f"{field} "
+            + ", ".join(
+                f"{v} on rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}"
+                for v, rs in groups.items()
+            )
+        )
     raise CollectiveMismatch(
         f"communicator {prefix!r}: its ranks were created with different options: {'; '.join(parts)} "
         "(communicators created at the same time pair up by creation order on each rank, which may differ: "
         "create them one after the other, in the same order on every rank)",
-        details=details, fields=tuple(fields),
+        details=details,
+        fields=tuple(fields),
     )
 
 
@@ -175,7 +198,17 @@ async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
 
 
 #: Keys a communicator leaves under its prefix (see ``forget``).
-_SHARED_KEYS = ("aborted", "host", "failure", "census/owner", "opts/verdict", "created", "created/all", "left", "ops")
+_SHARED_KEYS = (
+    "aborted",
+    "host",
+    "failure",
+    "census/owner",
+    "opts/verdict",
+    "created",
+    "created/all",
+    "left",
+    "ops",
+)
 _RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final")
 
 
@@ -192,7 +225,11 @@ def drop_count(store: Any, rank: int) -> None:
 
 
 def forget(
-    rdv: Rendezvous, prefix: str, dead: Iterable[int] = (), keys: Iterable[str] = (), ops: Iterable[int] = ()
+    rdv: Rendezvous,
+    prefix: str,
+    dead: Iterable[int] = (),
+    keys: Iterable[str] = (),
+    ops: Iterable[int] = (),
 ) -> None:
     """This rank is done with a communicator's keys (blocking): at ``close()``, or at
     ``shrink()`` once the survivors' new communicator is up (``Parts.retire``).
@@ -223,7 +260,11 @@ def forget(
             store.append("ops", f"{mine},")
         if int(store.add("left", 1)) != n - len(gone - {rdv.rank}):
             return
-        seqs = {int(s) for s in bytes(store.get("ops")).decode().split(",") if s} if store.check(["ops"]) else set()
+        seqs = (
+            {int(s) for s in bytes(store.get("ops")).decode().split(",") if s}
+            if store.check(["ops"])
+            else set()
+        )
         drop_ops(store, seqs, n)
         drop_keys(store, n)
         for key in keys:

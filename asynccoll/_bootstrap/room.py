@@ -112,7 +112,9 @@ class Room:
     def call_off(self, g: int, error: BaseException) -> None:
         """Grow ``g`` will not happen (the members' admission failed): its outcome says so."""
         ranks = encode_ranks(getattr(error, "ranks", ()))
-        self.generation(g).compare_set("outcome", "", f"failed|{ranks}|the members' admission failed: {error}")
+        self.generation(g).compare_set(
+            "outcome", "", f"failed|{ranks}|the members' admission failed: {error}"
+        )
 
     def scan(self, backend: str) -> list[int]:
         """The live tickets waiting for admission, in order.
@@ -172,7 +174,11 @@ class Room:
             return None
         g = int(self.store.add("generations", 1))
         mark = str(g)
-        won = [t for t in chosen if bytes(self.store.compare_set(f"admit/{t}", "", mark)).decode() == mark]
+        won = [
+            t
+            for t in chosen
+            if bytes(self.store.compare_set(f"admit/{t}", "", mark)).decode() == mark
+        ]
         gen = self.generation(g)
         if len(won) < k:  # a joiner withdrew meanwhile: the claimed ones take new tickets
             gen.set("plan", CANCELLED)

@@ -102,7 +102,9 @@ atexit.register(STORES.leave_all)
 # rank publishes only through the blocked client (a deadlock until the timeout).
 # One at a time, each process builds its n-th communicator before its (n+1)-th,
 # and the n-th pair with each other across ranks.
-_CREATION_LOCKS: weakref.WeakKeyDictionary[Any, dict[int, threading.Lock]] = weakref.WeakKeyDictionary()
+_CREATION_LOCKS: weakref.WeakKeyDictionary[Any, dict[int, threading.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
 _CREATION_GUARD = threading.Lock()
 
 
@@ -137,7 +139,9 @@ async def _server_listening(addr: str, port: int, timeout: float) -> None:
     try:
         await anyio.getaddrinfo(addr, port)
     except (OSError, UnicodeError) as exc:
-        raise InvalidArgument(f"master_addr {addr!r} does not resolve to an address: {exc}") from None
+        raise InvalidArgument(
+            f"master_addr {addr!r} does not resolve to an address: {exc}"
+        ) from None
     end = time.monotonic() + timeout
     delay = 0.01
     while True:
@@ -156,7 +160,9 @@ async def _server_listening(addr: str, port: int, timeout: float) -> None:
             delay = min(delay * 2, 0.2)
 
 
-async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[Any, tuple[str, int]]:
+async def tcp_store(
+    addr: str, port: int, rank: int, world_size: int, timeout: float
+) -> tuple[Any, tuple[str, int]]:
     """The process's TCPStore for ``addr:port`` (shared), with one hold taken for the caller."""
     # Under torchrun's agent the store already runs; every rank is a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -167,11 +173,17 @@ async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: f
         try:
             socket.getaddrinfo(addr, port)
         except (OSError, UnicodeError) as exc:
-            raise InvalidArgument(f"master_addr {addr!r} does not resolve to an address: {exc}") from None
+            raise InvalidArgument(
+                f"master_addr {addr!r} does not resolve to an address: {exc}"
+            ) from None
         try:
             return dist.TCPStore(
-                addr, port, world_size, is_server,
-                timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                addr,
+                port,
+                world_size,
+                is_server,
+                timeout=timedelta(seconds=timeout),
+                wait_for_workers=False,
             )
         except (dist.DistError, RuntimeError) as exc:  # DistNetworkError, DistStoreError
             raise store_error(exc, addr, port, timeout) from exc
@@ -182,12 +194,14 @@ async def tcp_store(addr: str, port: int, rank: int, world_size: int, timeout: f
     try:
         # A hold the thread still takes after we stopped waiting is given back.
         store = await run_in_thread(
-            lambda: STORES.acquire(key, create, is_server), max(0.001, end - time.monotonic()), on_late=lambda _: STORES.release(key)
+            lambda: STORES.acquire(key, create, is_server),
+            max(0.001, end - time.monotonic()),
+            on_late=lambda _: STORES.release(key),
         )
     except AsyncCollError:
         raise
     except TimeoutError:
-        raise CollectiveTimeout(f"store at {addr}:{port}: peers did not arrive within {timeout} s") from None
+        raise CollectiveTimeout(
+            f"store at {addr}:{port}: peers did not arrive within {timeout} s"
+        ) from None
     return store, key
-
-

@@ -29,7 +29,9 @@ from .work import Bundle, Work
 
 def dtypes(*names: str) -> frozenset[torch.dtype]:
     """The torch dtypes of these names that this torch build has."""
-    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+    return frozenset(
+        getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)
+    )
 
 
 def dtype_names(dts: frozenset[torch.dtype]) -> str:
@@ -157,7 +159,12 @@ class Backend(abc.ABC):
         self.abort()
 
     def shrink_agreed(
-        self, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
+        self,
+        store: Any,
+        new_rank: int,
+        new_size: int,
+        exclude: Sequence[int],
+        abort_pending: bool | None,
         timeout: float,
     ) -> Backend | None:
         """The survivors' backend made from this one by a native shrink (NCCL's

@@ -76,7 +76,9 @@ class Batch:
 
     __slots__ = ("ledger", "task", "loop", "thread", "open", "backends", "specs", "works", "head")
 
-    def __init__(self, ledger: Ledger, task: object, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(
+        self, ledger: Ledger, task: object, loop: asyncio.AbstractEventLoop | None
+    ) -> None:
         self.ledger = ledger
         self.task = task
         self.loop = loop  # the task's asyncio loop; None under trio
@@ -87,7 +89,9 @@ class Batch:
         self.works: list[MemberWork] = []
         self.head: BatchWork | None = None  # opened by the first member
 
-    def add(self, op: str, backend: Backend, spec: OpSpec, value: Any, keep: Any) -> MemberWork | None:
+    def add(
+        self, op: str, backend: Backend, spec: OpSpec, value: Any, keep: Any
+    ) -> MemberWork | None:
         """Record an op issued now while the ContextVar holds this batch: its member
         Work (seq taken now, run when the batch exits), or None when it is not this
         batch's to record (the body exited, or the caller is another task): the
@@ -193,7 +197,9 @@ class CoalescingGroup:
             if head is not None and not head.done():
                 with contextlib.suppress(Exception):  # the members' own outcomes are raised below
                     await head  # the one wait of the whole batch
-            if head is None or head.exception() is not None:  # a success wrote success into every member
+            if (
+                head is None or head.exception() is not None
+            ):  # a success wrote success into every member
                 for work in batch.works:  # in call order: the first failure is raised
                     if (exc := work.exception()) is not None:
                         raise exc
@@ -254,4 +260,3 @@ class CoalescingGroup:
         batch = self._batch
         assert batch is not None
         return [await work for work in batch.works]
-

@@ -68,7 +68,10 @@ class Communicator:
         self._group = group  # elastic membership (bootstrap's Group): waiting() and grow()
         self._diag = diagnostics if diagnostics is not None else Diagnosis()
         self._ledger = ledger = Ledger(
-            rank, deadlines=deadline_service(), on_abort=weakly(self._after_abort), recorder=self._diag.recorder
+            rank,
+            deadlines=deadline_service(),
+            on_abort=weakly(self._after_abort),
+            recorder=self._diag.recorder,
         )
         # forget: close() then deletes the store keys, on the last rank to close (``_bootstrap``).
         self._parts = parts = Parts(ledger, self._backends, self._objects, self._diag, forget)
@@ -165,7 +168,9 @@ class Communicator:
     ) -> Work:
         """Reduce ``tensor`` across ranks, in place. Work result: ``tensor``."""
         t = validate.tensor(tensor, "tensor")
-        backend = (self._cpu_backend if t.is_cpu else None) or self._backend_for(t)  # the hot path: one call less
+        backend = (self._cpu_backend if t.is_cpu else None) or self._backend_for(
+            t
+        )  # the hot path: one call less
         spec = OpSpec(_ALL_REDUCE, t, None, validate.reduce_op(op, t.dtype, backend.caps))
         return self._issue(backend, spec, t, t, timeout)
 
@@ -174,7 +179,8 @@ class Communicator:
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.BROADCAST, validate.movable(t, backend.caps, "broadcast"),
+            OpKind.BROADCAST,
+            validate.movable(t, backend.caps, "broadcast"),
             peer=validate.rank(src, self.world_size, "src"),
         )
         return self._issue(backend, spec, t, t, timeout)
@@ -186,7 +192,9 @@ class Communicator:
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.REDUCE, t, reduce_op=validate.reduce_op(op, t.dtype, backend.caps),
+            OpKind.REDUCE,
+            t,
+            reduce_op=validate.reduce_op(op, t.dtype, backend.caps),
             peer=validate.rank(dst, self.world_size, "dst"),
         )
         return self._issue(backend, spec, t, t, timeout)
@@ -201,7 +209,8 @@ class Communicator:
         backend = self._backend_for(inp)
         caps = backend.caps
         spec = OpSpec(
-            OpKind.ALL_GATHER, validate.movable(validate.chunk(inp), caps, "all_gather"),
+            OpKind.ALL_GATHER,
+            validate.movable(validate.chunk(inp), caps, "all_gather"),
             validate.movable(out, caps, "all_gather"),
         )
         return self._issue(backend, spec, out, (out, inp), timeout)
@@ -229,7 +238,9 @@ class Communicator:
         backend = self._backend_for(inp)
         caps = backend.caps
         spec = OpSpec(
-            OpKind.ALL_TO_ALL, validate.movable(inp, caps, "all_to_all"), validate.movable(out, caps, "all_to_all")
+            OpKind.ALL_TO_ALL,
+            validate.movable(inp, caps, "all_to_all"),
+            validate.movable(out, caps, "all_to_all"),
         )
         return self._issue(backend, spec, out, (out, inp), timeout)
 
@@ -280,7 +291,8 @@ class Communicator:
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.SEND, validate.movable(t, backend.caps, "send"),
+            OpKind.SEND,
+            validate.movable(t, backend.caps, "send"),
             peer=validate.peer(dst, self.world_size, self.rank, "dst"),
         )
         return self._issue(backend, spec, t, t, timeout)
@@ -290,7 +302,8 @@ class Communicator:
         t = validate.tensor(tensor, "tensor")
         backend = self._backend_for(t)
         spec = OpSpec(
-            OpKind.RECV, validate.movable(t, backend.caps, "recv"),
+            OpKind.RECV,
+            validate.movable(t, backend.caps, "recv"),
             peer=validate.peer(src, self.world_size, self.rank, "src"),
         )
         return self._issue(backend, spec, t, t, timeout)
@@ -317,7 +330,10 @@ class Communicator:
         )
 
     def _object_op(
-        self, op: str, timeout: float | None, fn: Callable[[ObjectChannel, int, float], Any],
+        self,
+        op: str,
+        timeout: float | None,
+        fn: Callable[[ObjectChannel, int, float], Any],
         root: int = -1,
     ) -> Work:
         channel = self._objects
@@ -346,7 +362,9 @@ class Communicator:
             def run() -> None:
                 channel.run(lambda: fn(channel, seq, limit), done)
 
-            self._diag.gate_object(op, root, work, run)  # with a checker: once the fingerprints agree
+            self._diag.gate_object(
+                op, root, work, run
+            )  # with a checker: once the fingerprints agree
         return work
 
     # ------------------------------------------------------------------ faults
@@ -424,11 +442,22 @@ class Communicator:
         if self._shrunk:
             raise InvalidArgument("this communicator was already shrunk; shrink the new one")
         if self._recover is None:
-            raise InvalidArgument(f"shrink needs a communicator made by asynccoll.init(), not {self.backend!r}")
+            raise InvalidArgument(
+                f"shrink needs a communicator made by asynccoll.init(), not {self.backend!r}"
+            )
         recovery = Recovery(
-            rank=self.rank, world_size=self.world_size, timeout=self.timeout, backend=self.backend,
-            state=self.state, failed_ranks=self.failed_ranks, store=self._store, liveness=self._liveness,
-            rebuild=self._rebuild, abort=self.abort, claim=self._claim_shrink, retire=self._parts.retire,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+            backend=self.backend,
+            state=self.state,
+            failed_ranks=self.failed_ranks,
+            store=self._store,
+            liveness=self._liveness,
+            rebuild=self._rebuild,
+            abort=self.abort,
+            claim=self._claim_shrink,
+            retire=self._parts.retire,
         )
         return await self._recover(recovery, exclude)
 
@@ -464,7 +493,9 @@ class Communicator:
         new: Communicator = await self._named("grow()").grow(self, world_size, timeout)
         return new
 
-    async def broadcast_state(self, state: Any, src: int = 0, *, timeout: float | None = None) -> Any:
+    async def broadcast_state(
+        self, state: Any, src: int = 0, *, timeout: float | None = None
+    ) -> Any:
         """Send ``state`` (nested dicts/lists/tuples of tensors and picklable objects,
         such as a ``state_dict()``) from ``src`` to every rank.
 
@@ -497,4 +528,3 @@ async def exit_scope(comm: Communicator, exc: BaseException | None) -> None:
     # release every backend; close() of an aborted communicator is bounded.
     with anyio.CancelScope(shield=True):
         await comm.close()
-

@@ -34,7 +34,14 @@ import threading
 from typing import Any, Callable, Iterable, Sequence
 
 from .._base.deadlines import DeadlineClient, DeadlineService
-from .._base.errors import AsyncCollError, CollectiveTimeout, CommAborted, CommClosed, PeerFailure, is_abort_error
+from .._base.errors import (
+    AsyncCollError,
+    CollectiveTimeout,
+    CommAborted,
+    CommClosed,
+    PeerFailure,
+    is_abort_error,
+)
 from .._base.recorder import FlightRecorder, now, outcome
 from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work, settle_all
 
@@ -136,7 +143,9 @@ class Ledger:
         self._on_abort = on_abort
         self._deadlines: DeadlineClient = deadlines.client(self)
         #: The coalescing batch open in the current task, if any (``coalescing.py``).
-        self.batch: contextvars.ContextVar[Any] = contextvars.ContextVar("asynccoll_batch", default=None)
+        self.batch: contextvars.ContextVar[Any] = contextvars.ContextVar(
+            "asynccoll_batch", default=None
+        )
         #: The flight recorder: every op's issue and outcome (``comm.flight_record()``,
         #: the trace files of ``_diag``).
         self.recorder = self._recorder = recorder if recorder is not None else FlightRecorder()
@@ -160,7 +169,9 @@ class Ledger:
                 exc = CommAborted(f"communicator is aborted: {error}")
             exc.__cause__ = error
             return exc
-        return CommClosed("communicator is closed" if self.state is _CLOSED else "communicator is closing")
+        return CommClosed(
+            "communicator is closed" if self.state is _CLOSED else "communicator is closing"
+        )
 
     def reserve(self, op: str, value: Any = None, keep: Any = None, spec: Any = None) -> Work:
         """The next seq's pending Work, recorded as issued if ``spec`` is given (else see
@@ -291,7 +302,9 @@ class Ledger:
             try:
                 target.finish()
             except Exception as err:  # noqa: BLE001 - a failed copy-back fails the batch
-                failure = CommAborted(f"coalesced {target.op} (seq {target.seq}): copy-back failed: {err}")
+                failure = CommAborted(
+                    f"coalesced {target.op} (seq {target.seq}): copy-back failed: {err}"
+                )
                 failure.__cause__ = err
                 self.fail(target, failure)
                 return
@@ -326,7 +339,9 @@ class Ledger:
                 self.state = _ABORTED  # before any waiter can see the error
                 self.error = exc if is_abort_error(exc) else abort_error(exc)
             for work in works:
-                if type(work) is not MemberWork:  # a member's seq may name its batch's entry: that stays
+                if (
+                    type(work) is not MemberWork
+                ):  # a member's seq may name its batch's entry: that stays
                     self.pending.pop(work.seq, None)
             others = list(self.pending.values()) if first else []
             if first:
@@ -359,7 +374,8 @@ class Ledger:
             work,
             CollectiveTimeout(
                 f"{named.op} (seq {named.seq}) on rank {self.rank} did not complete within its deadline",
-                seq=named.seq, op=named.op,
+                seq=named.seq,
+                op=named.op,
             ),
         )
 

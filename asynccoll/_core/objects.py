@@ -102,7 +102,9 @@ class ObjectChannel:
 
         with self._lock:
             if self._stopped.is_set():
-                done(None, CommAborted("the communicator aborted before this object collective ran"))
+                done(
+                    None, CommAborted("the communicator aborted before this object collective ran")
+                )
                 return
             if self._jobs is None:
                 # A daemon thread of its own (a pool's worker would hold interpreter

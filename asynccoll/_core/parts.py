@@ -49,7 +49,11 @@ class Parts:
     """The backends, liveness, object channel and diagnosis of one communicator."""
 
     def __init__(
-        self, ledger: Ledger, backends: dict[str | None, Backend], objects: ObjectChannel | None, diag: Diagnosis,
+        self,
+        ledger: Ledger,
+        backends: dict[str | None, Backend],
+        objects: ObjectChannel | None,
+        diag: Diagnosis,
         forget: Callable[..., None] | None = None,
     ) -> None:
         self.ledger = ledger
@@ -64,12 +68,16 @@ class Parts:
         for backend in backends.values():
             backend.bind(ledger)
 
-    def start_liveness(self, factory: MembershipFactory, on_failure: Callable[[BaseException], None]) -> Membership:
+    def start_liveness(
+        self, factory: MembershipFactory, on_failure: Callable[[BaseException], None]
+    ) -> Membership:
         """Join the liveness service; the backends name lost peers with its census from now on."""
         liveness = self.liveness = factory(on_failure)
         for backend in self.backends.values():
             backend.census = liveness.census
-        if self.objects is not None:  # a peer that dies meanwhile fails an object collective at once
+        if (
+            self.objects is not None
+        ):  # a peer that dies meanwhile fails an object collective at once
             self.objects.watch = liveness.failure_among
         liveness.start()
         return liveness
@@ -93,9 +101,13 @@ class Parts:
             # Tell the peers (a no-op when the news came from a peer: that thread is done).
             self.liveness.publish_abort(error, wake=loop is None)
         try:
-            self.diag.aborted(error)  # the flight record goes to trace_dir (before the checker closes)
+            self.diag.aborted(
+                error
+            )  # the flight record goes to trace_dir (before the checker closes)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must never stop the abort
-            threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
+            threading.excepthook(
+                threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None))
+            )
         if self.objects is not None:
             self.objects.shutdown()
         for backend in self.backends.values():
@@ -123,7 +135,9 @@ class Parts:
             self.objects.shutdown()
         for backend in self.backends.values():
             await run_in_thread(backend.close, None, name="asynccoll-close")
-        await run_in_thread(self.diag.closed, None, name="asynccoll-close")  # the timeline to trace_dir
+        await run_in_thread(
+            self.diag.closed, None, name="asynccoll-close"
+        )  # the timeline to trace_dir
         await run_in_thread(self._forget_keys, None, name="asynccoll-close")
 
     def retire(self, dead: tuple[int, ...] = (), keys: tuple[str, ...] = ()) -> None:
@@ -140,12 +154,18 @@ class Parts:
         with self._forget_lock:
             forget, self._forget = self._forget, None
         liveness = self.liveness
-        if forget is not None and (liveness is None or liveness.failure() is None):  # (a store still there)
+        if forget is not None and (
+            liveness is None or liveness.failure() is None
+        ):  # (a store still there)
             objects = self.objects
             if objects is not None:  # its thread is out of the store before anyone deletes keys
                 objects.shutdown(wait=_QUIESCE_OBJECTS)
             # After an abort, object collectives may have left keys (a clean close finished them all).
-            ops = objects.unreleased() if objects is not None and self.ledger.error is not None else ()
+            ops = (
+                objects.unreleased()
+                if objects is not None and self.ledger.error is not None
+                else ()
+            )
             forget(dead, keys, ops)
 
     def collected(self) -> None:

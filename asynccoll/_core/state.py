@@ -62,7 +62,9 @@ def _serves_cpu(comm: Any) -> bool:
 
 
 def _travels(t: torch.Tensor) -> bool:
-    return t.layout is torch.strided and t.dtype not in _QUANTIZED and t.device.type in ("cpu", "cuda")
+    return (
+        t.layout is torch.strided and t.dtype not in _QUANTIZED and t.device.type in ("cpu", "cuda")
+    )
 
 
 def _strip(obj: Any, tensors: list[torch.Tensor], seen: dict[int, _Slot]) -> Any:
@@ -140,8 +142,10 @@ async def broadcast_state(comm: Any, state: Any, src: int, timeout: float | None
                     "communicator serves no CUDA device"
                 )
             if any(not t.is_cuda for t in tensors) and not _serves_cpu(comm):
-                raise InvalidArgument("broadcast_state: the state holds CPU tensors, and an 'nccl' communicator "
-                                      "moves CUDA tensors only (use backend='auto')")
+                raise InvalidArgument(
+                    "broadcast_state: the state holds CPU tensors, and an 'nccl' communicator "
+                    "moves CUDA tensors only (use backend='auto')"
+                )
             sent = comm.broadcast_object(skeleton, src, timeout=timeout)
         except InvalidArgument as exc:
             await comm.broadcast_object(_Refused(str(exc)), src, timeout=timeout)
@@ -151,7 +155,9 @@ async def broadcast_state(comm: Any, state: Any, src: int, timeout: float | None
     else:
         skeleton = await comm.broadcast_object(None, src, timeout=timeout)
         if isinstance(skeleton, _Refused):
-            raise InvalidArgument(f"broadcast_state: rank {src} refused its state: {skeleton.reason}")
+            raise InvalidArgument(
+                f"broadcast_state: rank {src} refused its state: {skeleton.reason}"
+            )
         slots: dict[int, _Slot] = {}
         _collect(skeleton, slots)
         outgoing = [

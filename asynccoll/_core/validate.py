@@ -31,8 +31,11 @@ _SUM = ReduceOp.SUM  # a module global: the hot path's check reads no class attr
 def tensor(obj: Any, name: str) -> torch.Tensor:
     """``obj`` as a dense contiguous torch tensor (CuPy and DLPack objects are wrapped)."""
     if (
-        type(obj) is torch.Tensor and obj.is_contiguous() and obj.layout is torch.strided
-        and not obj.is_conj() and not obj.is_neg()
+        type(obj) is torch.Tensor
+        and obj.is_contiguous()
+        and obj.layout is torch.strided
+        and not obj.is_conj()
+        and not obj.is_neg()
     ):
         return obj  # the common case, checked cheaply
     if not isinstance(obj, torch.Tensor):
@@ -40,7 +43,9 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
             try:
                 obj = torch.from_dlpack(obj)
             except Exception as exc:
-                raise InvalidArgument(f"{name}: cannot import {type(obj).__name__} via DLPack: {exc}") from exc
+                raise InvalidArgument(
+                    f"{name}: cannot import {type(obj).__name__} via DLPack: {exc}"
+                ) from exc
         elif hasattr(obj, "__cuda_array_interface__"):
             obj = torch.as_tensor(obj, device="cuda")
         else:
@@ -51,7 +56,9 @@ def tensor(obj: Any, name: str) -> torch.Tensor:
         raise InvalidArgument(f"{name} must be contiguous (call .contiguous() first)")
     if obj.is_conj() or obj.is_neg():
         # The lazy conjugate/negative bit is not in the bytes a backend sends.
-        raise InvalidArgument(f"{name} is a lazy conjugate/negative view; call .resolve_conj().resolve_neg() first")
+        raise InvalidArgument(
+            f"{name} is a lazy conjugate/negative view; call .resolve_conj().resolve_neg() first"
+        )
     return cast(torch.Tensor, obj)
 
 
@@ -60,7 +67,9 @@ def reduce_op(op: Any, dtype: torch.dtype, table: Capabilities = ANY) -> ReduceO
     if op is _SUM and (dtype in table.sum if table.sum is not None else dtype not in _QUANTIZED):
         return op  # the common case, first
     if dtype in _QUANTIZED:
-        raise InvalidArgument(f"quantized tensors ({dtype}) cannot be reduced; reduce a float tensor instead")
+        raise InvalidArgument(
+            f"quantized tensors ({dtype}) cannot be reduced; reduce a float tensor instead"
+        )
     if not isinstance(op, ReduceOp):
         try:
             op = ReduceOp[str(op).rsplit(".", 1)[-1].upper()]
@@ -79,11 +88,15 @@ def reduce_op(op: Any, dtype: torch.dtype, table: Capabilities = ANY) -> ReduceO
 def movable(t: torch.Tensor, table: Capabilities, what: str) -> torch.Tensor:
     """``t`` as a backend with capabilities ``table`` can move it: as is, or as a flat byte view."""
     if t.dtype in _QUANTIZED:
-        raise InvalidArgument(f"{what}: quantized tensors ({t.dtype}) are not supported; send int_repr() instead")
+        raise InvalidArgument(
+            f"{what}: quantized tensors ({t.dtype}) are not supported; send int_repr() instead"
+        )
     if table.move is None or t.dtype in table.move:
         return t
     if not table.as_bytes:
-        raise InvalidArgument(f"{what}: {table.name} cannot move {t.dtype}; it supports: {dtype_names(table.move)}")
+        raise InvalidArgument(
+            f"{what}: {table.name} cannot move {t.dtype}; it supports: {dtype_names(table.move)}"
+        )
     try:
         return t.reshape(-1).view(torch.uint8)
     except RuntimeError as exc:
@@ -104,7 +117,9 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + t.numel() * t.element_size()
 
 
-def no_overlap(output: torch.Tensor, input: torch.Tensor, what: str, own_slot: int | None = None) -> None:
+def no_overlap(
+    output: torch.Tensor, input: torch.Tensor, what: str, own_slot: int | None = None
+) -> None:
     """Refuse ``output`` whose memory overlaps ``input`` (the op would read what it overwrites).
 
     ``own_slot``: the index of the chunk of the larger tensor that may be exactly
@@ -170,9 +185,13 @@ def stacked(big: torch.Tensor, small: torch.Tensor, world_size: int, what: str) 
 def splittable(output: torch.Tensor, input: torch.Tensor, world_size: int, what: str) -> None:
     same_kind(output, input, what)
     if output.shape != input.shape:
-        raise InvalidArgument(f"{what}: output shape {tuple(output.shape)} != input shape {tuple(input.shape)}")
+        raise InvalidArgument(
+            f"{what}: output shape {tuple(output.shape)} != input shape {tuple(input.shape)}"
+        )
     if input.dim() == 0 or input.shape[0] % world_size:
-        raise InvalidArgument(f"{what}: dim 0 ({tuple(input.shape)}) must split evenly into {world_size}")
+        raise InvalidArgument(
+            f"{what}: dim 0 ({tuple(input.shape)}) must split evenly into {world_size}"
+        )
 
 
 def seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
@@ -180,7 +199,11 @@ def seconds(value: Any, name: str, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
     value = float(value)
-    if not (value >= 0 if allow_zero else value > 0) or not math.isfinite(value) or value > MAX_TIMEOUT:
+    if (
+        not (value >= 0 if allow_zero else value > 0)
+        or not math.isfinite(value)
+        or value > MAX_TIMEOUT
+    ):
         bound = ">= 0" if allow_zero else "> 0"
         raise InvalidArgument(
             f"{name} must be a finite number of seconds {bound} and at most {MAX_TIMEOUT:g}, got {value!r}"

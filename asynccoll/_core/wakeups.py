@@ -152,7 +152,9 @@ def fail_future(fut: asyncio.Future[Any], exc: Any) -> None:
     fut.set_exception(exc)
 
 
-def resolve_future(item: tuple[asyncio.Future[Any], tuple[Callable[[asyncio.Future[Any], Any], None], Any]]) -> None:
+def resolve_future(
+    item: tuple[asyncio.Future[Any], tuple[Callable[[asyncio.Future[Any], Any], None], Any]],
+) -> None:
     """On the waiter's loop: give its future the Work's outcome (unless it was cancelled)."""
     fut, (how, value) = item
     if not fut.done():

@@ -66,7 +66,12 @@ class Work:
     _fans_out = False
 
     def __init__(
-        self, op: str, seq: int, value: Any = None, keep: Any = None, lock: threading.Lock | None = None
+        self,
+        op: str,
+        seq: int,
+        value: Any = None,
+        keep: Any = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         self.op = op
         self.seq = seq
@@ -293,7 +298,10 @@ class BatchWork(Work):
     _fans_out = True
 
     def __init__(
-        self, seq: int, clone: Callable[[BaseException], BaseException], lock: threading.Lock | None = None
+        self,
+        seq: int,
+        clone: Callable[[BaseException], BaseException],
+        lock: threading.Lock | None = None,
     ) -> None:
         super().__init__("coalesced", seq, lock=lock)
         self.members: list[MemberWork] = []
@@ -375,14 +383,20 @@ class MemberWork(Work):
 
     def __await__(self) -> Generator[Any, None, Any]:
         if self._state == _PENDING:
-            with contextlib.suppress(Exception):  # the batch failed: this member's own outcome is below
+            with contextlib.suppress(
+                Exception
+            ):  # the batch failed: this member's own outcome is below
                 yield from self._batch.__await__()
         return self.result()
 
 
 def settle_all(
-    works: Sequence[Work], state: int, value: Any, wake: Wakeups,
-    make: Callable[[], Any] | None = None, into: list[Work] | None = None,
+    works: Sequence[Work],
+    state: int,
+    value: Any,
+    wake: Wakeups,
+    make: Callable[[], Any] | None = None,
+    into: list[Work] | None = None,
 ) -> int:
     """The one way Works finish (any thread; only the ledger calls it): each of ``works``
     still pending takes ``state`` and ``value`` (or ``make()``, one per Work: an abort
@@ -469,7 +483,11 @@ class Bundle:
     __slots__ = ("works", "op", "seq", "finish", "keep")
 
     def __init__(
-        self, works: Sequence[Work], op: str, finish: Callable[[], object] | None = None, keep: Any = None
+        self,
+        works: Sequence[Work],
+        op: str,
+        finish: Callable[[], object] | None = None,
+        keep: Any = None,
     ) -> None:
         self.works = works
         self.op = op

@@ -73,12 +73,19 @@ class Diagnostics(Diagnosis):
         self._dumped = True
         try:
             trace.write_flight_record(
-                self.trace_dir, rank=self.rank, world_size=self.world_size, backend=self.backend,
-                records=self.recorder.snapshot(), reason=error,
+                self.trace_dir,
+                rank=self.rank,
+                world_size=self.world_size,
+                backend=self.backend,
+                records=self.recorder.snapshot(),
+                reason=error,
                 waiting=self.checker.waiting() if self.checker is not None else None,
             )
         except OSError as exc:  # a diagnostic must not turn an abort into a crash
-            print(f"asynccoll: could not write the flight record to {self.trace_dir}: {exc}", file=sys.stderr)
+            print(
+                f"asynccoll: could not write the flight record to {self.trace_dir}: {exc}",
+                file=sys.stderr,
+            )
 
     def closed(self) -> None:
         """The communicator closed: write this rank's timeline (``trace_dir``). Blocking I/O."""
@@ -86,8 +93,14 @@ class Diagnostics(Diagnosis):
             return
         try:
             trace.write_timeline(
-                self.trace_dir, rank=self.rank, world_size=self.world_size, backend=self.backend,
+                self.trace_dir,
+                rank=self.rank,
+                world_size=self.world_size,
+                backend=self.backend,
                 records=self.recorder.snapshot(),
             )
         except OSError as exc:
-            print(f"asynccoll: could not write the timeline to {self.trace_dir}: {exc}", file=sys.stderr)
+            print(
+                f"asynccoll: could not write the timeline to {self.trace_dir}: {exc}",
+                file=sys.stderr,
+            )

@@ -58,8 +58,14 @@ class _Entry:
 
     __slots__ = ("reqs", "submit", "works", "seq", "what")
 
-    def __init__(self, reqs: list[tuple[str, int, tuple[int, ...], str]], submit: Callable[[], None],
-                 works: Sequence[Work], seq: int, what: str | None) -> None:
+    def __init__(
+        self,
+        reqs: list[tuple[str, int, tuple[int, ...], str]],
+        submit: Callable[[], None],
+        works: Sequence[Work],
+        seq: int,
+        what: str | None,
+    ) -> None:
         self.reqs = reqs
         self.submit = submit
         self.works = works
@@ -76,8 +82,13 @@ class FingerprintChecker:
     """The held ops of one communicator and their verdicts (module docstring); the side
     channel is a :class:`mesh.Mesh`."""
 
-    def __init__(self, rank: int, world_size: int, outgoing: dict[int, socket.socket],
-                 incoming: dict[int, socket.socket]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        outgoing: dict[int, socket.socket],
+        incoming: dict[int, socket.socket],
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self._coll = 0
@@ -101,8 +112,9 @@ class FingerprintChecker:
 
     # ------------------------------------------------------------ setup
     @classmethod
-    def connect(cls, store: Any, rank: int, world_size: int, timeout: float,
-                host: str | None = None) -> FingerprintChecker:
+    def connect(
+        cls, store: Any, rank: int, world_size: int, timeout: float, host: str | None = None
+    ) -> FingerprintChecker:
         """Build the side channel through ``store`` (blocking, bounded by ``timeout``; run off the loop)."""
         return cls(rank, world_size, *mesh.connect(store, rank, world_size, timeout, host))
 
@@ -125,32 +137,56 @@ class FingerprintChecker:
     def gate_op(self, spec: OpSpec, work: Work, submit: Callable[[], None]) -> None:
         kind = spec.kind
         if kind is OpKind.SEND or kind is OpKind.RECV:
-            self._gate_p2p(kind is OpKind.SEND, spec.peer, fingerprint(spec), submit, [work], work.seq)
+            self._gate_p2p(
+                kind is OpKind.SEND, spec.peer, fingerprint(spec), submit, [work], work.seq
+            )
         else:
             self._gate(fingerprint(spec), (), submit, [work], work.seq, None)
 
-    def gate_batch(self, specs: Sequence[OpSpec], works: Sequence[Work], submit: Callable[[], None]) -> None:
+    def gate_batch(
+        self, specs: Sequence[OpSpec], works: Sequence[Work], submit: Callable[[], None]
+    ) -> None:
         coll = [fingerprint(s) for s in specs if s.kind not in _P2P]
-        p2p = [(s.kind is OpKind.SEND, s.peer, fingerprint(s), w.seq) for s, w in zip(specs, works) if s.kind in _P2P]
+        p2p = [
+            (s.kind is OpKind.SEND, s.peer, fingerprint(s), w.seq)
+            for s, w in zip(specs, works)
+            if s.kind in _P2P
+        ]
         self._gate(_MEM.join(coll) if coll else None, p2p, submit, works, works[0].seq, None)
 
     def gate_object(self, op: str, root: int, work: Work, submit: Callable[[], None]) -> None:
         self._gate(object_fingerprint(op, root), (), submit, [work], work.seq, None)
 
-    def _gate_p2p(self, is_send: bool, peer: int, fp: str, submit: Callable[[], None],
-                  works: Sequence[Work], seq: int) -> None:
+    def _gate_p2p(
+        self,
+        is_send: bool,
+        peer: int,
+        fp: str,
+        submit: Callable[[], None],
+        works: Sequence[Work],
+        seq: int,
+    ) -> None:
         with self._lock:
             req = self._p2p_req(is_send, peer, fp, seq)
             self._enqueue(("S" if is_send else "R", peer), _Entry([req], submit, works, seq, None))
 
-    def _p2p_req(self, is_send: bool, peer: int, fp: str, seq: int) -> tuple[str, int, tuple[int, ...], str]:
+    def _p2p_req(
+        self, is_send: bool, peer: int, fp: str, seq: int
+    ) -> tuple[str, int, tuple[int, ...], str]:
         counters, tag = (self._sends, "S") if is_send else (self._recvs, "R")
         k = counters[peer] = counters[peer] + 1
         self._mesh.send((peer,), tag, k, seq, fp)
         return (tag, k, (peer,), fp)
 
-    def _gate(self, fp: str | None, p2p: Any, submit: Callable[[], None], works: Sequence[Work],
-              seq: int, what: str | None) -> None:
+    def _gate(
+        self,
+        fp: str | None,
+        p2p: Any,
+        submit: Callable[[], None],
+        works: Sequence[Work],
+        seq: int,
+        what: str | None,
+    ) -> None:
         with self._lock:
             reqs = []
             if fp is not None:
@@ -196,7 +232,8 @@ class FingerprintChecker:
                     if p in self._gone:
                         return PeerFailure(
                             f"seq {entry.seq}: rank {p} closed its fingerprint channel before issuing "
-                            f"the matching operation", [p],
+                            f"the matching operation",
+                            [p],
                         )
                     return None
         error: BaseException | None = None
@@ -249,9 +286,16 @@ class FingerprintChecker:
         for queue in self._queues.values():
             for entry in queue:
                 missing = sorted(
-                    {p for tag, k, peers, _ in entry.reqs for p in peers if (p, _NEEDS[tag], k) not in self._inbox}
+                    {
+                        p
+                        for tag, k, peers, _ in entry.reqs
+                        for p in peers
+                        if (p, _NEEDS[tag], k) not in self._inbox
+                    }
                 )
-                out.append({"seq": entry.seq, "ops": [w.op for w in entry.works], "waiting_for": missing})
+                out.append(
+                    {"seq": entry.seq, "ops": [w.op for w in entry.works], "waiting_for": missing}
+                )
         return out
 
     # ------------------------------------------------------------ the mesh's calls
@@ -348,7 +392,12 @@ class CheckedBackend(Backend):
         self._inner.release()
 
     def shrink_agreed(
-        self, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
+        self,
+        store: Any,
+        new_rank: int,
+        new_size: int,
+        exclude: Sequence[int],
+        abort_pending: bool | None,
         timeout: float,
     ) -> Backend | None:
         return self._inner.shrink_agreed(store, new_rank, new_size, exclude, abort_pending, timeout)

@@ -50,8 +50,13 @@ class MeshUser(Protocol):
 class Mesh:
     """Connections to every peer, their outboxes, the inbox and the reader thread."""
 
-    def __init__(self, rank: int, outgoing: dict[int, socket.socket], incoming: dict[int, socket.socket],
-                 user: MeshUser) -> None:
+    def __init__(
+        self,
+        rank: int,
+        outgoing: dict[int, socket.socket],
+        incoming: dict[int, socket.socket],
+        user: MeshUser,
+    ) -> None:
         self.peers = tuple(sorted(outgoing))
         self._out = outgoing
         self._in = incoming
@@ -63,7 +68,9 @@ class Mesh:
         #: Peers whose connection closed.
         self.gone: set[int] = set()
         self.closed = False
-        self._outbox: dict[int, collections.deque[bytes]] = {q: collections.deque() for q in outgoing}
+        self._outbox: dict[int, collections.deque[bytes]] = {
+            q: collections.deque() for q in outgoing
+        }
         self._spill = False  # some outbox holds bytes the socket did not take
         self._bufs = {p: bytearray() for p in incoming}  # partial frames per peer
         self._user = weakref.ref(user)
@@ -77,7 +84,10 @@ class Mesh:
         sockets = [*incoming.values(), *outgoing.values(), self._wake_r, self._wake_w]
         weakref.finalize(self, _poke, self._wake_w)
         self._thread = threading.Thread(
-            target=_reader, args=(weakref.ref(self), sockets), name=f"asynccoll-fingerprints-r{rank}", daemon=True
+            target=_reader,
+            args=(weakref.ref(self), sockets),
+            name=f"asynccoll-fingerprints-r{rank}",
+            daemon=True,
         )
 
     def start(self) -> None:
@@ -129,8 +139,8 @@ class Mesh:
             (n,) = _LEN.unpack_from(buf)
             if len(buf) < 4 + n:
                 break
-            tag, k, seq, text = bytes(buf[4:4 + n]).decode().split(_FRAME, 3)
-            del buf[:4 + n]
+            tag, k, seq, text = bytes(buf[4 : 4 + n]).decode().split(_FRAME, 3)
+            del buf[: 4 + n]
             inbox[(peer, tag, int(k))] = (int(seq), text)
         return False
 
@@ -147,8 +157,14 @@ class Mesh:
         self.wake()
 
     # ------------------------------------------------------------ reader thread
-    def _round(self, poller: Any, events: list[tuple[int, int]], by_fd: dict[int, Any],
-               out_fds: dict[int, int], writing: set[int]) -> set[int]:
+    def _round(
+        self,
+        poller: Any,
+        events: list[tuple[int, int]],
+        by_fd: dict[int, Any],
+        out_fds: dict[int, int],
+        writing: set[int],
+    ) -> set[int]:
         """One wake-up: read, flush, let the user decide. Returns the peers whose sockets
         are now watched for writability."""
         for fd, mask in events:
@@ -172,7 +188,11 @@ class Mesh:
             user.frames_arrived()
             del user
         with self.lock:
-            want = {q for q, box in self._outbox.items() if box and q not in self.gone} if self._spill else set()
+            want = (
+                {q for q, box in self._outbox.items() if box and q not in self.gone}
+                if self._spill
+                else set()
+            )
             self._spill = bool(want)
         if want or writing:
             for q in want - writing:
@@ -252,8 +272,9 @@ def _frame(tag: str, k: int, seq: int, text: str) -> bytes:
     return _LEN.pack(len(payload)) + payload
 
 
-def connect(store: Any, rank: int, world_size: int, timeout: float,
-            host: str | None = None) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
+def connect(
+    store: Any, rank: int, world_size: int, timeout: float, host: str | None = None
+) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
     """Build the mesh's connections through ``store`` (blocking, bounded by ``timeout``;
     run off the loop): the sockets to each peer, and each peer's socket to this rank."""
     addr = _local_address(host)
@@ -266,11 +287,15 @@ def connect(store: Any, rank: int, world_size: int, timeout: float,
         store.set(f"fp/addr/{rank}", f"{addr}|{listener.getsockname()[1]}|{token}")
         keys = [f"fp/addr/{r}" for r in range(world_size) if r != rank]
         if not poll_keys(store, keys, deadline):
-            raise TimeoutError(f"fingerprint channel: peers did not publish addresses within {timeout} s")
+            raise TimeoutError(
+                f"fingerprint channel: peers did not publish addresses within {timeout} s"
+            )
         for key, raw in zip(keys, store.multi_get(keys)):
             peer = int(key.rsplit("/", 1)[1])
             peer_addr, port, peer_token = raw.decode().split("|")
-            s = socket.create_connection((peer_addr, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+            s = socket.create_connection(
+                (peer_addr, int(port)), timeout=max(0.1, deadline - time.monotonic())
+            )
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.sendall(_HELLO.pack(bytes.fromhex(peer_token), rank))
             s.setblocking(False)

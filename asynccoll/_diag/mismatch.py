@@ -19,6 +19,7 @@ P2P = (OpKind.SEND, OpKind.RECV)
 _P2P = P2P  # point-to-point ops: compared by dtype and element count only
 _DTYPES: dict[Any, str] = {}
 
+
 def _dt(t: Any) -> str:
     name = _DTYPES.get(t.dtype)
     if name is None:
@@ -38,7 +39,11 @@ def fingerprint(spec: OpSpec) -> str:
         return f"barrier{_SEP}{_SEP}{_SEP}{_SEP}"
     if kind in (OpKind.REDUCE_SCATTER, OpKind.SCATTER):
         t = spec.output  # the part every rank has
-    root = spec.peer if kind in (OpKind.BROADCAST, OpKind.REDUCE, OpKind.GATHER, OpKind.SCATTER) else ""
+    root = (
+        spec.peer
+        if kind in (OpKind.BROADCAST, OpKind.REDUCE, OpKind.GATHER, OpKind.SCATTER)
+        else ""
+    )
     reduce = spec.reduce_op.name if kind in (OpKind.REDUCE, OpKind.REDUCE_SCATTER) else ""
     return f"{kind.value}{_SEP}{_dt(t)}{_SEP}{tuple(t.shape)}{_SEP}{root}{_SEP}{reduce}"
 
@@ -80,7 +85,9 @@ def _diff(members: dict[int, dict[str, str]]) -> tuple[list[str], list[str]]:
     return parts, fields
 
 
-def mismatch(seqs: dict[int, int], fps: dict[int, str], *, me: int, what: str | None = None) -> CollectiveMismatch:
+def mismatch(
+    seqs: dict[int, int], fps: dict[int, str], *, me: int, what: str | None = None
+) -> CollectiveMismatch:
     """The error for one unit whose fingerprints differ (``seqs``/``fps`` by rank)."""
     decoded = {r: decode(fp) for r, fp in fps.items()}
     seq = seqs[me]
@@ -105,7 +112,14 @@ def mismatch(seqs: dict[int, int], fps: dict[int, str], *, me: int, what: str | 
         parts.append("(seq " + _by_value({r: str(s) for r, s in seqs.items()}) + ")")
     message = f"seq {seq} {name}: " + "; ".join(parts)
     details = {
-        r: {"seq": seqs[r], **(_clean(d[0]) if len(d) == 1 else {"op": "coalesced", "members": [_clean(m) for m in d]})}
+        r: {
+            "seq": seqs[r],
+            **(
+                _clean(d[0])
+                if len(d) == 1
+                else {"op": "coalesced", "members": [_clean(m) for m in d]}
+            ),
+        }
         for r, d in sorted(decoded.items())
     }
     return CollectiveMismatch(message, seq=seq, details=details, fields=tuple(fields))

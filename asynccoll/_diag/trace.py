@@ -61,7 +61,9 @@ def write_flight_record(
     path = flight_path(trace_dir, rank)
     cause = reason
     # The root cause names the problem best (a CommAborted wrapping a mismatch or timeout).
-    while cause is not None and cause.__cause__ is not None and type(cause).__name__ == "CommAborted":
+    while (
+        cause is not None and cause.__cause__ is not None and type(cause).__name__ == "CommAborted"
+    ):
         cause = cause.__cause__
     data = {
         "kind": "asynccoll.flight_record",
@@ -95,14 +97,30 @@ def stream_of(op: str) -> str:
     return "collectives"
 
 
-def timeline(records: list[dict[str, Any]], *, rank: int, world_size: int, backend: str) -> dict[str, Any]:
+def timeline(
+    records: list[dict[str, Any]], *, rank: int, world_size: int, backend: str
+) -> dict[str, Any]:
     """A Chrome-trace JSON object for one rank's records (see the module docstring)."""
     events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
-        {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": rank,
+            "tid": 0,
+            "args": {"name": f"rank {rank}"},
+        },
+        {
+            "ph": "M",
+            "name": "process_sort_index",
+            "pid": rank,
+            "tid": 0,
+            "args": {"sort_index": rank},
+        },
     ]
     for name, tid in STREAMS.items():
-        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
+        )
     end_of = time.time()
     batches: dict[int, list[dict[str, Any]]] = {}
     for rec in records:
@@ -111,8 +129,14 @@ def timeline(records: list[dict[str, Any]], *, rank: int, world_size: int, backe
         args = {k: v for k, v in rec.items() if k not in ("issued_at", "ended_at")}
         events.append(
             {
-                "ph": "X", "cat": "op", "name": rec["op"], "pid": rank, "tid": STREAMS[stream_of(rec["op"])],
-                "ts": t0 * 1e6, "dur": max(0.0, (t1 - t0) * 1e6), "args": args,
+                "ph": "X",
+                "cat": "op",
+                "name": rec["op"],
+                "pid": rank,
+                "tid": STREAMS[stream_of(rec["op"])],
+                "ts": t0 * 1e6,
+                "dur": max(0.0, (t1 - t0) * 1e6),
+                "args": args,
             }
         )
         if "batch" in rec:
@@ -123,8 +147,13 @@ def timeline(records: list[dict[str, Any]], *, rank: int, world_size: int, backe
         states = sorted({m["state"] for m in members})
         events.append(
             {
-                "ph": "X", "cat": "batch", "name": f"coalesced[{len(members)}]", "pid": rank,
-                "tid": STREAMS["collectives"], "ts": t0 * 1e6, "dur": max(0.0, (t1 - t0) * 1e6),
+                "ph": "X",
+                "cat": "batch",
+                "name": f"coalesced[{len(members)}]",
+                "pid": rank,
+                "tid": STREAMS["collectives"],
+                "ts": t0 * 1e6,
+                "dur": max(0.0, (t1 - t0) * 1e6),
                 "args": {"batch": first, "members": [m["seq"] for m in members], "states": states},
             }
         )
@@ -133,7 +162,12 @@ def timeline(records: list[dict[str, Any]], *, rank: int, world_size: int, backe
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "otherData": {"kind": "asynccoll.timeline", "rank": rank, "world_size": world_size, "backend": backend},
+        "otherData": {
+            "kind": "asynccoll.timeline",
+            "rank": rank,
+            "world_size": world_size,
+            "backend": backend,
+        },
     }
 
 

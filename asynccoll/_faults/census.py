@@ -90,7 +90,12 @@ class Roster:
         return bytes(store.get("aborted")).split(b"|", 1)[0] == str(rank).encode()
 
     def probe(
-        self, ranks: list[int], *, bound: float, stopped_failed: bool = False, eliminate: bool = False,
+        self,
+        ranks: list[int],
+        *,
+        bound: float,
+        stopped_failed: bool = False,
+        eliminate: bool = False,
     ) -> tuple[int, ...]:
         """Which of ``ranks`` failed (blocking; at most about ``bound`` seconds).
 
@@ -119,7 +124,9 @@ class Roster:
                 return tuple(sorted(dead))
             time.sleep(0.005)
 
-    def _proven_dead(self, peers: dict[int, procs.Peer], end: float, stopped_failed: bool) -> set[int]:
+    def _proven_dead(
+        self, peers: dict[int, procs.Peer], end: float, stopped_failed: bool
+    ) -> set[int]:
         dead: set[int] = set()
         knock: dict[int, tuple[str, int]] = {}
         for r, p in peers.items():
@@ -132,6 +139,7 @@ class Roster:
                 knock[r] = p.address  # (a local one too: an exiting process has closed it)
         if knock:
             answers = procs.knock(knock, max(0.001, end - time.monotonic()))
-            dead.update(r for r, ok in answers.items() if ok is False or (ok is None and not peers[r].local))
+            dead.update(
+                r for r, ok in answers.items() if ok is False or (ok is None and not peers[r].local)
+            )
         return dead
-

@@ -125,7 +125,9 @@ class Liveness:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Join the process's service, create this rank's keys and publish its process."""
-        self.due = time.monotonic() + 3600.0  # not beaten before its keys exist (a read would wait for them)
+        self.due = (
+            time.monotonic() + 3600.0
+        )  # not beaten before its keys exist (a read would wait for them)
         svc = Service.join(self)
         self._service = svc
         store = self._store
@@ -137,9 +139,13 @@ class Liveness:
         store.compare_set("host", "", "")
         machine, pid, started = procs.this_process()
         host, port = svc.pulse.address if svc.pulse is not None else ("", 0)
-        store.set(f"proc/{self._rank}", procs.Peer(self.id, machine, pid, started, host, port).encode())
+        store.set(
+            f"proc/{self._rank}", procs.Peer(self.id, machine, pid, started, host, port).encode()
+        )
         if svc.host.here:
-            store.set("host", str(self._rank))  # this process hosts the store: peers name it if it dies
+            store.set(
+                "host", str(self._rank)
+            )  # this process hosts the store: peers name it if it dies
         self._last_tick = time.monotonic()
         self.due = self._last_tick + self.interval
         svc.wake()
@@ -294,9 +300,12 @@ class Liveness:
         with self._lock:
             self._dead.update(dead)
         ranks = self._census_once() or dead
-        self._declare(PeerFailure(
-            f"no heartbeat from rank(s) {list(dead)} for {self._misses} x {self.interval:g} s", ranks
-        ))
+        self._declare(
+            PeerFailure(
+                f"no heartbeat from rank(s) {list(dead)} for {self._misses} x {self.interval:g} s",
+                ranks,
+            )
+        )
 
     def _declare(self, failure: BaseException) -> None:
         with self._lock:
@@ -338,7 +347,9 @@ class Liveness:
             return
         rank = self._host_of(host)
         if rank is not None:
-            self._declare(PeerFailure(f"rank {rank} hosted the rendezvous store and is gone: {why}", (rank,)))
+            self._declare(
+                PeerFailure(f"rank {rank} hosted the rendezvous store and is gone: {why}", (rank,))
+            )
         else:
             self._declare(CommAborted(why))
 
@@ -365,7 +376,9 @@ class Liveness:
         svc = self._service
         rank = self._host_of(svc.host) if svc is not None else None
         if rank is not None and svc is not None and not svc.host_left:
-            return PeerFailure(f"rank {rank} hosted the rendezvous store and is gone: {why}", (rank,))
+            return PeerFailure(
+                f"rank {rank} hosted the rendezvous store and is gone: {why}", (rank,)
+            )
         return CommAborted(
             f"{why}: the store must outlive the ranks that use it (host it apart: python -m asynccoll.store, "
             "or torchrun's agent)"
@@ -380,13 +393,20 @@ class Liveness:
         return self._roster.left(rank)
 
     def probe(
-        self, ranks: list[int], *, bound: float | None = None, stopped_failed: bool = False,
+        self,
+        ranks: list[int],
+        *,
+        bound: float | None = None,
+        stopped_failed: bool = False,
         eliminate: bool = False,
     ) -> tuple[int, ...]:
         """Which of ``ranks`` failed, on proof only (``Roster.probe``; at most about ``bound``
         seconds, default the detection bound)."""
         return self._roster.probe(
-            ranks, bound=self.bound if bound is None else bound, stopped_failed=stopped_failed, eliminate=eliminate
+            ranks,
+            bound=self.bound if bound is None else bound,
+            stopped_failed=stopped_failed,
+            eliminate=eliminate,
         )
 
     # ---------------------------------------------------------------- census
@@ -494,5 +514,3 @@ def _abort_news(raw: str) -> CommAborted:
         failed = [int(r) for r in ranks.split(",") if r]
         return PeerFailure(f"peer failure reported by rank {origin}: {message}", failed)
     return CommAborted(f"aborted by rank {origin}: {message}")
-
-

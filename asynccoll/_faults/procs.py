@@ -131,7 +131,13 @@ class Peer(NamedTuple):
 
 
 # ------------------------------------------------------------------ knocking
-_REFUSED = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN}
+_REFUSED = {
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.EHOSTDOWN,
+}
 
 
 def _open(address: tuple[str, int], *, reset: bool) -> socket.socket | bool:

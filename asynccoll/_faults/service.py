@@ -54,6 +54,7 @@ class Member(Protocol):
     def store_lost(self, why: str, died: bool, host: StoreHost) -> None:
         """The store can no longer be used."""
 
+
 #: Root-store key of the process hosting the store server (``host_info``).
 HOST_KEY = "asynccoll/host"
 #: Services registered on a store: a counter, and ``<prefix>/<i>`` = pulse address.
@@ -124,7 +125,12 @@ class Service:
         """Live service threads of this process (for tests)."""
         with cls._lock:
             services = list(cls._services.values())
-        threads = [t for s in services for t in (s._beater, s.pulse.thread if s.pulse else None) if t is not None]
+        threads = [
+            t
+            for s in services
+            for t in (s._beater, s.pulse.thread if s.pulse else None)
+            if t is not None
+        ]
         return sum(t.is_alive() for t in threads)
 
     def __init__(self, key: Any, root: Any) -> None:
@@ -152,7 +158,9 @@ class Service:
             self.pulse = None
         self._register()
         self._stopping = False
-        self._beater = threading.Thread(target=self._beat_loop, name="asynccoll-liveness", daemon=True)
+        self._beater = threading.Thread(
+            target=self._beat_loop, name="asynccoll-liveness", daemon=True
+        )
         self._beater.start()
         shutdown.native(self._beater)  # store calls: stopped and joined when the interpreter exits
 
@@ -330,8 +338,13 @@ class Service:
             store.set_timeout(timedelta(seconds=wait))
             count = int(store.add(SERVICES_KEY, 0))
             keys = [f"{SERVICES_KEY}/{i}" for i in range(1, count + 1)]
-            values = [store.get(k) if store.check([k]) else b"-" for k in keys]  # (unlisted ones are deleted)
-        except (AttributeError, RuntimeError):  # no clone, or the server is unusable already: nobody can be told
+            values = [
+                store.get(k) if store.check([k]) else b"-" for k in keys
+            ]  # (unlisted ones are deleted)
+        except (
+            AttributeError,
+            RuntimeError,
+        ):  # no clone, or the server is unusable already: nobody can be told
             return
         targets: dict[int, tuple[tuple[str, int], str]] = {}
         for i, raw in enumerate(values):
@@ -359,4 +372,3 @@ class Service:
 
 
 shutdown.on_exit(Service.stop_all)
-

@@ -33,7 +33,13 @@ import anyio
 import torch.distributed as dist
 
 from .._base.aio import run_in_thread
-from .._base.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommClosed, InvalidArgument
+from .._base.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    CommAborted,
+    CommClosed,
+    InvalidArgument,
+)
 from .._core.communicator import Communicator
 from .._core.objects import poll_keys
 from .._core.seams import Membership, Recovery
@@ -49,7 +55,9 @@ def _decode(raw: bytes) -> set[int]:
     return {int(x) for x in text.split(",")} if text else set()
 
 
-def agree(store: Any, rank: int, world_size: int, exclude: set[int], timeout: float, grace: float) -> set[int]:
+def agree(
+    store: Any, rank: int, world_size: int, exclude: set[int], timeout: float, grace: float
+) -> set[int]:
     """The excluded set every survivor agrees on (blocking; run off the loop)."""
     deadline = time.monotonic() + timeout
     store.set(f"shrink/propose/{rank}", _encode(exclude))
@@ -72,11 +80,14 @@ def agree(store: Any, rank: int, world_size: int, exclude: set[int], timeout: fl
     store.set(f"shrink/final/{rank}", _encode(union))
     keys = [f"shrink/final/{r}" for r in survivors]
     if not poll_keys(store, keys, deadline):
-        raise CollectiveTimeout(f"shrink: survivors {survivors} did not all confirm within {timeout} s")
+        raise CollectiveTimeout(
+            f"shrink: survivors {survivors} did not all confirm within {timeout} s"
+        )
     finals = {r: _decode(v) for r, v in zip(survivors, store.multi_get(keys))}
     if any(f != union for f in finals.values()):
         raise CollectiveMismatch(
-            "shrink: survivors disagree on the excluded ranks", details={r: sorted(f) for r, f in finals.items()}
+            "shrink: survivors disagree on the excluded ranks",
+            details={r: sorted(f) for r, f in finals.items()},
         )
     return union
 
@@ -87,14 +98,18 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
         raise CommClosed("cannot shrink a closed communicator")
     rebuild = comm.rebuild
     if rebuild is None or comm.store is None:
-        raise InvalidArgument(f"shrink needs a communicator made by asynccoll.init(), not {comm.backend!r}")
+        raise InvalidArgument(
+            f"shrink needs a communicator made by asynccoll.init(), not {comm.backend!r}"
+        )
     if exclude is None:
         excluded = set(comm.failed_ranks)
     else:
         try:
             excluded = {int(r) for r in exclude}
         except (TypeError, ValueError):
-            raise InvalidArgument(f"exclude must be an iterable of ranks, got {exclude!r}") from None
+            raise InvalidArgument(
+                f"exclude must be an iterable of ranks, got {exclude!r}"
+            ) from None
     bad = [r for r in excluded if not 0 <= r < comm.world_size]
     if bad:
         raise InvalidArgument(f"exclude: ranks {bad} out of range for world_size {comm.world_size}")
@@ -117,7 +132,9 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
         # old communicator's agreement or retry keys any more.
         try:  # the new communicator holds whatever happens to the cleanup
             await run_in_thread(lambda: comm.retire(dead, records), None, name="asynccoll-shrink")
-        except dist.DistError:  # the store failed meanwhile: the old keys stay (the new one notices)
+        except (
+            dist.DistError
+        ):  # the store failed meanwhile: the old keys stay (the new one notices)
             pass
         return new
     except dist.DistError as exc:  # the store failed under the agreement (torch's type for it)
@@ -192,13 +209,20 @@ async def _watch(store: Any, key: str, liveness: Membership, others: list[int]) 
     while True:
         await anyio.sleep(0.02)
         if await run_in_thread(lambda: store.check([key]), None, name="asynccoll-shrink"):
-            return decode_ranks(await run_in_thread(lambda: store.get(key), None, name="asynccoll-shrink"))
+            return decode_ranks(
+                await run_in_thread(lambda: store.get(key), None, name="asynccoll-shrink")
+            )
         if anyio.current_time() >= next_probe:
-            dead = await run_in_thread(lambda: _probe(liveness, others), None, name="asynccoll-shrink")
+            dead = await run_in_thread(
+                lambda: _probe(liveness, others), None, name="asynccoll-shrink"
+            )
             if dead:
                 proposal = encode_ranks(dead)
                 raw = await run_in_thread(
-                    lambda: store.compare_set(key, "", proposal), None, name="asynccoll-shrink"  # noqa: B023 - awaited here, within this iteration
+                    # Awaited here, within this iteration: the loop variable is current.
+                    lambda: store.compare_set(key, "", proposal),  # noqa: B023
+                    None,
+                    name="asynccoll-shrink",
                 )
                 return decode_ranks(raw)
             next_probe = anyio.current_time() + _WATCH_EVERY

@@ -63,7 +63,9 @@ def assign(
     return [members for _, members in done]
 
 
-def storages(buckets: Sequence[Sequence[int]], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def storages(
+    buckets: Sequence[Sequence[int]], params: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
     """Each bucket's buffer (``len`` of its members + one flag each), carved out of ONE
     zeroed storage per (dtype, device): one allocation for all the buckets of a kind."""
     keys = [(params[members[0]].dtype, params[members[0]].device) for members in buckets]
@@ -85,7 +87,7 @@ def storages(buckets: Sequence[Sequence[int]], params: Sequence[torch.Tensor]) -
     offsets = dict.fromkeys(totals, 0)
     out = []
     for key, size in zip(keys, sizes):
-        out.append(flat[key][offsets[key]:offsets[key] + size])
+        out.append(flat[key][offsets[key] : offsets[key] + size])
         offsets[key] += size
     return out
 
@@ -94,12 +96,27 @@ class Bucket:
     """The flat buffer of one bucket and the views of its parameters' gradients."""
 
     __slots__ = (
-        "as_view", "buffer", "flags", "grads", "index", "members", "numel", "params", "pending", "saved",
-        "shadow", "views", "work",
+        "as_view",
+        "buffer",
+        "flags",
+        "grads",
+        "index",
+        "members",
+        "numel",
+        "params",
+        "pending",
+        "saved",
+        "shadow",
+        "views",
+        "work",
     )
 
     def __init__(
-        self, index: int, members: Sequence[int], params: Sequence[torch.Tensor], grad_views: bool,
+        self,
+        index: int,
+        members: Sequence[int],
+        params: Sequence[torch.Tensor],
+        grad_views: bool,
         buffer: torch.Tensor,
     ) -> None:
         self.index = index
@@ -111,9 +128,9 @@ class Bucket:
         offset = 0
         for p in self.params:
             n = p.numel()
-            self.views.append(self.buffer[offset:offset + n].view(p.shape))
+            self.views.append(self.buffer[offset : offset + n].view(p.shape))
             offset += n
-        self.flags = self.buffer[self.numel:]
+        self.flags = self.buffer[self.numel :]
         # The slots whose parameter's .grad is (still) the slot's view, as set by
         # unpack(); None elsewhere. Compared by identity: a new .grad replaces it.
         self.grads: list[torch.Tensor | None] = [None] * len(self.params)
@@ -192,7 +209,7 @@ class Bucket:
         shadow = self.shadow
         if shadow is None:
             shadow = self.shadow = torch.zeros_like(self.buffer)
-            shadow[self.numel:].copy_(self.flags)
+            shadow[self.numel :].copy_(self.flags)
         else:
             shadow[: self.numel].zero_()
         return shadow

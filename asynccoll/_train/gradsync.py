@@ -123,7 +123,9 @@ class GradSync:
         seen: set[int] = set()
         for p in candidates:
             if not isinstance(p, torch.Tensor):
-                raise InvalidArgument(f"GradSync: parameters must be tensors, got {type(p).__name__}")
+                raise InvalidArgument(
+                    f"GradSync: parameters must be tensors, got {type(p).__name__}"
+                )
             if not p.requires_grad or id(p) in seen:
                 continue
             if not p.is_leaf:
@@ -139,8 +141,8 @@ class GradSync:
         # AVG: scale while copying into the bucket, then SUM (one pass, as in DDP).
         self._scale: float | None = 1.0 / comm.world_size if op is ReduceOp.AVG else None
         self._lock = threading.Lock()
-        self._used = [False] * n        # produced a gradient since the last synced step
-        self._ready = [False] * n       # copied into its bucket in this step
+        self._used = [False] * n  # produced a gradient since the last synced step
+        self._ready = [False] * n  # copied into its bucket in this step
         self._buckets: list[Bucket] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * n
         self._slots: list[tuple[Bucket, int]] = []  # parameter -> (its bucket, its slot)
@@ -148,14 +150,14 @@ class GradSync:
         # The order in which gradients arrive in the first synchronised step; the
         # buckets are then rebuilt in rank 0's order (None once done).
         self._seen: list[int] | None = []
-        self._next = 0                  # the next bucket to issue (fixed order)
-        self._step_open = False         # a synchronised step has begun (hooks fired or wait())
+        self._next = 0  # the next bucket to issue (fixed order)
+        self._step_open = False  # a synchronised step has begun (hooks fired or wait())
         self._no_sync = 0
-        self._joining = False           # inside join(), not yet out of data
-        self._presence: Any = None      # join: the "still training" all_reduce of this step
+        self._joining = False  # inside join(), not yet out of data
+        self._presence: Any = None  # join: the "still training" all_reduce of this step
         self._error: BaseException | None = None
         self._closed = False
-        self.steps = 0                  #: synchronised steps completed (shadowed ones included)
+        self.steps = 0  #: synchronised steps completed (shadowed ones included)
         ref = weakref.ref(self)
         handles = []
         for i, p in enumerate(params):
@@ -171,7 +173,8 @@ class GradSync:
         old = self._buckets
         buffers = _buckets.storages(members, self.params)
         self._buckets = [
-            Bucket(b, m, self.params, self.grad_views, buf) for b, (m, buf) in enumerate(zip(members, buffers))
+            Bucket(b, m, self.params, self.grad_views, buf)
+            for b, (m, buf) in enumerate(zip(members, buffers))
         ]
         for b, bucket in enumerate(self._buckets):
             for slot, i in enumerate(bucket.members):
@@ -243,7 +246,9 @@ class GradSync:
             bucket, slot = self._slots[i]
             grad = param.grad
             if (
-                grad is not None and grad is not bucket.grads[slot] and not grad.requires_grad
+                grad is not None
+                and grad is not bucket.grads[slot]
+                and not grad.requires_grad
                 and grad.layout is _STRIDED
             ):
                 view = bucket.views[slot]
@@ -318,7 +323,9 @@ class GradSync:
         with self._lock:
             self._check_open()
             if self._no_sync:
-                raise InvalidArgument("GradSync.wait() inside no_sync(): nothing is synchronised there")
+                raise InvalidArgument(
+                    "GradSync.wait() inside no_sync(): nothing is synchronised there"
+                )
             try:
                 if not self._step_open:
                     self._open_step()
@@ -371,7 +378,9 @@ class GradSync:
             if self._joining:
                 raise InvalidArgument("GradSync.join() does not nest")
             if self._step_open:
-                raise InvalidArgument("GradSync.join(): a backward is pending; call `await sync.wait()` first")
+                raise InvalidArgument(
+                    "GradSync.join(): a backward is pending; call `await sync.wait()` first"
+                )
             self._joining = True
 
     def leave_join(self) -> bool:

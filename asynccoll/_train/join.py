@@ -72,7 +72,10 @@ class Join:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         sync = self._sync
         pending = sync.leave_join()
@@ -104,7 +107,9 @@ class Join:
         await comm.all_reduce(candidate, ReduceOp.MAX)
         src = int(candidate.item())
         if src < 0:  # pragma: no cover - the last count is 0 on every rank at once
-            raise GradSyncError("GradSync.join(): no rank was the last to join (every rank must run the same join() loop)")
+            raise GradSyncError(
+                "GradSync.join(): no rank was the last to join (every rank must run the same join() loop)"
+            )
         if sync.module is not None:
             tensors = [p.detach() for p in sync.module.parameters()]
             tensors += [b for b in sync.module.buffers()]
@@ -133,5 +138,5 @@ async def broadcast_coalesced(comm: Any, tensors: list[torch.Tensor], src: int) 
             offset = 0
             for t in members:
                 n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
+                t.copy_(flat[offset : offset + n].view_as(t))
                 offset += n

@@ -30,7 +30,9 @@ class RanksTimedOut(TimeoutError):
     were killed. The message contains both.
     """
 
-    def __init__(self, message: str, ranks: Sequence[int] = (), stacks: Mapping[int, str] | None = None) -> None:
+    def __init__(
+        self, message: str, ranks: Sequence[int] = (), stacks: Mapping[int, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
         self.stacks = dict(stacks or {})

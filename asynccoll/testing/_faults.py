@@ -113,7 +113,9 @@ def skip_collective(comm: Any, n: int = 1) -> None:
                 return None
             # Recorded as skipped, not done (diagnose then names this rank), then settled
             # as a success here: the peers' op is left waiting.
-            recorder.ended(work.seq, "skipped", time.time(), "skipped by asynccoll.testing.skip_collective")
+            recorder.ended(
+                work.seq, "skipped", time.time(), "skipped by asynccoll.testing.skip_collective"
+            )
             backend.sink.succeed(work)
             return None
 

@@ -107,7 +107,11 @@ class RankPool:
                         w.proc.join(1)
                         msg = ("failed", exit_text(w.proc.exitcode))
                 elif left <= 0 or w.proc.exitcode is not None:
-                    why = f"no answer within {START_TIMEOUT:g} s" if left <= 0 else exit_text(w.proc.exitcode)
+                    why = (
+                        f"no answer within {START_TIMEOUT:g} s"
+                        if left <= 0
+                        else exit_text(w.proc.exitcode)
+                    )
                     msg = ("failed", why)
                 if msg is None:
                     continue
@@ -198,7 +202,9 @@ class RankPool:
             if not all_started and len(started) == self.world_size:
                 all_started = True
                 limit = now + timeout
-            if any(o is not None and o.kind != "ok" for r, o in enumerate(outcomes) if r not in lost):
+            if any(
+                o is not None and o.kind != "ok" for r, o in enumerate(outcomes) if r not in lost
+            ):
                 limit = min(limit, now + FAILURE_GRACE)
             if now >= limit:
                 break
@@ -228,7 +234,9 @@ class RankPool:
                 pending.discard(r)
                 outcomes[r] = Outcome(
                     "died",
-                    error=RuntimeError(f"rank {r} (pid {w.pid}) died unexpectedly: {exit_text(w.proc.exitcode)}"),
+                    error=RuntimeError(
+                        f"rank {r} (pid {w.pid}) died unexpectedly: {exit_text(w.proc.exitcode)}"
+                    ),
                     summary=f"rank {r}: died ({exit_text(w.proc.exitcode)})",
                 )
 
@@ -236,7 +244,9 @@ class RankPool:
         self, outcomes: list[Outcome | None], stuck: list[int], lost: frozenset[int], timeout: float
     ) -> tuple[list[Any], bool]:
         failures = [
-            (r, o) for r, o in enumerate(outcomes) if o is not None and o.kind != "ok" and r not in lost
+            (r, o)
+            for r, o in enumerate(outcomes)
+            if o is not None and o.kind != "ok" and r not in lost
         ]
         stacks = self._dump_stacks(stuck) if stuck else {}
         if failures:
@@ -256,18 +266,24 @@ class RankPool:
             assert exc is not None
             try:
                 exc.rank = r  # type: ignore[attr-defined]
-            except AttributeError:  # an exception type with __slots__: the rank stays in the traceback text
+            except (
+                AttributeError
+            ):  # an exception type with __slots__: the rank stays in the traceback text
                 pass
             raise exc from RemoteTraceback(text, rank=r)
         if stuck:
-            parts = [f"ranks {stuck} still running after {timeout:g} s (run_ranks timeout); their stacks:"]
+            parts = [
+                f"ranks {stuck} still running after {timeout:g} s (run_ranks timeout); their stacks:"
+            ]
             for s in stuck:
                 parts.append(f"--- rank {s} (pid {self._workers[s].pid}) ---\n{stacks.get(s, '')}")
             message = "\n".join(parts)
             print(message, file=sys.stderr, flush=True)
             raise RanksTimedOut(message, ranks=stuck, stacks=stacks)
         results = [o.value if o is not None and o.kind == "ok" else None for o in outcomes]
-        clean = not lost and all(o is not None and o.kind == "ok" and not o.aborted for o in outcomes)
+        clean = not lost and all(
+            o is not None and o.kind == "ok" and not o.aborted for o in outcomes
+        )
         return results, clean
 
     def _dump_stacks(self, ranks: Sequence[int]) -> dict[int, str]:
@@ -286,7 +302,9 @@ class RankPool:
         end = time.monotonic() + DUMP_WAIT
         while len(tasks) < len(ranks) and time.monotonic() < end:
             conns = {self._workers[r].conn: r for r in ranks if r not in tasks}
-            for conn in multiprocessing.connection.wait(list(conns), timeout=end - time.monotonic()):
+            for conn in multiprocessing.connection.wait(
+                list(conns), timeout=end - time.monotonic()
+            ):
                 r = conns[conn]
                 try:
                     msg = conn.recv()  # type: ignore[union-attr,call-arg]
@@ -300,15 +318,22 @@ class RankPool:
         for r in ranks:
             w = self._workers[r]
             out[r] = (
-                "asyncio tasks:\n" + tasks.get(r, "(no answer within the dump wait)\n")
-                + "threads:\n" + (w.read_stacks(offsets[r]) or "(no dump)\n")
+                "asyncio tasks:\n"
+                + tasks.get(r, "(no answer within the dump wait)\n")
+                + "threads:\n"
+                + (w.read_stacks(offsets[r]) or "(no dump)\n")
             )
         return out
 
 
 def _payload(
-    fn: Callable[..., Any], args: Sequence[Any], backend: str | None, world_size: int,
-    timeout: float, init_timeout: float | None, loop: str,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    backend: str | None,
+    world_size: int,
+    timeout: float,
+    init_timeout: float | None,
+    loop: str,
 ) -> bytes:
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"fn must be an async def function, got {fn!r}")
@@ -316,14 +341,21 @@ def _payload(
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(
+        sys.modules.get("__main__"), "__file__", None
+    ):
         raise ValueError(
             "fn is defined in a __main__ that worker processes cannot import (stdin or -c); "
             "put it in a module or a script file"
         )
     task = dict(
-        fn=fn, args=tuple(args), backend=backend, world_size=world_size,
-        timeout=float(timeout), init_timeout=init_timeout, loop=loop,
+        fn=fn,
+        args=tuple(args),
+        backend=backend,
+        world_size=world_size,
+        timeout=float(timeout),
+        init_timeout=init_timeout,
+        loop=loop,
     )
     try:
         return pickle.dumps(task)
@@ -383,5 +415,11 @@ def run_ranks(
     elif pool.world_size != world_size:
         raise ValueError(f"pool has world_size {pool.world_size}, run_ranks was given {world_size}")
     return pool.run(
-        fn, args=args, backend=backend, timeout=timeout, loop=loop, init_timeout=init_timeout, lost=lost
+        fn,
+        args=args,
+        backend=backend,
+        timeout=timeout,
+        loop=loop,
+        init_timeout=init_timeout,
+        lost=lost,
     )

@@ -52,8 +52,10 @@ def main_without_missing_file() -> Iterator[None]:
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     hide = (
-        main is not None and getattr(main, "__spec__", None) is None
-        and isinstance(path, str) and not os.path.exists(path)
+        main is not None
+        and getattr(main, "__spec__", None) is None
+        and isinstance(path, str)
+        and not os.path.exists(path)
     )
     if hide:
         del main.__file__  # type: ignore[union-attr]
@@ -69,7 +71,9 @@ def mp_context(method: str | None) -> Any:
     imported torch and asynccoll once (tens of ms instead of seconds per worker), never
     from the caller's process. ``spawn`` where forkserver is unavailable."""
     if method is None:
-        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        method = (
+            "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        )
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {method!r}")
     ctx = multiprocessing.get_context(method)
@@ -149,8 +153,15 @@ class Worker:
 class Outcome:
     __slots__ = ("kind", "value", "error", "text", "summary", "aborted")
 
-    def __init__(self, kind: str, value: Any = None, error: BaseException | None = None,
-                 text: str = "", summary: str = "", aborted: bool = False) -> None:
+    def __init__(
+        self,
+        kind: str,
+        value: Any = None,
+        error: BaseException | None = None,
+        text: str = "",
+        summary: str = "",
+        aborted: bool = False,
+    ) -> None:
         self.kind = kind  # "ok" | "err" | "died"
         self.value = value
         self.error = error

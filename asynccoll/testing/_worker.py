@@ -106,7 +106,17 @@ def _error_reply(run_id: int, rank: int, exc: BaseException, aborted: bool) -> t
     except Exception:
         blob = None
     name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return ("result", run_id, "err", blob, name, str(exc), text, f"rank {rank}: {_describe(exc)}", aborted)
+    return (
+        "result",
+        run_id,
+        "err",
+        blob,
+        name,
+        str(exc),
+        text,
+        f"rank {rank}: {_describe(exc)}",
+        aborted,
+    )
 
 
 async def _main(task: dict[str, Any], rank: int, store: Any, state: dict[str, bool]) -> Any:
@@ -124,7 +134,10 @@ async def _main(task: dict[str, Any], rank: int, store: Any, state: dict[str, bo
     import asynccoll as ac
 
     comm = await ac.init(
-        backend, rank=rank, world_size=world_size, store=store,
+        backend,
+        rank=rank,
+        world_size=world_size,
+        store=store,
         timeout=task["init_timeout"] or timeout,
     )
     try:
@@ -143,7 +156,9 @@ async def _main(task: dict[str, Any], rank: int, store: Any, state: dict[str, bo
             state["aborted"] = True
 
 
-def _run(msg: tuple[Any, ...], rank: int, client: Any, send: Callable[[Any], None]) -> tuple[Any, ...]:
+def _run(
+    msg: tuple[Any, ...], rank: int, client: Any, send: Callable[[Any], None]
+) -> tuple[Any, ...]:
     global _current_loop
     _, run_id, sys_path, payload = msg
     state = {"aborted": False}
@@ -178,7 +193,9 @@ def _run(msg: tuple[Any, ...], rank: int, client: Any, send: Callable[[Any], Non
     try:
         blob = pickle.dumps(value)
     except Exception as exc:
-        err = TypeError(f"rank {rank} returned a value that cannot be pickled: {type(value).__name__}: {exc}")
+        err = TypeError(
+            f"rank {rank} returned a value that cannot be pickled: {type(value).__name__}: {exc}"
+        )
         return _error_reply(run_id, rank, err, True)
     return ("result", run_id, "ok", blob, state["aborted"])
 

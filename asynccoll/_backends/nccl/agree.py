@@ -35,7 +35,9 @@ class Member(Protocol):
 
     def discard(self) -> None: ...
 
-    def shrink(self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0) -> Any: ...
+    def shrink(
+        self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0
+    ) -> Any: ...
 
     def grow(self, new_size: int, uid: bytes | None, *, timeout: float = 60.0) -> Any: ...
 
@@ -58,7 +60,12 @@ def _wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
 
 
 def shrink_agreed(
-    be: Member, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
+    be: Member,
+    store: Any,
+    new_rank: int,
+    new_size: int,
+    exclude: Sequence[int],
+    abort_pending: bool | None,
     timeout: float,
 ) -> Any:
     """``be.shrink`` if every survivor can shrink, else None (build a new one).

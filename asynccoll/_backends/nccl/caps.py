@@ -13,7 +13,9 @@ from ..._base.ops import OpKind, ReduceOp
 
 
 def _dtypes(*names: str) -> frozenset[torch.dtype]:
-    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+    return frozenset(
+        getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)
+    )
 
 
 # ---------------------------------------------------------------- capabilities
@@ -22,8 +24,19 @@ def _dtypes(*names: str) -> frozenset[torch.dtype]:
 #: ``torch.bool`` travels as ``ncclUint8`` ("NCCL has no bool"). Any other dtype is
 #: moved as its bytes (a flat ``uint8`` view) and never reduced, except complex.
 NATIVE = _dtypes(
-    "int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bfloat16",
-    "float8_e4m3fn", "float8_e5m2", "bool",
+    "int8",
+    "uint8",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "bool",
 )
 COMPLEX = _dtypes("complex64", "complex128")
 FP8 = _dtypes("float8_e4m3fn", "float8_e5m2")
@@ -63,10 +76,17 @@ class NcclCaps:
         self.move: frozenset[torch.dtype] | None = None
         self.as_bytes = False
         self.capability = capability
-        drop = FP8 if capability is not None and tuple(capability) < FP8_REDUCE_SINCE else frozenset()
-        self.reduce: dict[ReduceOp, frozenset[torch.dtype]] = {op: dts - drop for op, dts in _REDUCE.items()}
+        drop = (
+            FP8 if capability is not None and tuple(capability) < FP8_REDUCE_SINCE else frozenset()
+        )
+        self.reduce: dict[ReduceOp, frozenset[torch.dtype]] = {
+            op: dts - drop for op, dts in _REDUCE.items()
+        }
         self.sum = self.reduce[ReduceOp.SUM]
-        self.text = {op: ", ".join(sorted(str(d).replace("torch.", "") for d in dts)) for op, dts in self.reduce.items()}
+        self.text = {
+            op: ", ".join(sorted(str(d).replace("torch.", "") for d in dts))
+            for op, dts in self.reduce.items()
+        }
 
     def for_device(self, capability: tuple[int, int]) -> NcclCaps:
         """The table of a device of compute capability ``capability`` (major, minor)."""
@@ -78,12 +98,16 @@ class NcclCaps:
             return None
         if dtype in FP8 and dtype in _REDUCE[op] and self.capability is not None:
             major, minor = self.capability
-            return (f"NCCL reduces {dtype} only on sm_90 or newer (this device is sm_{major}{minor}); "
-                    "reduce in bfloat16 or float16 instead")
+            return (
+                f"NCCL reduces {dtype} only on sm_90 or newer (this device is sm_{major}{minor}); "
+                "reduce in bfloat16 or float16 instead"
+            )
         if op is ReduceOp.AVG and dtype is torch.bool:
             return f"ReduceOp.AVG is not defined for {dtype}"
         if op is ReduceOp.AVG and dtype in FP8:
-            return f"NCCL has no ReduceOp.AVG for {dtype}: use SUM and divide, or average in bfloat16"
+            return (
+                f"NCCL has no ReduceOp.AVG for {dtype}: use SUM and divide, or average in bfloat16"
+            )
         return f"NCCL cannot reduce {dtype} with ReduceOp.{op.name}; it supports: {self.text[op]}"
 
 

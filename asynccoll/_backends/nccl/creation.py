@@ -53,7 +53,9 @@ def device_index(device: Any, count: int, current: Callable[[], int], env: Any =
             raise InvalidArgument(f"the NCCL backend needs a CUDA device, got {dev}")
         index = current() if dev.index is None else dev.index
     else:
-        raise InvalidArgument(f"device must be an int, 'cuda:N' or torch.device, got {type(device).__name__}")
+        raise InvalidArgument(
+            f"device must be an int, 'cuda:N' or torch.device, got {type(device).__name__}"
+        )
     if not 0 <= index < count:
         raise InvalidArgument(f"CUDA device {index} is out of range: {count} device(s) visible")
     return index
@@ -77,7 +79,9 @@ def _runtime(index: int) -> Any:
 
 
 def _backend(comm: Any, rank: int, ws: int, index: int, lib: Any, runtime: Any) -> NcclBackend:
-    return NcclBackend(comm, rank=rank, world_size=ws, device=torch.device("cuda", index), lib=lib, runtime=runtime)
+    return NcclBackend(
+        comm, rank=rank, world_size=ws, device=torch.device("cuda", index), lib=lib, runtime=runtime
+    )
 
 
 async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any = None) -> Any:
@@ -99,7 +103,9 @@ async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any
     cancel = threading.Event()
 
     def build() -> NcclBackend:
-        with torch.cuda.device(index):  # ncclCommInitRank binds to the calling thread's current device
+        with torch.cuda.device(
+            index
+        ):  # ncclCommInitRank binds to the calling thread's current device
             return _build()
 
     def _build() -> NcclBackend:
@@ -134,13 +140,17 @@ async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any
         raise CollectiveTimeout(f"NCCL init: peers did not arrive within {timeout} s") from None
     except Exception as exc:
         what = f"NCCL init on rank {rank}"
-        raise creation_error(exc, nccl_kind(exc), what=what, timeout=timeout, otherwise=BackendUnavailable) from exc
+        raise creation_error(
+            exc, nccl_kind(exc), what=what, timeout=timeout, otherwise=BackendUnavailable
+        ) from exc
     except BaseException:  # cancelled (asyncio, trio): the thread releases what it builds
         cancel.set()
         raise
 
 
-def join_grown(store: Any, rank: int, new_size: int, device: Any, timeout: float, *, lib: Any = None) -> Any:
+def join_grown(
+    store: Any, rank: int, new_size: int, device: Any, timeout: float, *, lib: Any = None
+) -> Any:
     """A new rank's backend of a communicator the members grow (``NcclBackend.grow_agreed``
     with the same ``store``), or None when they build a new one instead (then join that
     init with :func:`create`). Blocking: run it off the loop, on a thread whose current
@@ -159,11 +169,14 @@ def join_grown(store: Any, rank: int, new_size: int, device: Any, timeout: float
             wait_ready(comm, lib, deadline, f"NCCL grow (new rank {rank}/{new_size}, cuda:{index})")
         except BaseException as exc:
             runtime.close(True)
-            if isinstance(exc, (BackendUnavailable, CommAborted, InvalidArgument)) or not isinstance(exc, Exception):
+            if isinstance(
+                exc, (BackendUnavailable, CommAborted, InvalidArgument)
+            ) or not isinstance(exc, Exception):
                 raise
             what = f"NCCL grow on new rank {rank}"
-            raise creation_error(exc, nccl_kind(exc), what=what, timeout=timeout,
-                                 otherwise=BackendUnavailable) from exc
+            raise creation_error(
+                exc, nccl_kind(exc), what=what, timeout=timeout, otherwise=BackendUnavailable
+            ) from exc
     return _backend(comm, rank, new_size, index, lib, runtime)
 
 

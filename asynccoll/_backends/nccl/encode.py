@@ -41,7 +41,13 @@ class Plan:
 
 
 def plan(
-    specs: Sequence[OpSpec], *, device: torch.device, rank: int, ws: int, caps: NcclCaps, lib: Any,
+    specs: Sequence[OpSpec],
+    *,
+    device: torch.device,
+    rank: int,
+    ws: int,
+    caps: NcclCaps,
+    lib: Any,
     scratch: torch.Tensor,
 ) -> Plan:
     """The plan of ``specs`` (one op, or a coalesced batch run as one NCCL group).
@@ -71,7 +77,9 @@ def plan(
 def check(spec: OpSpec, t: torch.Tensor, device: torch.device, caps: NcclCaps) -> torch.dtype:
     """Refuse (InvalidArgument) what NCCL cannot run, before anything starts; ``t``'s dtype."""
     if t.device != device:
-        raise InvalidArgument(f"{spec.kind.value}: tensor on {t.device}, but this NCCL communicator uses {device}")
+        raise InvalidArgument(
+            f"{spec.kind.value}: tensor on {t.device}, but this NCCL communicator uses {device}"
+        )
     dt = t.dtype
     if spec.kind in REDUCING and (spec.reduce_op is not ReduceOp.SUM or dt not in caps.sum):
         why = caps.refusal(spec.reduce_op, dt)
@@ -88,18 +96,27 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def reducible(
-    t: torch.Tensor, op: ReduceOp, ws: int, post: Post, dt: torch.dtype | None = None,
+    t: torch.Tensor,
+    op: ReduceOp,
+    ws: int,
+    post: Post,
+    dt: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ReduceOp]:
     """The tensor view and op to reduce ``t`` (of dtype ``dt``) with ``op``; queues fix-ups on ``post``."""
     if dt is None:
         dt = t.dtype
     if dt is torch.bool:  # as uint8: SUM/MAX = logical or, PROD/MIN = logical and
-        return t.view(torch.uint8), ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN
+        return t.view(torch.uint8), ReduceOp.MAX if op in (
+            ReduceOp.SUM,
+            ReduceOp.MAX,
+        ) else ReduceOp.MIN
     if dt in COMPLEX:
         t = torch.view_as_real(t)
         dt = t.dtype
     if op is ReduceOp.AVG and not dt.is_floating_point and dt not in UNSIGNED:
-        post.append(functools.partial(t.div_, ws, rounding_mode="floor"))  # as Gloo and torch: floor
+        post.append(
+            functools.partial(t.div_, ws, rounding_mode="floor")
+        )  # as Gloo and torch: floor
         op = ReduceOp.SUM
     return t, op
 
@@ -109,7 +126,9 @@ def reducible(
 #: truncates: the floor, as for the signed types' fix-up. That fix-up (``div_`` with
 #: ``rounding_mode="floor"``) does not exist in torch for uint16/32/64 (NotImplementedError
 #: "div_floor" not implemented for 'UInt32', torch 2.13): it would fail on the comm stream.
-UNSIGNED = frozenset(getattr(torch, n) for n in ("uint8", "uint16", "uint32", "uint64") if hasattr(torch, n))
+UNSIGNED = frozenset(
+    getattr(torch, n) for n in ("uint8", "uint16", "uint32", "uint64") if hasattr(torch, n)
+)
 
 
 def _need(ok: bool, spec: OpSpec, what: str) -> None:
@@ -160,13 +179,21 @@ def _calls(spec: OpSpec, rank: int, ws: int, lib: Any, scratch: torch.Tensor, p:
     elif kind is OpKind.REDUCE_SCATTER:
         vi, op = reducible(t, spec.reduce_op, ws, [])
         vo, _ = reducible(out, spec.reduce_op, ws, post)
-        _need(vi.dtype == vo.dtype and vi.numel() >= vo.numel() * ws, spec, "input must be world_size * output")
+        _need(
+            vi.dtype == vo.dtype and vi.numel() >= vo.numel() * ws,
+            spec,
+            "input must be world_size * output",
+        )
         add(P(_reduce_scatter, vi, vo, lib.redop(op)))
     elif kind is OpKind.BROADCAST:
         add(P(_broadcast, raw(t), spec.peer))
     elif kind is OpKind.ALL_GATHER:
         vi, vo = raw(t), raw(out)
-        _need(vi.dtype == vo.dtype and vo.numel() >= vi.numel() * ws, spec, "output must be world_size * input")
+        _need(
+            vi.dtype == vo.dtype and vo.numel() >= vi.numel() * ws,
+            spec,
+            "output must be world_size * input",
+        )
         add(P(_allgather, vi, vo))
     elif kind is OpKind.ALL_TO_ALL:
         ins, outs = t.chunk(ws), out.chunk(ws)

@@ -41,7 +41,9 @@ def last_error(comm: Any) -> str:
         return ""
 
 
-def wait_ready(comm: Any, lib: Any, deadline: float, what: str, cancel: threading.Event | None = None) -> None:
+def wait_ready(
+    comm: Any, lib: Any, deadline: float, what: str, cancel: threading.Event | None = None
+) -> None:
     """Poll a new communicator until it leaves InProgress; abort it on failure."""
     delay = 1e-4
     while True:
@@ -49,15 +51,21 @@ def wait_ready(comm: Any, lib: Any, deadline: float, what: str, cancel: threadin
             status = int(comm.get_async_error())
         except Exception as exc:  # NcclInvalid/NCCLError: the communicator is unusable
             abort_quietly(comm)
-            raise creation_error(exc, nccl_kind(exc), what=what, otherwise=BackendUnavailable) from exc
+            raise creation_error(
+                exc, nccl_kind(exc), what=what, otherwise=BackendUnavailable
+            ) from exc
         if status == SUCCESS:
             return
         if status != IN_PROGRESS:
-            last = last_error(comm)  # NCCL's own words (e.g. "Duplicate GPU detected"), before abort frees it
+            last = last_error(
+                comm
+            )  # NCCL's own words (e.g. "Duplicate GPU detected"), before abort frees it
             abort_quietly(comm)
             text = lib.error_string(status)
             error = NcclError(status, f"{text}: {last}" if last else text)
-            raise creation_error(error, nccl_kind(status), what=what, otherwise=BackendUnavailable) from error
+            raise creation_error(
+                error, nccl_kind(status), what=what, otherwise=BackendUnavailable
+            ) from error
         if time.monotonic() > deadline or (cancel is not None and cancel.is_set()):
             abort_quietly(comm)
             raise CollectiveTimeout(f"{what}: peers did not arrive in time (still ncclInProgress)")
@@ -69,8 +77,15 @@ class CommHandle:
     """One nccl4py communicator: the handle, its lock, its state, and every change to it."""
 
     def __init__(
-        self, comm: Any, lib: Any, *, rank: int, bind: Callable[[], None], abort_timeout: float = 2.0,
-        close_timeout: float = 10.0, use_revoke: bool = True,
+        self,
+        comm: Any,
+        lib: Any,
+        *,
+        rank: int,
+        bind: Callable[[], None],
+        abort_timeout: float = 2.0,
+        close_timeout: float = 10.0,
+        use_revoke: bool = True,
     ) -> None:
         self.lib = lib
         self.rank = rank
@@ -137,7 +152,9 @@ class CommHandle:
         with self._lock:
             comm = None if self.stopping else self._comm
             last = "" if comm is None else last_error(comm)
-        msg = f"NCCL reported error {status} ({text}) on rank {self.rank}" + (f": {last}" if last else "")
+        msg = f"NCCL reported error {status} ({text}) on rank {self.rank}" + (
+            f": {last}" if last else ""
+        )
         return op_error(NcclError(status, text), nccl_kind(status), backend="NCCL", message=msg)
 
     # ------------------------------------------------------------------ stop
@@ -177,7 +194,9 @@ class CommHandle:
                     after()
                 done.set()
 
-        self._stopper = threading.Thread(target=main, name=f"asynccoll-nccl-stop-{self.rank}", daemon=True)
+        self._stopper = threading.Thread(
+            target=main, name=f"asynccoll-nccl-stop-{self.rank}", daemon=True
+        )
         self._stopper.start()
 
     def _stop(self, revoke: bool) -> None:
@@ -280,7 +299,9 @@ class CommHandle:
         with self._lock:
             parent = self._comm
             if parent is None or self.closed or (self.stopping and not self.revoked):
-                raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")
+                raise CommAborted(
+                    "the NCCL communicator was aborted; create a new one instead of shrinking"
+                )
             child = self.lib.shrink(parent, list(drop), abort_pending)
         self._child_ready(parent, child, deadline, "NCCL shrink")
         if self.revoked:  # a revoked parent shares nothing with the child: free it now
@@ -311,8 +332,15 @@ class CommHandle:
     def _child_ready(self, parent: Any, child: Any, deadline: float, what: str) -> None:
         """A non-blocking shrink/grow: the parent's job must end (its state leaves InProgress;
         only then is the child's handle filled), then the child must reach Success."""
-        status = poll_async_error(self._lock, lambda: parent if self._comm is parent and not (
-            self.stopping and not self.revoked) else None, deadline)
+        status = poll_async_error(
+            self._lock,
+            lambda: (
+                parent
+                if self._comm is parent and not (self.stopping and not self.revoked)
+                else None
+            ),
+            deadline,
+        )
         if status is None:
             abort_quietly(child)
             raise CommAborted(f"{what}: the communicator was aborted meanwhile")

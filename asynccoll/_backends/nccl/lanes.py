@@ -55,7 +55,9 @@ class Lane:
         self._bind = bind
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._members: set[Any] = set()
-        self.thread = threading.Thread(target=self._run, name=f"asynccoll-nccl-launch-{index}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"asynccoll-nccl-launch-{index}", daemon=True
+        )
         self.thread.start()
 
     def post(self, member: Member) -> None:

@@ -54,14 +54,18 @@ class _Job:
 
     __slots__ = ("plan", "works", "ready", "done", "state", "timeout", "settled")
 
-    def __init__(self, plan: encode.Plan | None, works: Sequence[Work], ready: Any, done: Any, timeout: float) -> None:
+    def __init__(
+        self, plan: encode.Plan | None, works: Sequence[Work], ready: Any, done: Any, timeout: float
+    ) -> None:
         self.plan = plan
         self.works = works
         self.ready = ready
         self.done = done  # the done event, until it was returned to the pool
         self.state = _QUEUED
         self.timeout = timeout
-        self.settled = False  # launched, failed or dropped: wait_stream need not wait for the launch
+        self.settled = (
+            False  # launched, failed or dropped: wait_stream need not wait for the launch
+        )
 
 
 def _bind(index: int) -> None:
@@ -77,8 +81,18 @@ class NcclBackend(Backend):
     device: torch.device
 
     def __init__(
-        self, comm: Any, *, rank: int, world_size: int, device: torch.device, lib: Any, runtime: Any,
-        watcher: Any = None, health_interval: float = 0.1, abort_timeout: float = 2.0, close_timeout: float = 10.0,
+        self,
+        comm: Any,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        lib: Any,
+        runtime: Any,
+        watcher: Any = None,
+        health_interval: float = 0.1,
+        abort_timeout: float = 2.0,
+        close_timeout: float = 10.0,
         use_revoke: bool = True,
     ) -> None:
         import streams
@@ -92,9 +106,17 @@ class NcclBackend(Backend):
         #: What this backend runs on its device (fp8 reductions from sm_90 only).
         self.caps = CAPS.for_device(runtime.capability)
         self._handle = CommHandle(
-            comm, lib, rank=rank, bind=runtime.bind_thread, abort_timeout=abort_timeout,
-            close_timeout=close_timeout, use_revoke=use_revoke)
-        self._watcher = watcher or streams.EventWatcher(f"nccl{device.index}", cuda_device=device.index)
+            comm,
+            lib,
+            rank=rank,
+            bind=runtime.bind_thread,
+            abort_timeout=abort_timeout,
+            close_timeout=close_timeout,
+            use_revoke=use_revoke,
+        )
+        self._watcher = watcher or streams.EventWatcher(
+            f"nccl{device.index}", cuda_device=device.index
+        )
         self._lock = threading.Lock()  # _pending, _inflight, _stuck, _closed, job states
         self._launches = threading.Condition(self._lock)  # a job settled (wait_stream waits on it)
         self._waiting = 0  # wait_stream calls waiting for a launch
@@ -130,7 +152,9 @@ class NcclBackend(Backend):
 
     # --------------------------------------------------------------- submit
     def submit(self, spec: OpSpec, work: Work | Bundle) -> None:
-        assert isinstance(work, Work)  # the communicator submits Works (Bundles are Gloo's flattening)
+        assert isinstance(
+            work, Work
+        )  # the communicator submits Works (Bundles are Gloo's flattening)
         self.submit_batch((spec,), (work,))
 
     def submit_batch(self, specs: Sequence[OpSpec], works: Sequence[Work]) -> None:
@@ -140,8 +164,15 @@ class NcclBackend(Backend):
         if self._handle.stopping or self._closed:
             raise CommAborted(f"NCCL backend is {'aborted' if self._handle.stopping else 'closed'}")
         rt = self._rt
-        plan = encode.plan(specs, device=self.device, rank=self.rank, ws=self.world_size, caps=self.caps,
-                           lib=self._lib, scratch=rt.scratch)
+        plan = encode.plan(
+            specs,
+            device=self.device,
+            rank=self.rank,
+            ws=self.world_size,
+            caps=self.caps,
+            lib=self._lib,
+            scratch=rt.scratch,
+        )
         tensors = plan.tensors
         ready = rt.events.acquire()
         ready.record(rt.caller_stream(tensors[0] if tensors else None))
@@ -170,7 +201,9 @@ class NcclBackend(Backend):
             if self._handle.stopping:
                 self._drop(job)
             elif self._broken:  # never call into a communicator that reported an error
-                self._fail_job(job, CommAborted("the NCCL communicator failed earlier"), issued=False)
+                self._fail_job(
+                    job, CommAborted("the NCCL communicator failed earlier"), issued=False
+                )
             else:
                 self._launch(job)
         except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
@@ -204,9 +237,15 @@ class NcclBackend(Backend):
             return
         if status == IN_PROGRESS:
             w = job.works[0]
-            self._fail_job(job, CollectiveTimeout(
-                f"{w.op} (seq {w.seq}): NCCL stayed in ncclInProgress for {job.timeout} s", seq=w.seq, op=w.op),
-                issued=True)
+            self._fail_job(
+                job,
+                CollectiveTimeout(
+                    f"{w.op} (seq {w.seq}): NCCL stayed in ncclInProgress for {job.timeout} s",
+                    seq=w.seq,
+                    op=w.op,
+                ),
+                issued=True,
+            )
             return
         if status != SUCCESS:
             self._fail_job(job, self._handle.failure(status), issued=True)
@@ -223,7 +262,9 @@ class NcclBackend(Backend):
             job.state = _LAUNCHED
             self._settled(job)
         try:
-            self._watcher.watch(job.done, self._completed, job, on_fail=functools.partial(self._watch_failed, job))
+            self._watcher.watch(
+                job.done, self._completed, job, on_fail=functools.partial(self._watch_failed, job)
+            )
         except Exception as exc:  # noqa: BLE001 - watcher closed by abort/close
             self._watch_failed(job, exc)
 
@@ -277,7 +318,9 @@ class NcclBackend(Backend):
                 return  # already failed by the health check
             done, job.done = job.done, None
         job.plan = None  # the Works' wait_stream hooks keep the job: drop its tensors
-        if self._handle.stopping:  # never report success after abort (the op may have been cut short)
+        if (
+            self._handle.stopping
+        ):  # never report success after abort (the op may have been cut short)
             return
         self.sink.succeed_all(job.works)
         self._rt.events.release(done)  # only now: nothing queries it any more
@@ -328,7 +371,9 @@ class NcclBackend(Backend):
         with self._lock:
             if not job.settled:
                 if threading.current_thread() is self._lane.thread:
-                    raise InvalidArgument("wait_stream cannot be called from the NCCL launch thread")
+                    raise InvalidArgument(
+                        "wait_stream cannot be called from the NCCL launch thread"
+                    )
                 self._waiting += 1
                 try:
                     launched = self._launches.wait_for(lambda: job.settled, job.timeout)
@@ -336,8 +381,11 @@ class NcclBackend(Backend):
                     self._waiting -= 1
                 if not launched:
                     w = job.works[0]
-                    raise CollectiveTimeout(f"{w.op} (seq {w.seq}): not launched within {job.timeout} s",
-                                            seq=w.seq, op=w.op)
+                    raise CollectiveTimeout(
+                        f"{w.op} (seq {w.seq}): not launched within {job.timeout} s",
+                        seq=w.seq,
+                        op=w.op,
+                    )
             if job.state == _LAUNCHED and job.done is not None:
                 target.wait_event(job.done)
 
@@ -421,7 +469,9 @@ class NcclBackend(Backend):
         """``ncclCommAbort`` a revoked communicator nobody will shrink (bounded, idempotent)."""
         self._handle.discard()
 
-    def shrink(self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0) -> NcclBackend:
+    def shrink(
+        self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0
+    ) -> NcclBackend:
         """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking, off the loop).
 
         Every surviving rank calls it; excluded ranks must not. ``abort_pending`` (default:
@@ -431,13 +481,23 @@ class NcclBackend(Backend):
         the parent alive or revoked; after an ``ncclCommAbort``, ``create`` a new one.
         """
         if not self._handle.can_shrink:
-            raise CommAborted("the NCCL communicator was aborted; create a new one instead of shrinking")
+            raise CommAborted(
+                "the NCCL communicator was aborted; create a new one instead of shrinking"
+            )
         drop = sorted(set(int(r) for r in exclude))
         if self.rank in drop:
-            raise InvalidArgument(f"rank {self.rank} cannot shrink a communicator it is excluded from")
-        if not drop or any(not 0 <= r < self.world_size for r in drop) or len(drop) >= self.world_size:
-            raise InvalidArgument(f"cannot exclude {drop} from a communicator of {self.world_size} ranks "
-                                  "(ncclCommShrink needs at least one rank to exclude, and one to keep)")
+            raise InvalidArgument(
+                f"rank {self.rank} cannot shrink a communicator it is excluded from"
+            )
+        if (
+            not drop
+            or any(not 0 <= r < self.world_size for r in drop)
+            or len(drop) >= self.world_size
+        ):
+            raise InvalidArgument(
+                f"cannot exclude {drop} from a communicator of {self.world_size} ranks "
+                "(ncclCommShrink needs at least one rank to exclude, and one to keep)"
+            )
         if abort_pending is None:
             abort_pending = bool(self._inflight or self._pending or self._launching) or self._broken
         child = self._handle.shrink(drop, abort_pending, time.monotonic() + timeout)
@@ -445,11 +505,18 @@ class NcclBackend(Backend):
         return self._successor(child, rank, self.world_size - len(drop))
 
     def shrink_agreed(
-        self, store: Any, new_rank: int, new_size: int, exclude: Sequence[int], abort_pending: bool | None,
+        self,
+        store: Any,
+        new_rank: int,
+        new_size: int,
+        exclude: Sequence[int],
+        abort_pending: bool | None,
         timeout: float,
     ) -> NcclBackend | None:
         """:meth:`shrink` when every survivor can, else None; see :func:`agree.shrink_agreed`."""
-        new: NcclBackend | None = agree.shrink_agreed(self, store, new_rank, new_size, exclude, abort_pending, timeout)
+        new: NcclBackend | None = agree.shrink_agreed(
+            self, store, new_rank, new_size, exclude, abort_pending, timeout
+        )
         return new
 
     @property
@@ -484,9 +551,17 @@ class NcclBackend(Backend):
     def _successor(self, child: Any, rank: int, world_size: int) -> NcclBackend:
         h = self._handle
         new = type(self)(
-            child, rank=rank, world_size=world_size, device=self.device, lib=self._lib, runtime=self._rt.sibling(),
-            health_interval=self.health_interval, abort_timeout=h.abort_timeout, close_timeout=h.close_timeout,
-            use_revoke=h.use_revoke)
+            child,
+            rank=rank,
+            world_size=world_size,
+            device=self.device,
+            lib=self._lib,
+            runtime=self._rt.sibling(),
+            health_interval=self.health_interval,
+            abort_timeout=h.abort_timeout,
+            close_timeout=h.close_timeout,
+            use_revoke=h.use_revoke,
+        )
         new.bind(self.sink)  # until the new communicator binds its own ledger
         return new
 

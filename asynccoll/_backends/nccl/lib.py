@@ -37,8 +37,10 @@ def _how() -> str:
     """The install line for this torch's CUDA major (extras ``nccl-cu12``, ``nccl-cu13``)."""
     major = (torch.version.cuda or "").split(".")[0]
     extra = f"nccl-cu{major}" if major in ("12", "13") else "nccl-cu12' or 'asynccoll[nccl-cu13"
-    return (f"pip install 'asynccoll[{extra}]' (nccl4py, cuda-bindings and libnccl of torch's CUDA major; "
-            "python -m asynccoll.doctor shows what is installed)")
+    return (
+        f"pip install 'asynccoll[{extra}]' (nccl4py, cuda-bindings and libnccl of torch's CUDA major; "
+        "python -m asynccoll.doctor shows what is installed)"
+    )
 
 
 def library_problem(importer: Callable[[str], Any] = importlib.import_module) -> str | None:
@@ -47,7 +49,9 @@ def library_problem(importer: Callable[[str], Any] = importlib.import_module) ->
         try:
             importer(mod)
         except Exception as exc:  # noqa: BLE001 - ImportError, or OSError from a broken native library
-            return f"NCCL backend needs {mod.split('.')[0]}: importing {mod} failed ({exc}); {_how()}"
+            return (
+                f"NCCL backend needs {mod.split('.')[0]}: importing {mod} failed ({exc}); {_how()}"
+            )
     try:
         nc = importer("nccl.core")
         nc.get_version()  # loads libnccl.so
@@ -92,8 +96,10 @@ class NcclLib:
         self._nc = nc
         self._version: tuple[int, int, int] | None = None
         self._ops = {
-            ReduceOp.SUM: nc.NcclRedOp.SUM, ReduceOp.PROD: nc.NcclRedOp.PROD,
-            ReduceOp.MIN: nc.NcclRedOp.MIN, ReduceOp.MAX: nc.NcclRedOp.MAX,
+            ReduceOp.SUM: nc.NcclRedOp.SUM,
+            ReduceOp.PROD: nc.NcclRedOp.PROD,
+            ReduceOp.MIN: nc.NcclRedOp.MIN,
+            ReduceOp.MAX: nc.NcclRedOp.MAX,
             ReduceOp.AVG: nc.NcclRedOp.AVG,
         }
 
@@ -142,7 +148,11 @@ class NcclLib:
 
     def can_grow(self, comm: Any) -> bool:
         """Whether ``comm`` can grow (``Communicator.grow`` and libnccl >= :data:`GROW_SINCE`)."""
-        return hasattr(comm, "grow") and hasattr(comm, "get_unique_id") and self.version() >= GROW_SINCE
+        return (
+            hasattr(comm, "grow")
+            and hasattr(comm, "get_unique_id")
+            and self.version() >= GROW_SINCE
+        )
 
     def revoke(self, comm: Any) -> None:
         """Start ``ncclCommRevoke``: in-flight ops stop, the state is InProgress until quiescent."""
@@ -161,12 +171,16 @@ class NcclLib:
     def grow(self, comm: Any, nranks: int, uid: bytes | None) -> Any:
         """``ncclCommGrow`` of an existing rank (``uid``: the root's id; None elsewhere)."""
         nc = self._nc
-        return comm.grow(nranks, None if uid is None else nc.UniqueId.from_bytes(uid), config=self.config())
+        return comm.grow(
+            nranks, None if uid is None else nc.UniqueId.from_bytes(uid), config=self.config()
+        )
 
     def join_grow(self, nranks: int, rank: int, uid: bytes) -> Any:
         """``ncclCommGrow`` of a new rank, on a null ``Communicator()``."""
         nc = self._nc
-        return nc.Communicator().grow(nranks, nc.UniqueId.from_bytes(uid), rank=rank, config=self.config())
+        return nc.Communicator().grow(
+            nranks, nc.UniqueId.from_bytes(uid), rank=rank, config=self.config()
+        )
 
     def poison_group(self, comm: Any, buf: torch.Tensor, stream: int, nranks: int) -> None:
         """Make NCCL fail the open group: a send to a rank that does not exist fails

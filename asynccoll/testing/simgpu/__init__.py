@@ -28,4 +28,13 @@ from .runtime import Rdv as Rdv
 from .runtime import SimCluster as SimCluster
 from .runtime import run_threads as run_threads
 
-__all__ = ["Latch", "Rdv", "SimCluster", "SimGPU", "SimNccl", "SimTensor", "SimulatorUnavailable", "run_threads"]
+__all__ = [
+    "Latch",
+    "Rdv",
+    "SimCluster",
+    "SimGPU",
+    "SimNccl",
+    "SimTensor",
+    "SimulatorUnavailable",
+    "run_threads",
+]

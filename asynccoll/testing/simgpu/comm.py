@@ -52,9 +52,16 @@ from .world import COLL, DATA, Launch, Op, World
 
 Result = _b.Result
 REAL = _nc.Communicator
-SIG = {name: inspect.signature(getattr(REAL, name)) for name in dir(REAL)
-       if not name.startswith("_") and callable(getattr(REAL, name, None))}
-_FP8 = {d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None}
+SIG = {
+    name: inspect.signature(getattr(REAL, name))
+    for name in dir(REAL)
+    if not name.startswith("_") and callable(getattr(REAL, name, None))
+}
+_FP8 = {
+    d
+    for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+    if d is not None
+}
 _MANAGE = ("abort", "destroy", "finalize")
 # Methods called per op: bound to the real signature without a mock's call recording
 # (a mock's call list keeps every tensor alive; resetting it per call cost 200 µs).
@@ -68,7 +75,9 @@ def nccl_error(code: Any) -> _b.NCCLError:
 class CommState:
     """What one simulated ``ncclComm_t`` knows; its ``mock`` is what the code under test holds."""
 
-    def __init__(self, sim: Any, world: World | None, rank: int, blocking: bool, device: int) -> None:
+    def __init__(
+        self, sim: Any, world: World | None, rank: int, blocking: bool, device: int
+    ) -> None:
         self.sim = sim
         self.world: World = world  # type: ignore[assignment]  # None only for a null communicator
         self.rank = rank
@@ -100,7 +109,11 @@ class CommState:
             if not hasattr(m, name):
                 continue
             if name in FAST:  # called per op: checked against the signature, not recorded
-                setattr(m, name, strict(getattr(REAL, name), functools.partial(self.call, name), method=True))
+                setattr(
+                    m,
+                    name,
+                    strict(getattr(REAL, name), functools.partial(self.call, name), method=True),
+                )
             else:
                 getattr(m, name).side_effect = functools.partial(self.call, name)
         self.mock = m
@@ -139,7 +152,9 @@ class CommState:
                     raise NotImplementedError(f"nccl4py Communicator.{name} is not simulated")
                 return fn(**a)
             except _b.NCCLError as exc:
-                if name in DATA:  # enqueue.cc: the group error, and the async error when non-blocking
+                if (
+                    name in DATA
+                ):  # enqueue.cc: the group error, and the async error when non-blocking
                     self.sim.group_error(exc)
                     if not self.blocking:
                         self.error = int(exc.status)
@@ -152,10 +167,13 @@ class CommState:
             raise _nc.NcclInvalid(f"{what} must be a tensor here, got {type(t).__name__}")
         resolve_tensor(t)  # nccl4py's own (NcclBuffer): NcclInvalid for complex, int16, ...
         if not isinstance(t, SimTensor):
-            self.sim.gpu.errors.append(f"{what}: a host tensor was passed to NCCL (not a simulated CUDA tensor)")
+            self.sim.gpu.errors.append(
+                f"{what}: a host tensor was passed to NCCL (not a simulated CUDA tensor)"
+            )
         elif t.device.index != self.device:
-            raise _nc.NcclInvalid(f"{what} is on device {t.device.index}, but communicator is on device "
-                                  f"{self.device}")
+            raise _nc.NcclInvalid(
+                f"{what} is on device {t.device.index}, but communicator is on device {self.device}"
+            )
         if not t.is_contiguous():
             self.sim.gpu.errors.append(f"{what}: a non-contiguous tensor was passed to NCCL")
         return plain(t)  # like a device pointer: does not keep the caller's tensor alive
@@ -163,7 +181,13 @@ class CommState:
     def _stream(self, stream: Any) -> StreamState:
         if isinstance(stream, bool):
             raise TypeError("stream must not be a bool")
-        handle = 0 if stream is None else stream if isinstance(stream, int) else int(stream.__cuda_stream__()[1])
+        handle = (
+            0
+            if stream is None
+            else stream
+            if isinstance(stream, int)
+            else int(stream.__cuda_stream__()[1])
+        )
         gpu = self.sim.gpu
         if handle == 0:
             gpu.errors.append("an NCCL op was enqueued on the default stream (stream=None/0)")
@@ -192,13 +216,17 @@ class CommState:
     def _allreduce(self, sendbuf: Any, recvbuf: Any, op: Any, stream: Any, config: Any) -> None:
         self._reduce(sendbuf, recvbuf, op, None, stream, config)
 
-    def _reduce(self, sendbuf: Any, recvbuf: Any, op: Any, root: Any, stream: Any, config: Any) -> None:
+    def _reduce(
+        self, sendbuf: Any, recvbuf: Any, op: Any, root: Any, stream: Any, config: Any
+    ) -> None:
         s = self._buffer(sendbuf, "sendbuf")
         r = None
         if root is None or self._root(root) == self.rank:
             r = self._buffer(recvbuf, "recvbuf")
             if r.dtype != s.dtype:
-                raise _nc.NcclInvalid(f"Dtype mismatch: sendbuf has dtype {s.dtype}, recvbuf has dtype {r.dtype}")
+                raise _nc.NcclInvalid(
+                    f"Dtype mismatch: sendbuf has dtype {s.dtype}, recvbuf has dtype {r.dtype}"
+                )
             if r.numel() < s.numel():
                 raise _nc.NcclInvalid("Buffer count mismatch")
         kind = "allreduce" if root is None else "reduce"
@@ -223,7 +251,9 @@ class CommState:
             raise _nc.NcclInvalid("allgather: recvbuf too small or of another dtype")
         self._issue(Op("allgather", self, send=s, recv=r), self._stream(stream))
 
-    def _reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any, stream: Any, config: Any) -> None:
+    def _reduce_scatter(
+        self, sendbuf: Any, recvbuf: Any, op: Any, stream: Any, config: Any
+    ) -> None:
         s, r = self._buffer(sendbuf, "sendbuf"), self._buffer(recvbuf, "recvbuf")
         if s.numel() < r.numel() * self.world.nranks or r.dtype != s.dtype:
             raise _nc.NcclInvalid("reduce_scatter: sendbuf too small or of another dtype")
@@ -284,8 +314,11 @@ class CommState:
             raise nccl_error(Result.InvalidUsage)
 
     def _revoking(self) -> bool:
-        return self.revoke_stalled or self.revoke_polls > 0 or any(
-            la.pushed and not la.left for la in self.launches)
+        return (
+            self.revoke_stalled
+            or self.revoke_polls > 0
+            or any(la.pushed and not la.left for la in self.launches)
+        )
 
     def _revoke(self, flags: int = 0) -> None:
         if isinstance(flags, bool) or not isinstance(flags, int):
@@ -337,14 +370,20 @@ class CommState:
 
     def _abort(self) -> None:
         child, self.child = self.child, None
-        if child is not None:  # init.cc setCommAbortFlags: the child's init is aborted too (childAbortFlag)
+        if (
+            child is not None
+        ):  # init.cc setCommAbortFlags: the child's init is aborted too (childAbortFlag)
             child._free()
             child.aborted = True
         self._abort_launches()
         gpu = self.sim.gpu
         # commDestroySync: wait for the device stream (the aborted kernels must leave it).
-        if not gpu.cv.wait_for(lambda: all(la.left or not la.pushed for la in self.launches), gpu.sync_limit):
-            gpu.errors.append(f"{self!r}: ncclCommAbort still waiting for its kernels after {gpu.sync_limit} s")
+        if not gpu.cv.wait_for(
+            lambda: all(la.left or not la.pushed for la in self.launches), gpu.sync_limit
+        ):
+            gpu.errors.append(
+                f"{self!r}: ncclCommAbort still waiting for its kernels after {gpu.sync_limit} s"
+            )
         self._free()
         self.aborted = True
 
@@ -374,11 +413,20 @@ class CommState:
         if flag == _nc.CommShrinkFlag.ABORT:
             self._abort_launches()
         elif busy:
-            self.sim.gpu.errors.append(f"{self!r}: shrink(DEFAULT) with operations in flight (NCCL would hang)")
+            self.sim.gpu.errors.append(
+                f"{self!r}: shrink(DEFAULT) with operations in flight (NCCL would hang)"
+            )
         blocking = self.blocking if config is None else config.blocking is not False
         survivors = [r for r in range(self.world.nranks) if r not in drop]
-        key = (self.world.key, "shrink", tuple(drop), self.sim.round(self.world, ("shrink", tuple(drop)), self.rank))
-        child = self.sim.join(key, len(survivors), survivors.index(self.rank), blocking, self.device)
+        key = (
+            self.world.key,
+            "shrink",
+            tuple(drop),
+            self.sim.round(self.world, ("shrink", tuple(drop)), self.rank),
+        )
+        child = self.sim.join(
+            key, len(survivors), survivors.index(self.rank), blocking, self.device
+        )
         if busy and flag != _nc.CommShrinkFlag.ABORT:
             child.error = int(Result.InvalidUsage)
         return self._adopt(child)
@@ -414,8 +462,14 @@ class CommState:
             if uid is None:
                 raise nccl_error(Result.InvalidArgument)  # no root took an id for this grow
             key = (world.key, "grow", uid)
-            child = self.sim.join(key, int(nranks), self.rank, self.blocking if config is None else blocking,
-                                  self.device, parent_nranks=world.nranks)
+            child = self.sim.join(
+                key,
+                int(nranks),
+                self.rank,
+                self.blocking if config is None else blocking,
+                self.device,
+                parent_nranks=world.nranks,
+            )
             return self._adopt(child)
         if unique_id is None or not 0 <= int(rank) < int(nranks):
             raise nccl_error(Result.InvalidArgument)  # init.cc:3274-3289
@@ -423,5 +477,11 @@ class CommState:
         if owner is None or int(rank) < owner.nranks:
             raise nccl_error(Result.InvalidArgument)
         key = (owner.key, "grow", bytes(unique_id))
-        return self.sim.join(key, int(nranks), int(rank), blocking, self.sim.current_device(),
-                             parent_nranks=owner.nranks).mock
+        return self.sim.join(
+            key,
+            int(nranks),
+            int(rank),
+            blocking,
+            self.sim.current_device(),
+            parent_nranks=owner.nranks,
+        ).mock

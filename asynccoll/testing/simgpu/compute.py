@@ -23,7 +23,11 @@ def _reduce(xs: list[torch.Tensor], op: int, n: int, dtype: torch.dtype) -> torc
     elif op == R.MIN:
         out = st.amin(0)
     elif op == R.AVG:
-        out = st.sum(0) / n if wide is torch.float64 else torch.div(st.sum(0), n, rounding_mode="trunc")
+        out = (
+            st.sum(0) / n
+            if wide is torch.float64
+            else torch.div(st.sum(0), n, rounding_mode="trunc")
+        )
     else:
         raise ValueError(f"unknown NCCL reduce op {op}")
     return out.to(dtype)
@@ -45,7 +49,8 @@ def compute(ops: list[Any], n: int) -> None:
         for o in ops:
             plain(o.recv).reshape(-1)[: res.numel()].copy_(res)
     elif kind == "reduce_scatter":
-        res = _reduce([plain(o.send).reshape(-1)[: count * n] for o in ops], ops[0].op, n, ops[0].dtype)
+        res = _reduce(
+            [plain(o.send).reshape(-1)[: count * n] for o in ops], ops[0].op, n, ops[0].dtype
+        )
         for rank, o in enumerate(ops):
-            plain(o.recv).reshape(-1).copy_(res[rank * count:(rank + 1) * count])
-
+            plain(o.recv).reshape(-1).copy_(res[rank * count : (rank + 1) * count])

@@ -124,7 +124,9 @@ class ExternalStream(Stream):
 
     def __new__(cls, stream_ptr: int, device: Any = None, **kwargs: Any) -> ExternalStream:
         rt = _rt()
-        obj: ExternalStream = rt.wrap(cls, open_gpu().state_by_handle(int(stream_ptr), rt.index(device)))
+        obj: ExternalStream = rt.wrap(
+            cls, open_gpu().state_by_handle(int(stream_ptr), rt.index(device))
+        )
         return obj
 
 
@@ -135,8 +137,13 @@ class Event(_REAL_EVENT):
     _timing: bool
     _times: dict[int, float]
 
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                external: bool = False) -> Event:
+    def __new__(
+        cls,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
+        external: bool = False,
+    ) -> Event:
         if interprocess:
             raise NotImplementedError("interprocess events are not simulated")
         obj = object.__new__(cls)
@@ -164,8 +171,10 @@ class Event(_REAL_EVENT):
         state = open_gpu().stream_state(stream)
         ev = self._sim
         if ev.device is not None and ev.device != state.device:
-            raise RuntimeError(f"Event device cuda:{ev.device} does not match recording stream's device "
-                               f"cuda:{state.device}")
+            raise RuntimeError(
+                f"Event device cuda:{ev.device} does not match recording stream's device "
+                f"cuda:{state.device}"
+            )
         gpu = open_gpu()
         with gpu.cv:
             ev.device = state.device
@@ -211,7 +220,9 @@ class Event(_REAL_EVENT):
     def elapsed_time(self, end_event: Any) -> float:
         a, b = self._times.get(self._sim.recorded), end_event._times.get(end_event._sim.recorded)
         if not (self._timing and end_event._timing) or a is None or b is None:
-            raise RuntimeError("elapsed_time: events need enable_timing=True and must have completed")
+            raise RuntimeError(
+                "elapsed_time: events need enable_timing=True and must have completed"
+            )
         return float((b - a) * 1e3)
 
     def __repr__(self) -> str:
@@ -231,7 +242,9 @@ class _DeviceGuard:
 
     def __init__(self, rt: TorchCuda, device: Any) -> None:
         self.rt = rt
-        self.idx = None if device is None or (isinstance(device, int) and device < 0) else rt.index(device)
+        self.idx = (
+            None if device is None or (isinstance(device, int) and device < 0) else rt.index(device)
+        )
         self.prev: int | None = None
 
     def __enter__(self) -> _DeviceGuard:
@@ -301,7 +314,8 @@ class TorchCuda:
             self.gpu.error(
                 f"{what} on thread {threading.current_thread().name!r} for cuda:{device}, whose current device is "
                 f"cuda:{cur}: no device guard there, so the runtime binds cuda:{cur}'s primary context "
-                "(set the thread's device first)")
+                "(set the thread's device first)"
+            )
 
     def current_state(self, device: int | None = None) -> StreamState:
         d = self.current_device() if device is None else device
@@ -328,7 +342,9 @@ class TorchCuda:
         pool = self._pool.get(key)
         if pool is None:
             pool = self._pool[key] = [
-                self.gpu.new_stream(device, -level, f"pool{device}.{level}.{i}") for i in range(_POOL)]
+                self.gpu.new_stream(device, -level, f"pool{device}.{level}.{i}")
+                for i in range(_POOL)
+            ]
         i = self._next.get(key, 0)
         self._next[key] = i + 1
         return pool[i % _POOL]
@@ -365,7 +381,9 @@ class TorchCuda:
             "current_device": self.current_device,
             "set_device": lambda device: self.select(self.index(device)),
             "current_stream": self.current_stream,
-            "default_stream": lambda device=None: self.stream_object(self.gpu.default_state(self.index(device))),
+            "default_stream": lambda device=None: self.stream_object(
+                self.gpu.default_state(self.index(device))
+            ),
             "set_stream": self._set_stream,
             "stream": self.stream_context,
             "synchronize": lambda device=None: self.gpu.synchronize(device=self.index(device)),
@@ -380,7 +398,9 @@ class TorchCuda:
         self._patch(c, "ExternalStream", ExternalStream)
         self._patch(c, "Event", Event)
         self._patch(_streams_mod, "Event", Event)  # Stream.record_event's global
-        self._patch(torch.backends.cuda, "is_built", strict(torch.backends.cuda.is_built, lambda: True))
+        self._patch(
+            torch.backends.cuda, "is_built", strict(torch.backends.cuda.is_built, lambda: True)
+        )
         for name in ("empty", "zeros", "ones", "full"):
             self._patch(torch, name, self._factory(getattr(torch, name)))
 
@@ -402,22 +422,29 @@ class TorchCuda:
         self.tls.streams[state.device] = state
 
     def _sleep(self, cycles: int) -> None:
-        self.gpu.kernel(self.current_state(), lambda: None, seconds=cycles / _CLOCK_HZ, name="_sleep")
+        self.gpu.kernel(
+            self.current_state(), lambda: None, seconds=cycles / _CLOCK_HZ, name="_sleep"
+        )
 
     def _factory(self, real: Callable[..., Any]) -> Callable[..., Any]:
         """``torch.empty``/``zeros``/``ones``/``full``: ``device="cuda..."`` gives a SimTensor on
         the current stream of that device (the caching allocator's stream); other devices: torch."""
 
         def factory(*args: Any, device: Any = None, **kwargs: Any) -> Any:
-            dev = torch.device(device) if isinstance(device, (str, int)) and not isinstance(device, bool) \
+            dev = (
+                torch.device(device)
+                if isinstance(device, (str, int)) and not isinstance(device, bool)
                 else device
+            )
             if isinstance(dev, int):
                 dev = torch.device("cuda", dev)
             if not isinstance(dev, torch.device) or dev.type != "cuda":
                 return real(*args, device=device, **kwargs)
             idx = self.index(dev)
             host = real(*args, **kwargs)
-            return self.gpu.tensor(host, stream=self.stream_object(self.current_state(idx)), device=idx)
+            return self.gpu.tensor(
+                host, stream=self.stream_object(self.current_state(idx)), device=idx
+            )
 
         factory.__wrapped__ = real  # type: ignore[attr-defined]
         return factory
@@ -426,4 +453,3 @@ class TorchCuda:
 def bound_contexts(gpu: Device) -> dict[int, set[str]]:
     """Which threads bound each device's primary context (for tests of the device rule)."""
     return {d: set(names) for d, names in gpu.runtime.contexts.items()}
-

@@ -94,9 +94,13 @@ class SimTensor(torch.Tensor):
     def device(self) -> torch.device:  # type: ignore[override]
         try:
             return self._sim_device
-        except AttributeError:  # a tensor made by torch itself (e.g. inside an op): its storage's device
+        except (
+            AttributeError
+        ):  # a tensor made by torch itself (e.g. inside an op): its storage's device
             gpu = _current_gpu
-            dev = torch.device("cuda", gpu._device_of.get(storage_key(self), 0) if gpu is not None else 0)
+            dev = torch.device(
+                "cuda", gpu._device_of.get(storage_key(self), 0) if gpu is not None else 0
+            )
             self._sim_device = dev
             return dev
 
@@ -106,7 +110,9 @@ class SimTensor(torch.Tensor):
         state = gpu.stream_state(stream)  # TypeError for anything but a CUDA stream
         if state.device != self.device.index:
             # c10 CUDACachingAllocator::recordStream: a stream of another device is an error.
-            raise RuntimeError(f"record_stream: stream on cuda:{state.device}, tensor on {self.device}")
+            raise RuntimeError(
+                f"record_stream: stream on cuda:{state.device}, tensor on {self.device}"
+            )
         gpu._record_stream(storage_key(self), state)
 
     @classmethod
@@ -115,11 +121,19 @@ class SimTensor(torch.Tensor):
         SimTensor.dispatches += 1
         gpu = _current_gpu
         name = getattr(func, "__name__", "")
-        if (gpu is not None and name.endswith("_") and not name.startswith("_")
-                and name not in ("requires_grad_", "record_stream") and args and isinstance(args[0], SimTensor)):
+        if (
+            gpu is not None
+            and name.endswith("_")
+            and not name.startswith("_")
+            and name not in ("requires_grad_", "record_stream")
+            and args
+            and isinstance(args[0], SimTensor)
+        ):
             state = gpu._stream_for_kernel(args[0])
             if state is not None:  # the current stream has work pending: a kernel behind it
-                gpu.kernel(state, lambda: func(*args, **kwargs), uses=_tensors(args, kwargs), name=name)
+                gpu.kernel(
+                    state, lambda: func(*args, **kwargs), uses=_tensors(args, kwargs), name=name
+                )
                 return args[0]
         ret = super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
         if gpu is not None and isinstance(ret, (torch.Tensor, list, tuple)):
@@ -149,7 +163,9 @@ def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
 class StreamState:
     """The device side of one ``cudaStream_t``: its FIFO, device, priority, hardware queue."""
 
-    def __init__(self, gpu: Device, handle: int, device: int, priority: int, name: str, hwq: int) -> None:
+    def __init__(
+        self, gpu: Device, handle: int, device: int, priority: int, name: str, hwq: int
+    ) -> None:
         self.gpu = gpu
         self.handle = handle
         self.device = device
@@ -180,10 +196,27 @@ class EventState:
 class Item:
     """One thing on a stream: ``ready`` gates its start, ``hold`` its end, ``run`` is its effect."""
 
-    __slots__ = ("kind", "ready", "hold", "run", "uses", "stream", "launch", "dispatched", "on_dispatch")
+    __slots__ = (
+        "kind",
+        "ready",
+        "hold",
+        "run",
+        "uses",
+        "stream",
+        "launch",
+        "dispatched",
+        "on_dispatch",
+    )
 
-    def __init__(self, kind: str, run: Callable[[], Any] = lambda: None, *, ready: Callable[[], bool] | None = None,
-                 hold: Callable[[], bool] | None = None, uses: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        kind: str,
+        run: Callable[[], Any] = lambda: None,
+        *,
+        ready: Callable[[], bool] | None = None,
+        hold: Callable[[], bool] | None = None,
+        uses: Iterable[int] = (),
+    ) -> None:
         self.kind = kind
         self.ready = ready
         self.hold = hold
@@ -222,8 +255,14 @@ class Device:
     driver: Any
 
     def __init__(
-        self, *, devices: int = 1, hw_queues: int | None = None, capability: tuple[int, int] = (9, 0),
-        sync_limit: float = 30.0, abort_drains: bool = True, stream_mem_ops: bool = True,
+        self,
+        *,
+        devices: int = 1,
+        hw_queues: int | None = None,
+        capability: tuple[int, int] = (9, 0),
+        sync_limit: float = 30.0,
+        abort_drains: bool = True,
+        stream_mem_ops: bool = True,
     ) -> None:
         global _current_gpu
         prev = _current_gpu
@@ -242,7 +281,8 @@ class Device:
         self._streams: dict[int, StreamState] = {}  # by handle (default streams: by -1 - device)
         self._handles = itertools.count(0x1000, 0x10)
         self._hwq: list[list[collections.deque[Item]]] = [
-            [collections.deque() for _ in range(self.hw_queues)] for _ in range(devices)]
+            [collections.deque() for _ in range(self.hw_queues)] for _ in range(devices)
+        ]
         self._created = [0] * devices
         self._live: collections.Counter[int] = collections.Counter()
         self._recorded: dict[int, set[StreamState]] = collections.defaultdict(set)
@@ -250,7 +290,9 @@ class Device:
         self._device_of: dict[int, int] = {}
         self.ran: list[str] = []  # names of kernels, in the order the device completed them
         self.push_checks: list[Callable[[StreamState, Item], None]] = []  # see nccl.py
-        self.observers: list[Callable[[Item], None]] = []  # called as each item completes (benchmarks)
+        self.observers: list[
+            Callable[[Item], None]
+        ] = []  # called as each item completes (benchmarks)
         self._defaults = [self._new_state(0, d, 0, f"default{d}") for d in range(devices)]
         _current_gpu = self
         self._thread = threading.Thread(target=self._run, name="simgpu-device", daemon=True)
@@ -300,8 +342,13 @@ class Device:
         """``torch.cuda.stream(stream)`` (in-place SimTensor ops become kernels on it)."""
         return self.runtime.stream_context(stream)
 
-    def tensor(self, data: Any, dtype: torch.dtype | None = None, stream: Any = None,
-               device: int | torch.device | None = None) -> SimTensor:
+    def tensor(
+        self,
+        data: Any,
+        dtype: torch.dtype | None = None,
+        stream: Any = None,
+        device: int | torch.device | None = None,
+    ) -> SimTensor:
         """A new "CUDA" tensor on ``device`` (default: the calling thread's current device),
         allocated on ``stream`` (default: that device's current stream)."""
         if isinstance(device, torch.device):
@@ -317,12 +364,25 @@ class Device:
         self._track(t, None)
         return t
 
-    def empty(self, *shape: int, dtype: torch.dtype = torch.float32, stream: Any = None,
-              device: int | None = None) -> SimTensor:
+    def empty(
+        self,
+        *shape: int,
+        dtype: torch.dtype = torch.float32,
+        stream: Any = None,
+        device: int | None = None,
+    ) -> SimTensor:
         return self.tensor(torch.zeros(*shape, dtype=dtype), stream=stream, device=device)
 
-    def kernel(self, stream: Any, fn: Callable[[], Any], *, hold: Latch | None = None,
-               uses: Iterable[torch.Tensor] = (), name: str = "kernel", seconds: float | None = None) -> None:
+    def kernel(
+        self,
+        stream: Any,
+        fn: Callable[[], Any],
+        *,
+        hold: Latch | None = None,
+        uses: Iterable[torch.Tensor] = (),
+        name: str = "kernel",
+        seconds: float | None = None,
+    ) -> None:
         """Enqueue ``fn`` as a kernel on ``stream``; it ends once ``hold`` (if any) is open,
         or ``seconds`` after it started."""
         state = stream if isinstance(stream, StreamState) else self.stream_state(stream)
@@ -337,8 +397,12 @@ class Device:
             self.ran.append(name)
             fn()
 
-        item = Item("kernel", run, hold=end if (hold is not None or seconds is not None) else None,
-                    uses=[storage_key(t) for t in uses])
+        item = Item(
+            "kernel",
+            run,
+            hold=end if (hold is not None or seconds is not None) else None,
+            uses=[storage_key(t) for t in uses],
+        )
         if seconds is not None:
             item.on_dispatch = lambda: started.append(time.monotonic())
         with self.cv:
@@ -359,7 +423,8 @@ class Device:
         with self.cv:
             ok = self.cv.wait_for(
                 lambda: all(not s.q for s in self.states() if device is None or s.device == device),
-                timeout or self.sync_limit)
+                timeout or self.sync_limit,
+            )
             if not ok:
                 raise RuntimeError(f"SimGPU.synchronize: streams still busy: {self.busy()}")
 
@@ -395,7 +460,9 @@ class Device:
     def _new_state(self, handle: int, device: int, priority: int, name: str) -> StreamState:
         if not 0 <= device < self.devices:
             raise ValueError(f"cuda:{device} does not exist ({self.devices} simulated device(s))")
-        hwq = self._created[device] % self.hw_queues  # round-robin, as the driver assigns connections
+        hwq = (
+            self._created[device] % self.hw_queues
+        )  # round-robin, as the driver assigns connections
         self._created[device] += 1
         state = StreamState(self, handle, device, priority, name, hwq)
         if handle:
@@ -490,7 +557,8 @@ class Device:
                 if any(key in item.uses for item in s.q):
                     self.errors.append(
                         f"allocator: a tensor was freed while {s.name} still uses it and "
-                        f"record_stream({s.name}) was never called")
+                        f"record_stream({s.name}) was never called"
+                    )
 
     def _record_stream(self, key: int, state: StreamState) -> None:
         with self.cv:

@@ -139,7 +139,9 @@ class Driver:
             state = self._stream_state(hStream)
         except ValueError:
             return (R.CUDA_ERROR_INVALID_HANDLE,)
-        state.destroyed = True  # pending work still completes ("released ... once the device has completed")
+        state.destroyed = (
+            True  # pending work still completes ("released ... once the device has completed")
+        )
         return (R.CUDA_SUCCESS,)
 
     def cuMemHostAlloc(self, bytesize: Any, Flags: Any) -> tuple[Any, Any]:
@@ -154,9 +156,13 @@ class Driver:
         with gpu.cv:
             busy = [s.name for s in gpu.states() if s.device == d and s.q]
             if busy:
-                gpu.errors.append(f"cuMemHostAlloc on thread {name!r} synchronises implicitly while {busy} "
-                                  "have work pending (allocate pinned memory before traffic)")
-            gpu.cv.wait_for(lambda: not any(s.q for s in gpu.states() if s.device == d), gpu.sync_limit)
+                gpu.errors.append(
+                    f"cuMemHostAlloc on thread {name!r} synchronises implicitly while {busy} "
+                    "have work pending (allocate pinned memory before traffic)"
+                )
+            gpu.cv.wait_for(
+                lambda: not any(s.q for s in gpu.states() if s.device == d), gpu.sync_limit
+            )
         buf = ctypes.create_string_buffer(int(bytesize))
         addr = ctypes.addressof(buf)
         self._mem[addr] = buf
@@ -199,7 +205,10 @@ class Driver:
         state = self._stream_state(stream)
         self.value_waits += 1
         with self.gpu.cv:
-            self.gpu.push(state, Item("wait_value", ready=lambda: ((word.value - n) & 0xFFFFFFFF) < 0x80000000))
+            self.gpu.push(
+                state,
+                Item("wait_value", ready=lambda: ((word.value - n) & 0xFFFFFFFF) < 0x80000000),
+            )
         return (R.CUDA_SUCCESS,)
 
     def cuStreamWriteValue32(self, stream: Any, addr: Any, value: Any, flags: Any) -> tuple[Any]:
@@ -218,10 +227,23 @@ class Driver:
 
     # -------------------------------------------------------------- patching
     _NAMES = (
-        "cuInit", "cuDeviceGet", "cuDeviceGetAttribute", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease",
-        "cuCtxSetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuCtxGetCurrent", "cuCtxGetStreamPriorityRange", "cuStreamCreateWithPriority",
-        "cuStreamDestroy", "cuMemHostAlloc", "cuMemHostGetDevicePointer", "cuMemFreeHost",
-        "cuStreamWaitValue32", "cuStreamWriteValue32",
+        "cuInit",
+        "cuDeviceGet",
+        "cuDeviceGetAttribute",
+        "cuDevicePrimaryCtxRetain",
+        "cuDevicePrimaryCtxRelease",
+        "cuCtxSetCurrent",
+        "cuCtxPushCurrent",
+        "cuCtxPopCurrent",
+        "cuCtxGetCurrent",
+        "cuCtxGetStreamPriorityRange",
+        "cuStreamCreateWithPriority",
+        "cuStreamDestroy",
+        "cuMemHostAlloc",
+        "cuMemHostGetDevicePointer",
+        "cuMemFreeHost",
+        "cuStreamWaitValue32",
+        "cuStreamWriteValue32",
     )
 
     def install(self) -> None:

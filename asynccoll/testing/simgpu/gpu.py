@@ -33,7 +33,8 @@ class SimGPU(Device):
         if torch.version.cuda is not None:
             raise SimulatorUnavailable(
                 f"the simulated GPU needs a CPU build of torch; this one ({torch.__version__}) is built for "
-                f"CUDA {torch.version.cuda}, whose torch.cuda classes cannot be replaced")
+                f"CUDA {torch.version.cuda}, whose torch.cuda classes cannot be replaced"
+            )
         super().__init__(**options)
         self.runtime = cudart.TorchCuda(self)
         self.driver = driver.Driver(self)

@@ -66,8 +66,15 @@ def _without(cls: type, name: str) -> type:
 class SimNccl:
     """The NCCL of every simulated rank in this process (see the module docstring)."""
 
-    def __init__(self, gpu: Device, *, inprogress_polls: int = 2, revoke: bool = True, revoke_polls: int = 3,
-                 grow: bool = True) -> None:
+    def __init__(
+        self,
+        gpu: Device,
+        *,
+        inprogress_polls: int = 2,
+        revoke: bool = True,
+        revoke_polls: int = 3,
+        grow: bool = True,
+    ) -> None:
         self.gpu = gpu
         self.inprogress_polls = inprogress_polls
         self.revoke_polls = revoke_polls
@@ -85,8 +92,16 @@ class SimNccl:
         self._rounds: collections.Counter[Any] = collections.Counter()
         gpu.push_checks.append(self._check_push)
         m = types.ModuleType("nccl.core(simulated)")
-        for name in ("NcclRedOp", "NCCLConfig", "UniqueId", "CommShrinkFlag", "NcclInvalid",
-                     "NcclDataType", "get_error_string", "get_version"):
+        for name in (
+            "NcclRedOp",
+            "NCCLConfig",
+            "UniqueId",
+            "CommShrinkFlag",
+            "NcclInvalid",
+            "NcclDataType",
+            "get_error_string",
+            "get_version",
+        ):
             setattr(m, name, getattr(_nc, name))
         m.Communicator = mock.create_autospec(self.spec, spec_set=True)  # type: ignore[attr-defined]
         m.Communicator.init.side_effect = self._init
@@ -186,8 +201,15 @@ class SimNccl:
                     raise nccl_error(Result.Timeout)
         return st.mock
 
-    def join(self, key: Any, nranks: int, rank: int, blocking: bool, device: int,
-             parent_nranks: int | None = None) -> CommState:
+    def join(
+        self,
+        key: Any,
+        nranks: int,
+        rank: int,
+        blocking: bool,
+        device: int,
+        parent_nranks: int | None = None,
+    ) -> CommState:
         """Rank ``rank`` joins the world ``key`` (created by its first member)."""
         with self.gpu.cv:
             world = self._worlds.get(key)
@@ -271,4 +293,5 @@ class SimNccl:
         for st in self.comms:
             if any(la.stream is stream for la in st.deferred):
                 self.gpu.errors.append(
-                    f"{item.kind} enqueued on {stream.name} while {st!r} is still ncclInProgress on it")
+                    f"{item.kind} enqueued on {stream.name} while {st!r} is still ncclInProgress on it"
+                )

@@ -38,12 +38,26 @@ class SimCluster:
     """
 
     def __init__(
-        self, *, inprogress_polls: int = 2, abort_drains: bool = True, sync_limit: float = 30.0, revoke: bool = True,
-        grow: bool = True, devices: int = 4, hw_queues: int | None = None, capability: tuple[int, int] = (9, 0),
+        self,
+        *,
+        inprogress_polls: int = 2,
+        abort_drains: bool = True,
+        sync_limit: float = 30.0,
+        revoke: bool = True,
+        grow: bool = True,
+        devices: int = 4,
+        hw_queues: int | None = None,
+        capability: tuple[int, int] = (9, 0),
         stream_mem_ops: bool = True,
     ) -> None:
-        self.gpu = SimGPU(devices=devices, hw_queues=hw_queues, capability=capability, sync_limit=sync_limit,
-                          abort_drains=abort_drains, stream_mem_ops=stream_mem_ops)
+        self.gpu = SimGPU(
+            devices=devices,
+            hw_queues=hw_queues,
+            capability=capability,
+            sync_limit=sync_limit,
+            abort_drains=abort_drains,
+            stream_mem_ops=stream_mem_ops,
+        )
         self.nccl = SimNccl(self.gpu, inprogress_polls=inprogress_polls, revoke=revoke, grow=grow)
 
     def lib(self) -> Any:
@@ -52,7 +66,9 @@ class SimCluster:
 
         return NcclLib(self.nccl.module)
 
-    async def create(self, rdv: Any, prefix: str = "nccl/", timeout: float = 10.0, **kw: Any) -> Any:
+    async def create(
+        self, rdv: Any, prefix: str = "nccl/", timeout: float = 10.0, **kw: Any
+    ) -> Any:
         """``asynccoll._backends.nccl.create`` on the simulator; rank ``r`` on ``cuda:r``."""
         from ..._backends import nccl
 
@@ -64,13 +80,23 @@ class SimCluster:
         import torch.distributed as dist
 
         store = dist.HashStore()
-        backends = run_threads(world_size, lambda r: self.create(Rdv(store, r, world_size), timeout=timeout))
+        backends = run_threads(
+            world_size, lambda r: self.create(Rdv(store, r, world_size), timeout=timeout)
+        )
         for r, backend in enumerate(backends):
             backend.bind(standalone_sink(r))
         return backends
 
-    def run_comms(self, world_size: int, fn: Callable[[Any], Awaitable[Any]], *, backend: str = "nccl",
-                  timeout: float = 20.0, heartbeat: float | None = 0, loop: str = "asyncio") -> list[Any]:
+    def run_comms(
+        self,
+        world_size: int,
+        fn: Callable[[Any], Awaitable[Any]],
+        *,
+        backend: str = "nccl",
+        timeout: float = 20.0,
+        heartbeat: float | None = 0,
+        loop: str = "asyncio",
+    ) -> list[Any]:
         """``async with asynccoll.init(backend, ...) as comm: await fn(comm)`` on every rank.
 
         Ranks are threads with their own event loops; rendezvous through one HashStore;
@@ -86,8 +112,15 @@ class SimCluster:
         factories = self.factories()
 
         async def rank_main(r: int) -> Any:
-            async with init_with(factories, backend, rank=r, world_size=world_size, store=store, timeout=timeout,
-                                 heartbeat=heartbeat) as comm:
+            async with init_with(
+                factories,
+                backend,
+                rank=r,
+                world_size=world_size,
+                store=store,
+                timeout=timeout,
+                heartbeat=heartbeat,
+            ) as comm:
                 return await fn(comm)
 
         return run_threads(world_size, rank_main, timeout=timeout * 3, loop=loop)
@@ -100,7 +133,9 @@ class SimCluster:
         async def nccl(rdv: Any, prefix: str, device: Any, timeout: float) -> Any:
             return await self.create(rdv, prefix + "nccl/", timeout)
 
-        async def nccl_join(store: Any, rank: int, new_size: int, device: Any, timeout: float) -> Any:
+        async def nccl_join(
+            store: Any, rank: int, new_size: int, device: Any, timeout: float
+        ) -> Any:
             return await join_nccl(store, rank, new_size, device, timeout, lib=self.lib())
 
         return Factories(nccl=nccl, nccl_join=nccl_join, nccl_missing=lambda: None)
@@ -115,7 +150,9 @@ class SimCluster:
         self.close()
 
 
-def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60.0, loop: str = "asyncio") -> list[Any]:
+def run_threads(
+    n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60.0, loop: str = "asyncio"
+) -> list[Any]:
     """Run ``await fn(rank)`` for every rank, each on its own thread and event loop
     (``loop``: ``"asyncio"``, ``"uvloop"`` or ``"trio"``)."""
     results: list[Any] = [None] * n
@@ -128,7 +165,9 @@ def run_threads(n: int, fn: Callable[[int], Awaitable[Any]], timeout: float = 60
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             errors[r] = exc
 
-    threads = [threading.Thread(target=main, args=(r,), name=f"simrank{r}", daemon=True) for r in range(n)]
+    threads = [
+        threading.Thread(target=main, args=(r,), name=f"simrank{r}", daemon=True) for r in range(n)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -27,7 +27,20 @@ DATA = (*COLL, "send", "recv", "alltoall", "gather", "scatter")
 
 
 class Op:
-    __slots__ = ("kind", "comm", "send", "recv", "op", "root", "peer", "key", "done", "launch", "count", "dtype")
+    __slots__ = (
+        "kind",
+        "comm",
+        "send",
+        "recv",
+        "op",
+        "root",
+        "peer",
+        "key",
+        "done",
+        "launch",
+        "count",
+        "dtype",
+    )
 
     def __init__(self, kind: str, comm: CommState, **kw: Any) -> None:
         self.kind = kind
@@ -75,7 +88,9 @@ class World:
         self.comms: dict[int, CommState] = {}
         self.colls: dict[int, dict[int, Op]] = collections.defaultdict(dict)
         self.p2p: dict[tuple[int, int, int], dict[str, Op]] = collections.defaultdict(dict)
-        self.grow_uid: bytes | None = None  # the unconsumed id of get_unique_id (init.cc ncclCommGetUniqueId)
+        self.grow_uid: bytes | None = (
+            None  # the unconsumed id of get_unique_id (init.cc ncclCommGetUniqueId)
+        )
         self.grown: set[bytes] = set()  # ids consumed by a grow of this world
         World.count += 1
         self.label = f"comm{World.count}({nranks} ranks)"
@@ -94,7 +109,9 @@ class Kernels:
         self.sim = sim
         self.gpu = sim.gpu
         # Host launch order per device (check_order): launches per world, and snapshots.
-        self.counts: dict[int, collections.Counter[Any]] = collections.defaultdict(collections.Counter)
+        self.counts: dict[int, collections.Counter[Any]] = collections.defaultdict(
+            collections.Counter
+        )
         self.marks: dict[tuple[Any, int], dict[int, dict[Any, int]]] = {}
         self.hosts: dict[Any, set[int]] = {}  # world key -> devices of its members
         self.stopped: set[Any] = set()  # worlds a member revoked or aborted
@@ -150,7 +167,8 @@ class Kernels:
                     self.gpu.errors.append(
                         f"launch order: cuda:{dev} launched {names[world.key]} #{mark[1]} after {n} launches of "
                         f"{names.get(y, y)}, cuda:{other} after {theirs.get(y, 0)} (communicators sharing a device "
-                        "must launch in the same host order on every rank)")
+                        "must launch in the same host order on every rank)"
+                    )
                     return
         seen[dev] = snap
 
@@ -168,7 +186,13 @@ class Kernels:
 
     def _alive(self, op: Op) -> bool:
         la = op.launch
-        return la is not None and la.running and not la.aborted and not op.comm.dead and not op.comm.hung
+        return (
+            la is not None
+            and la.running
+            and not la.aborted
+            and not op.comm.dead
+            and not op.comm.hung
+        )
 
     def _try_coll(self, op: Op) -> None:
         world = op.comm.world
@@ -177,11 +201,15 @@ class Kernels:
             return
         ops = [group[r] for r in range(world.nranks)]
         first = ops[0]
-        if any((o.kind, o.count, o.dtype, o.op, o.root) != (first.kind, first.count, first.dtype, first.op, first.root)
-               for o in ops):
+        if any(
+            (o.kind, o.count, o.dtype, o.op, o.root)
+            != (first.kind, first.count, first.dtype, first.op, first.root)
+            for o in ops
+        ):
             self.gpu.errors.append(
                 "collective mismatch across ranks: "
-                + ", ".join(f"{o.kind}/{o.count}/{o.dtype}/op{o.op}/root{o.root}" for o in ops))
+                + ", ".join(f"{o.kind}/{o.count}/{o.dtype}/op{o.op}/root{o.root}" for o in ops)
+            )
         else:
             compute(ops, world.nranks)
         for o in ops:
@@ -194,7 +222,9 @@ class Kernels:
         if s is None or r is None or not (self._alive(s) and self._alive(r)):
             return
         if s.count != r.count or s.dtype != r.dtype:
-            self.gpu.errors.append(f"send/recv mismatch {op.key}: {s.count}x{s.dtype} vs {r.count}x{r.dtype}")
+            self.gpu.errors.append(
+                f"send/recv mismatch {op.key}: {s.count}x{s.dtype} vs {r.count}x{r.dtype}"
+            )
         else:
             plain(r.recv).copy_(plain(s.send))
         s.done = r.done = True
