@@ -22,10 +22,7 @@ import torch
 
 from .._base import shutdown
 from .._base.ops import ReduceOp
-from .._core.backend import Sink
-from .._core.work import Bundle, Work
-
-Target = Work | Bundle
+from .._core.backend import Sink, Target
 
 
 def avg_fixup(

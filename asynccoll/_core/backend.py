@@ -26,6 +26,9 @@ import torch
 from .._base.ops import OpSpec, ReduceOp
 from .work import Bundle, Work
 
+#: What a backend settles through its :class:`Sink`: one Work, or a Bundle of them.
+Target = Work | Bundle
+
 
 def dtypes(*names: str) -> frozenset[torch.dtype]:
     """The torch dtypes of these names that this torch build has."""
@@ -101,11 +104,11 @@ ANY = Caps("torch", move=None, as_bytes=False, reduce=None)
 class Sink(Protocol):
     """Where a backend reports outcomes (implemented by ``ledger.Ledger``)."""
 
-    def succeed(self, target: Work | Bundle, value: Any = None) -> None: ...
+    def succeed(self, target: Target, value: Any = None) -> None: ...
 
-    def succeed_all(self, targets: Iterable[Work | Bundle]) -> None: ...
+    def succeed_all(self, targets: Iterable[Target]) -> None: ...
 
-    def fail(self, target: Work | Bundle, exc: BaseException) -> None: ...
+    def fail(self, target: Target, exc: BaseException) -> None: ...
 
 
 class Backend(abc.ABC):

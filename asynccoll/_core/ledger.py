@@ -43,9 +43,8 @@ from .._base.errors import (
     is_abort_error,
 )
 from .._base.recorder import FlightRecorder, now, outcome
+from .backend import Target
 from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work, settle_all
-
-Target = Work | Bundle
 
 _poke_of = operator.attrgetter("_poke")
 
