@@ -19,12 +19,14 @@ import anyio
 
 from . import shutdown
 
-_get_running_loop = asyncio._get_running_loop
+#: This thread's running asyncio loop, or None (asyncio's C function: no exception, no
+#: Python frame; the hot path asks it on every await). The one place that reaches for it.
+running_loop = asyncio._get_running_loop
 
 
 def trio_running() -> bool:
     """True inside ``trio.run`` (and no asyncio loop runs in this thread)."""
-    if _get_running_loop() is not None:
+    if running_loop() is not None:
         return False
     import sniffio
 
@@ -36,7 +38,7 @@ def trio_running() -> bool:
 
 def current_task() -> object | None:
     """The running task (asyncio or trio), or None outside any."""
-    if _get_running_loop() is not None:
+    if running_loop() is not None:
         return asyncio.current_task()
     if trio_running():
         import trio

@@ -48,6 +48,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Generator
 
 from .._base.aio import current_task as _current_task
+from .._base.aio import running_loop
 from .._base.errors import InvalidArgument
 from .._base.ops import OpSpec
 from .ledger import Ledger, State
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
 _NEW, _OPEN, _EXITED = 0, 1, 2
 
 
-_get_running_loop = asyncio._get_running_loop
 _asyncio_task = asyncio.current_task
 _thread_id = threading.get_ident
 
@@ -104,7 +104,7 @@ class Batch:
             return None
         loop = self.loop
         if loop is not None:  # asyncio: on the loop's thread, and the loop runs the task
-            # (not ``_get_running_loop() is loop``: on CPython 3.11 it makes a getpid() syscall)
+            # (not ``running_loop() is loop``: on CPython 3.11 it makes a getpid() syscall)
             if _thread_id() != self.thread or _asyncio_task(loop) is not self.task:
                 return None
         elif _current_task() is not self.task:  # trio (None on a thread outside it)
@@ -168,7 +168,7 @@ class CoalescingGroup:
             raise InvalidArgument("comm.coalescing() does not nest within one task")
         if ledger.state is not State.OK or ledger.closing:
             raise ledger.unusable()
-        self._batch = batch = Batch(ledger, task, _get_running_loop())
+        self._batch = batch = Batch(ledger, task, running_loop())
         self._token = ledger.batch.set(batch)
         self._state = _OPEN
         return self

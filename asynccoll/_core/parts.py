@@ -15,12 +15,11 @@ communicator's finalizer can run them:
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import weakref
 from typing import Any, Callable
 
-from .._base.aio import run_in_thread
+from .._base.aio import run_in_thread, running_loop
 from .._base.errors import CommAborted
 from .backend import Backend
 from .ledger import Ledger
@@ -96,7 +95,7 @@ class Parts:
         the beat interval), and the deadline service (``close()`` and garbage
         collection release it too).
         """
-        loop = asyncio._get_running_loop()
+        loop = running_loop()
         if self.liveness is not None:
             # Tell the peers (a no-op when the news came from a peer: that thread is done).
             self.liveness.publish_abort(error, wake=loop is None)

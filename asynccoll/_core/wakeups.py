@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-_get_running_loop = asyncio._get_running_loop
+from .._base.aio import running_loop
 
 
 class Wakeups:
@@ -44,7 +44,7 @@ class Wakeups:
 
     def __init__(self) -> None:
         self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], Any], Any]]] = {}
-        self.running = _get_running_loop()
+        self.running = running_loop()
         self.later: list[Any] | None = None  # (made by whoever has something to drop)
 
     def add(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Generator, Sequence
 
+from .._base.aio import running_loop
 from .wakeups import (
     OTHER_WAITERS,
     Blocked,
@@ -37,7 +38,6 @@ _PENDING = 0
 _DONE = 1
 _FAILED = 2
 
-_get_running_loop = asyncio._get_running_loop
 
 __all__ = ["BatchWork", "Bundle", "MemberWork", "Wakeups", "Work", "settle_all"]
 
@@ -103,7 +103,7 @@ class Work:
         try:
             fn(self)
         except Exception as exc:  # noqa: BLE001 - a user callback must not break the settling thread
-            loop = _get_running_loop()
+            loop = running_loop()
             if loop is not None:
                 loop.call_exception_handler(
                     {"message": "exception in Work done callback", "exception": exc}
@@ -183,7 +183,7 @@ class Work:
         in the thread that settles the Work. A Work already settled runs ``fn`` soon
         (on the loop) or at once (without one).
         """
-        loop: Any = _get_running_loop() or trio_token()
+        loop: Any = running_loop() or trio_token()
         if self._take(Callback(loop, fn)):
             self._nudge(True)
             return
@@ -242,7 +242,7 @@ class Work:
         if poked is not None and self._state == _PENDING:
             self._nudge(True)  # settled here if it already finished; else the backend waits for it
         if self._state == _PENDING:
-            loop = _get_running_loop()
+            loop = running_loop()
             if loop is None:  # not asyncio: trio (anything else raises there)
                 return self._trio_wait(poked).__await__()
             fut = loop.create_future()
