@@ -59,6 +59,8 @@ _KNOCK_EVERY = 0.25
 _FALLBACK_EVERY = 2.0
 #: The host rank writes ``host`` as it starts; after this the others stop looking.
 _HOST_KNOWN_AFTER = 5.0
+#: How long ``goodbye`` waits for a beat in flight (a few store requests) to end.
+_QUIESCE_WITHIN = 5.0
 #: Store errors: torch raises DistError subclasses (or RuntimeError) for a broken store.
 _STORE_ERRORS = (RuntimeError, ValueError)
 
@@ -156,9 +158,12 @@ class Liveness:
         self._keep()
 
     def goodbye(self) -> None:
-        """``close()``: say goodbye now (blocking, bounded) and leave the service; abort news
-        not out yet goes first. After it this member makes no store request (a beat in flight
-        has ended, the next ones see the goodbye): ``forget`` may delete the keys. Said once.
+        """``close()``: say goodbye now (blocking, bounded), then leave the service.
+
+        Abort news not sent yet goes out first, from this thread. Once this returns,
+        this member makes no more store requests (a beat in flight has ended; later
+        ones see the goodbye): ``forget`` may delete the keys. Said once: again (the
+        ``close()`` of a communicator that ``shrink()`` retired) writes nothing.
         """
         with self._lock:
             self._closed = True
@@ -176,7 +181,7 @@ class Liveness:
         self._keep()
         svc = self._service
         if svc is not None:
-            svc.quiesce(5.0)  # a beat in flight: a few store requests
+            svc.quiesce(_QUIESCE_WITHIN)
 
     def hold(self) -> None:
         """Keep this process's service (its pulse, which the peers' census knocks on) up, even
