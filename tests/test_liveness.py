@@ -120,7 +120,7 @@ def test_abort_news_recorded_without_a_wake_goes_out_on_wake_or_at_the_next_beat
     woken: bool,
 ) -> None:
     """``abort()`` on an event loop records the news and wakes the service only after the
-    loop's waiters ran (``Parts.aborted``): recording wakes nobody; ``wake()`` sends it
+    loop's waiters ran (``Resources.aborted``): recording wakes nobody; ``wake()`` sends it
     at once, and if it never comes the member's next beat sends it."""
     server = _server()
     heard = threading.Event()

@@ -14,7 +14,7 @@ An abort from anywhere else (a task, a ``loop.add_signal_handler`` callback, a
 watchdog thread, a handler that interrupted the user's own code or the loop's
 ``select()``) stays synchronous: it has returned once every pending Work failed.
 (A handler that interrupted ``select()`` is why an abort on a loop's thread also
-writes the loop's wake-up fd: ``Parts.aborted``.)
+writes the loop's wake-up fd: ``Resources.aborted``.)
 """
 
 from __future__ import annotations

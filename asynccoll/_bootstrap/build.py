@@ -1,11 +1,11 @@
 """Building a communicator on a met rendezvous: its backends, diagnostics and the
-``rebuild`` closure that ``shrink()`` uses.
+``build_shrunk`` closure that ``shrink()`` uses.
 
 Nothing here blocks the event loop: building each backend (Gloo's full-mesh
 connect, NCCL's polled init) runs on executor threads, bounded by ``timeout``.
 
 Backends are made by :class:`Factories`, passed explicitly from ``init`` down to every
-rebuild (the simulated GPU's test kit passes one that builds NCCL on its simulator).
+communicator that ``shrink()`` builds (the simulated GPU's test kit passes one that builds NCCL on its simulator).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .._base.aio import run_in_thread
 from .._base.errors import AsyncCollError, BackendUnavailable, CollectiveMismatch, InvalidArgument
 from .._core.backend import Backend
 from .._core.communicator import Communicator
-from .._core.seams import Membership
+from .._core.interfaces import Membership
 from .._diag.diagnostics import Diagnostics
 from .._faults.liveness import Liveness
 from .._faults.shrink import shrink
@@ -272,7 +272,7 @@ async def connect(
             store, rdv.rank, rdv.world_size, interval=interval, detect=detect, on_failure=on_failure
         )
 
-    async def rebuild(
+    async def build_shrunk(
         new_rank: int,
         new_size: int,
         suffix: str,
@@ -328,8 +328,8 @@ async def connect(
         store=store,
         timeout=timeout,
         liveness=liveness if interval and rdv.world_size > 1 else None,
-        rebuild=rebuild,
-        recover=shrink,
+        build_shrunk=build_shrunk,
+        shrink=shrink,
         diagnostics=diagnostics,
         group=group,
         forget=functools.partial(forget, rdv, prefix),

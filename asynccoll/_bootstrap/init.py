@@ -206,5 +206,5 @@ def wrap(process_group: Any, *, store: Any = None, timeout: float = 60.0) -> Com
         device=torch.device("cpu"),
         store=store,
         timeout=timeout,
-        recover=shrink,  # which refuses: no rebuild for a group made elsewhere
+        shrink=shrink,  # which refuses: no build_shrunk for a group made elsewhere
     )

@@ -232,7 +232,7 @@ def forget(
     ops: Iterable[int] = (),
 ) -> None:
     """This rank is done with a communicator's keys (blocking): at ``close()``, or at
-    ``shrink()`` once the survivors' new communicator is up (``Parts.retire``).
+    ``shrink()`` once the survivors' new communicator is up (``Resources.retire``).
 
     The rank counts itself out (``left``); the rank whose count makes every rank
     either left or proven dead deletes all the communicator's keys (one rank: the

@@ -16,10 +16,10 @@ from .._base.ops import OpKind, OpSpec, ReduceOp
 from . import validate
 from .backend import Backend
 from .coalescing import Batch, CoalescingGroup
+from .interfaces import DiagnosticHooks, Elastic, Membership, MembershipFactory, ShrinkRequest
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
-from .parts import Parts, weakly
-from .seams import Diagnosis, Elastic, Membership, MembershipFactory, Recovery
+from .resources import Resources, weak_callback
 from .state import broadcast_state as _broadcast_state
 from .work import Work
 
@@ -46,9 +46,9 @@ class Communicator:
         store: Any = None,
         timeout: float = 60.0,
         liveness: MembershipFactory | None = None,
-        rebuild: Callable[..., Awaitable[Communicator]] | None = None,
-        recover: Recover | None = None,
-        diagnostics: Diagnosis | None = None,
+        build_shrunk: Callable[..., Awaitable[Communicator]] | None = None,
+        shrink: ShrinkFn | None = None,
+        diagnostics: DiagnosticHooks | None = None,
         group: Elastic | None = None,
         forget: Callable[[], None] | None = None,
     ) -> None:
@@ -62,23 +62,25 @@ class Communicator:
         self._cuda_backend = self._backends.get("cuda") or self._backends.get(None)
         self._store = store
         self._objects = ObjectChannel(store, rank, world_size) if store is not None else None
-        self._rebuild = rebuild
-        self._recover = recover
+        self._build_shrunk = build_shrunk
+        self._shrink_fn = shrink
         self._shrunk = False
         self._group = group  # elastic membership (bootstrap's Group): waiting() and grow()
-        self._diag = diagnostics if diagnostics is not None else Diagnosis()
+        self._diag = diagnostics if diagnostics is not None else DiagnosticHooks()
         self._ledger = ledger = Ledger(
             rank,
             deadlines=deadline_service(),
-            on_abort=weakly(self._after_abort),
+            on_abort=weak_callback(self._after_abort),
             recorder=self._diag.recorder,
         )
         # forget: close() then deletes the store keys, on the last rank to close (``_bootstrap``).
-        self._parts = parts = Parts(ledger, self._backends, self._objects, self._diag, forget)
+        self._resources = resources = Resources(
+            ledger, self._backends, self._objects, self._diag, forget
+        )
         self._liveness: Membership | None = None
         if liveness is not None:
-            self._liveness = parts.start_liveness(liveness, weakly(self._abort))
-        self._finalizer = weakref.finalize(self, parts.collected)
+            self._liveness = resources.start_liveness(liveness, weak_callback(self._abort))
+        self._finalizer = weakref.finalize(self, resources.collected)
 
     # ------------------------------------------------------------------ state
     @property
@@ -382,7 +384,7 @@ class Communicator:
         self._ledger.abort(cause)
 
     def _after_abort(self, error: BaseException) -> None:
-        self._parts.aborted(error)  # the ledger aborted (any thread): peers, transport, records
+        self._resources.aborted(error)  # the ledger aborted (any thread): peers, transport, records
 
     async def close(self, *, timeout: float | None = None) -> None:
         """Finish pending work, then release the backends. Idempotent.
@@ -403,7 +405,7 @@ class Communicator:
                 ledger.abort(CommAborted(f"close(): {left} op(s) still pending after {limit} s"))
         ledger.end_close()
         self._finalizer.detach()
-        await self._parts.close()
+        await self._resources.close()
 
     # ---------------------------------------------------------- diagnostics
     def flight_record(self) -> list[dict[str, Any]]:
@@ -441,11 +443,11 @@ class Communicator:
         """
         if self._shrunk:
             raise InvalidArgument("this communicator was already shrunk; shrink the new one")
-        if self._recover is None:
+        if self._shrink_fn is None:
             raise InvalidArgument(
                 f"shrink needs a communicator made by asynccoll.init(), not {self.backend!r}"
             )
-        recovery = Recovery(
+        request = ShrinkRequest(
             rank=self.rank,
             world_size=self.world_size,
             timeout=self.timeout,
@@ -454,12 +456,12 @@ class Communicator:
             failed_ranks=self.failed_ranks,
             store=self._store,
             liveness=self._liveness,
-            rebuild=self._rebuild,
+            build_shrunk=self._build_shrunk,
             abort=self.abort,
             claim=self._claim_shrink,
-            retire=self._parts.retire,
+            retire=self._resources.retire,
         )
-        return await self._recover(recovery, exclude)
+        return await self._shrink_fn(request, exclude)
 
     def _claim_shrink(self) -> None:
         self._shrunk = True
@@ -514,7 +516,7 @@ class Communicator:
 
 
 #: ``_faults.shrink.shrink``: what ``Communicator.shrink`` runs (handed over by ``_bootstrap``).
-Recover = Callable[[Recovery, Any], Awaitable[Communicator]]
+ShrinkFn = Callable[[ShrinkRequest, Any], Awaitable[Communicator]]
 
 
 async def exit_scope(comm: Communicator, exc: BaseException | None) -> None:

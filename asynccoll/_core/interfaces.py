@@ -3,14 +3,14 @@
 ``_core`` imports neither ``_diag`` nor ``_faults``. It says here what it needs of them,
 and ``_bootstrap`` hands the implementations to the :class:`Communicator`:
 
-* :class:`Diagnosis`: the flight recorder, the gate of object collectives and the
+* :class:`DiagnosticHooks`: the flight recorder, the gate of object collectives and the
   hooks at abort and close. The base class is what a communicator without
   diagnostics does (``wrap()``): it records, gates nothing and writes nothing;
   ``_diag.diagnostics.Diagnostics`` adds the fingerprint checker and the trace files.
 * :class:`Membership`: a communicator's liveness (``_faults.liveness.Liveness``):
   heartbeats, the census that names failed peers, abort news. The communicator makes
   it with a :data:`MembershipFactory`, giving it where failures go.
-* :class:`Recovery`: what ``shrink`` (``_faults.shrink``) needs of a communicator.
+* :class:`ShrinkRequest`: what ``shrink`` (``_faults.shrink``) needs of a communicator.
 * :class:`Elastic`: a named group's membership changes (``_bootstrap.elastic.Group``):
   ``waiting()`` and ``grow()``.
 """
@@ -24,7 +24,7 @@ from .._base.recorder import FlightRecorder
 from .work import Work
 
 
-class Diagnosis:
+class DiagnosticHooks:
     """What a communicator tells diagnostics; this base records and does nothing more."""
 
     def __init__(self, recorder: FlightRecorder | None = None) -> None:
@@ -102,7 +102,7 @@ MembershipFactory = Callable[[Callable[[BaseException], None]], Membership]
 
 
 @dataclasses.dataclass(frozen=True)
-class Recovery:
+class ShrinkRequest:
     """What ``shrink`` needs of a communicator (``Communicator.shrink`` hands it over)."""
 
     rank: int
@@ -113,14 +113,14 @@ class Recovery:
     failed_ranks: tuple[int, ...]
     store: Any
     liveness: Membership | None
-    #: ``rebuild(new_rank, new_size, suffix, failed=, excluded=)``: the new communicator
+    #: ``build_shrunk(new_rank, new_size, suffix, failed=, excluded=)``: the new communicator
     #: (made by ``_bootstrap``); None for a communicator that ``wrap()`` made.
-    rebuild: Callable[..., Awaitable[Any]] | None
+    build_shrunk: Callable[..., Awaitable[Any]] | None
     abort: Callable[[str], None]
     #: Marks the communicator shrunk (once valid arguments are known).
     claim: Callable[[], None]
     #: ``retire(dead, keys)``, blocking: the survivors' communicator is up; the old one
-    #: leaves the store and its keys are forgotten (``Parts.retire``).
+    #: leaves the store and its keys are forgotten (``Resources.retire``).
     retire: Callable[[tuple[int, ...], tuple[str, ...]], None]
 
 

@@ -3,12 +3,12 @@
 A communicator starts these parts, and each of three paths must stop every one of
 them: ``abort`` (any thread; bounded, never waiting for peers), ``close`` (off the
 loop, once the pending ops settled) and garbage collection without ``close``
-(``weakref.finalize``, also at interpreter exit). :class:`Parts` keeps the three
+(``weakref.finalize``, also at interpreter exit). :class:`Resources` keeps the three
 paths side by side and holds no reference to the communicator, so that the
 communicator's finalizer can run them:
 
 * the backends, bound to the ledger (their outcomes settle Works there);
-* the liveness membership (``seams.Membership``): heartbeats, census, abort news;
+* the liveness membership (``interfaces.Membership``): heartbeats, census, abort news;
 * the object channel (store-based object collectives);
 * the diagnosis (recorder, checker gate, trace files).
 """
@@ -22,16 +22,16 @@ from typing import Any, Callable
 from .._base.aio import run_in_thread, running_loop
 from .._base.errors import CommAborted
 from .backend import Backend
+from .interfaces import DiagnosticHooks, Membership, MembershipFactory
 from .ledger import Ledger
 from .objects import ObjectChannel
-from .seams import Diagnosis, Membership, MembershipFactory
 
 #: How long forgetting a communicator's keys waits for its object channel's thread to
 #: leave the store (a job in a poll ends within ~20 ms; one reading a key, at once).
 _QUIESCE_OBJECTS = 5.0
 
 
-def weakly(method: Callable[[Any], None]) -> Callable[[Any], None]:
+def weak_callback(method: Callable[[Any], None]) -> Callable[[Any], None]:
     """``method`` called through a weak reference to its object: what background threads
     and the parts hold of a communicator (a dropped one must still be collected)."""
     ref = weakref.WeakMethod(method)
@@ -44,7 +44,7 @@ def weakly(method: Callable[[Any], None]) -> Callable[[Any], None]:
     return call
 
 
-class Parts:
+class Resources:
     """The backends, liveness, object channel and diagnosis of one communicator."""
 
     def __init__(
@@ -52,7 +52,7 @@ class Parts:
         ledger: Ledger,
         backends: dict[str | None, Backend],
         objects: ObjectChannel | None,
-        diag: Diagnosis,
+        diag: DiagnosticHooks,
         forget: Callable[..., None] | None = None,
     ) -> None:
         self.ledger = ledger

@@ -2,7 +2,7 @@
 
 :class:`Diagnostics` bundles the flight recorder (always on), the optional
 fingerprint checker (``check="fingerprint"``) and the optional ``trace_dir``. It
-extends the op path's :class:`~asynccoll._core.seams.Diagnosis`, so the
+extends the op path's :class:`~asynccoll._core.interfaces.DiagnosticHooks`, so the
 communicator reaches it at these points only:
 
 * issue, refusal and settle: the ledger writes the recorder
@@ -23,7 +23,7 @@ import sys
 from typing import TYPE_CHECKING, Callable
 
 from .._base.recorder import DEFAULT_CAPACITY, FlightRecorder
-from .._core.seams import Diagnosis
+from .._core.interfaces import DiagnosticHooks
 from .._core.work import Work
 from . import trace
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .fingerprint import FingerprintChecker
 
 
-class Diagnostics(Diagnosis):
+class Diagnostics(DiagnosticHooks):
     """Flight recorder, fingerprint checker and trace files of one communicator."""
 
     def __init__(

@@ -21,14 +21,20 @@ WATCH = 3
 
 
 def encode_ranks(ranks: Any) -> str:
-    """``"1,3"``; ``"none"`` for an empty set (a census that found everyone alive)."""
+    """A set of ranks as store text: ``"1,3"``; ``"none"`` for the empty set.
+
+    The one codec of rank sets in the store (census record, shrink proposals, grow
+    outcomes). The empty set is ``"none"``, never ``""``: ``compare_set(key, "", value)``
+    reads ``""`` as "no value yet", so an empty census written as ``""`` would not hold.
+    """
     text = ",".join(str(r) for r in sorted(set(ranks)))
     return text or "none"
 
 
 def decode_ranks(raw: bytes | str) -> tuple[int, ...]:
+    """The sorted ranks :func:`encode_ranks` wrote."""
     text = raw.decode() if isinstance(raw, bytes) else raw
-    if text in ("", "none"):
+    if text == "none":
         return ()
     return tuple(sorted({int(x) for x in text.split(",")}))
 

@@ -16,7 +16,7 @@ Ranks are renumbered in order. The new communicator lives under a new store
 prefix; the old one stays aborted.
 
 The seam for backends: the new communicator is built by the communicator's
-``rebuild(new_rank, new_size, suffix, failed=, excluded=)`` closure
+``build_shrunk(new_rank, new_size, suffix, failed=, excluded=)`` closure
 (``asynccoll.init``): ``excluded`` are the old ranks left out, ``failed`` says the
 shrink follows a failure. A backend with a native shrink (NCCL's
 ``ncclCommShrink``) shrinks the old backend there instead of building a new one,
@@ -41,18 +41,9 @@ from .._base.errors import (
     InvalidArgument,
 )
 from .._core.communicator import Communicator
+from .._core.interfaces import Membership, ShrinkRequest
 from .._core.objects import poll_keys
-from .._core.seams import Membership, Recovery
 from .census import decode_ranks, encode_ranks
-
-
-def _encode(ranks: Iterable[int]) -> str:
-    return ",".join(str(r) for r in sorted(set(ranks)))
-
-
-def _decode(raw: bytes) -> set[int]:
-    text = raw.decode()
-    return {int(x) for x in text.split(",")} if text else set()
 
 
 def agree(
@@ -60,7 +51,7 @@ def agree(
 ) -> set[int]:
     """The excluded set every survivor agrees on (blocking; run off the loop)."""
     deadline = time.monotonic() + timeout
-    store.set(f"shrink/propose/{rank}", _encode(exclude))
+    store.set(f"shrink/propose/{rank}", encode_ranks(exclude))
     union = set(exclude)
     grace_end = time.monotonic() + grace
     while True:
@@ -70,20 +61,20 @@ def agree(
             missing = [r for r in expected if not store.check([f"shrink/propose/{r}"])]
             union.update(missing)  # silent ranks are treated as failed
             continue
-        proposed = set().union(*(_decode(v) for v in store.multi_get(keys)))
+        proposed = set().union(*(decode_ranks(v) for v in store.multi_get(keys)))
         if proposed <= union:
             break
         union |= proposed
     survivors = [r for r in range(world_size) if r not in union]
     if rank not in survivors:
         raise InvalidArgument(f"rank {rank} was excluded by the other survivors")
-    store.set(f"shrink/final/{rank}", _encode(union))
+    store.set(f"shrink/final/{rank}", encode_ranks(union))
     keys = [f"shrink/final/{r}" for r in survivors]
     if not poll_keys(store, keys, deadline):
         raise CollectiveTimeout(
             f"shrink: survivors {survivors} did not all confirm within {timeout} s"
         )
-    finals = {r: _decode(v) for r, v in zip(survivors, store.multi_get(keys))}
+    finals = {r: set(decode_ranks(v)) for r, v in zip(survivors, store.multi_get(keys))}
     if any(f != union for f in finals.values()):
         raise CollectiveMismatch(
             "shrink: survivors disagree on the excluded ranks",
@@ -92,12 +83,12 @@ def agree(
     return union
 
 
-async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
+async def shrink(comm: ShrinkRequest, exclude: Iterable[int] | None) -> Communicator:
     """See ``Communicator.shrink`` (which checks and marks it shrunk once)."""
     if comm.state == "closed":
         raise CommClosed("cannot shrink a closed communicator")
-    rebuild = comm.rebuild
-    if rebuild is None or comm.store is None:
+    build_shrunk = comm.build_shrunk
+    if build_shrunk is None or comm.store is None:
         raise InvalidArgument(
             f"shrink needs a communicator made by asynccoll.init(), not {comm.backend!r}"
         )
@@ -124,10 +115,10 @@ async def shrink(comm: Recovery, exclude: Iterable[int] | None) -> Communicator:
     if comm.state == "ok":
         comm.abort("shrinking the communicator")
     if liveness is not None:
-        liveness.hold()  # keep answering the survivors' census while this rank rebuilds
+        liveness.hold()  # keep answering the survivors' census while this rank builds the new one
     try:
         agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
-        new, dead, records = await _build(comm, rebuild, agreed, failed)
+        new, dead, records = await _build(comm, build_shrunk, agreed, failed)
         # Every survivor built ``new`` (its creation ends when all have): none reads the
         # old communicator's agreement or retry keys any more.
         try:  # the new communicator holds whatever happens to the cleanup
@@ -152,7 +143,7 @@ _WATCH_EVERY = 0.2
 
 
 async def _build(
-    comm: Recovery, rebuild: Any, agreed: set[int], failed: bool
+    comm: ShrinkRequest, build_shrunk: Any, agreed: set[int], failed: bool
 ) -> tuple[Communicator, tuple[int, ...], tuple[str, ...]]:
     """Build the survivors' communicator; if a survivor dies meanwhile, start over without it.
 
@@ -174,18 +165,18 @@ async def _build(
         if comm.rank not in survivors:
             raise InvalidArgument(f"rank {comm.rank} was excluded by the other survivors")
         suffix = "shrink-" + ".".join(map(str, survivors)) + "/"
-        # rebuild(new_rank, new_size, suffix, failed=, excluded=): see the module docstring.
+        # build_shrunk(new_rank, new_size, suffix, failed=, excluded=): see the module docstring.
         args = (survivors.index(comm.rank), len(survivors), suffix)
         kwargs = {"failed": failed, "excluded": tuple(sorted(excluded))}
         if liveness is None:
-            return cast("Communicator", await rebuild(*args, **kwargs)), (), ()
+            return cast("Communicator", await build_shrunk(*args, **kwargs)), (), ()
         others = [r for r in survivors if r != comm.rank]
         built: list[Communicator] = []
         lost: list[tuple[int, ...]] = []
         async with anyio.create_task_group() as tg:
 
             async def build() -> None:
-                built.append(await rebuild(*args, **kwargs))  # noqa: B023 - each closure runs and ends within this iteration (task group)
+                built.append(await build_shrunk(*args, **kwargs))  # noqa: B023 - each closure runs and ends within this iteration (task group)
                 tg.cancel_scope.cancel()
 
             async def watch() -> None:
@@ -232,14 +223,14 @@ def _probe(liveness: Membership, ranks: list[int]) -> tuple[int, ...]:
     return tuple(liveness.probe(ranks))
 
 
-def _settle(comm: Recovery, excluded: set[int]) -> set[int]:
+def _settle(comm: ShrinkRequest, excluded: set[int]) -> set[int]:
     """The excluded set: the census record when it covers ``excluded``, else agreement."""
     store, rank = comm.store, comm.rank
     liveness = comm.liveness
     recorded = liveness.record() if liveness is not None else None
     if recorded is not None and excluded <= set(recorded) and rank not in recorded:
         union = set(recorded)
-        text = _encode(union)
+        text = encode_ranks(union)
         store.multi_set([f"shrink/propose/{rank}", f"shrink/final/{rank}"], [text, text])
         return union
     grace = min(10.0, comm.timeout / 2)
