@@ -274,15 +274,15 @@ class Runtime:
         if self.name == "trio":
             import trio
 
-            box: list[float] = []
+            result: list[float] = []
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(heartbeat)
 
                 async def run() -> None:
-                    box.append(await measured())
+                    result.append(await measured())
 
                 nursery.start_soon(run)
-            return box[0], lags
+            return result[0], lags
         task = asyncio.ensure_future(heartbeat())
         wall = await measured()
         await task

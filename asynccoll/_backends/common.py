@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import torch
 
-from .._base import shutdown
 from .._base.ops import ReduceOp
 from .._core.backend import Sink, Target
 
@@ -299,16 +298,3 @@ class Completer:
                 return False
             urgent = urgent or bool(token)
         return urgent
-
-
-# ----------------------------------------------------------------- exit guard
-# A thread left inside a native wait by an aborted Gloo group (Gloo cannot
-# interrupt an op in flight) must not return into Python while the interpreter
-# finalizes: CPython then ends it with pthread_exit, whose forced unwind through
-# torch's C++ frames aborts the whole process ("terminate called without an
-# active exception", SIGABRT; seen here with torch 2.13 on Ctrl-C). If such a
-# thread is still alive at exit, the process leaves with os._exit instead
-# (``_base/shutdown.py``).
-def strand(thread: threading.Thread | None) -> None:
-    """``thread`` may stay blocked in native code after an abort (see above)."""
-    shutdown.native(thread)

@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from .._base import shutdown
 from .._base.errors import InvalidArgument, PeerFailure
 from .._base.foreign import Kind, kind_of, op_error
 from .._base.ops import OpKind, OpSpec, ReduceOp
 from .._core.backend import ANY, Backend, Capabilities, Sink
 from .._core.work import Bundle, Work
 from . import flatten
-from .common import Completer, avg_fixup, strand
+from .common import Completer, avg_fixup
 from .gate import MemoryGate, spans
 
 _TORCH_OPS = {
@@ -242,30 +243,30 @@ class TorchGroupBackend(Backend):
         join = 0.0 if self._aborted else 2.0
         self._waiter.stop(join_timeout=join)
         self._p2p_waiter.stop(join_timeout=join)
-        box, self._pg = [self._pg], None
-        if box[0] is None:
+        pg_holder, self._pg = [self._pg], None
+        if pg_holder[0] is None:
             return
-        if self._aborted:
+        if self._aborted:  # Gloo cannot interrupt an op in flight: they may stay in it
             for thread in (self._waiter.thread, self._p2p_waiter.thread):
-                strand(thread)
+                shutdown.register_native_thread(thread)
         if self._aborted and not threading.main_thread().is_alive():
             # The interpreter is exiting (a communicator released by its finalizer):
             # the group is never destroyed. A destructor still running on a reaper
             # when the process exits aborts it ("terminate called without an active
             # exception", measured 7 in 8 exits after a peer's death).
-            _AT_EXIT.append(box.pop())
+            _AT_EXIT.append(pg_holder.pop())
             return
         if self._aborted:
             # Gloo's destructor joins its worker threads, which may be stuck in an
             # op until Gloo's own timeout: the last reference goes on a thread of
-            # its own, never here (``box`` is the only reference: no local may
+            # its own, never here (``pg_holder`` holds the only reference: no local may
             # outlive the hand-over, or the destructor could run on this thread).
             reaper = threading.Thread(
-                target=_release, args=(box,), daemon=True, name="asynccoll-reaper"
+                target=_release, args=(pg_holder,), daemon=True, name="asynccoll-reaper"
             )
             reaper.start()
-            strand(reaper)
-        del box
+            shutdown.register_native_thread(reaper)
+        del pg_holder
         # Otherwise the last reference goes here, on the executor thread. No
         # pg.shutdown(): measured here, it makes ~1 in 3 processes abort at exit
         # ("terminate called without an active exception").
@@ -309,5 +310,5 @@ class _Settled:
 _AT_EXIT: list[Any] = []
 
 
-def _release(box: list[Any]) -> None:
-    box.clear()  # drops the only reference, on this thread
+def _release(pg_holder: list[Any]) -> None:
+    pg_holder.clear()  # drops the only reference, on this thread

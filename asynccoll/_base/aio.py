@@ -63,7 +63,7 @@ def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
 
     thread = threading.Thread(target=job, name=name, daemon=True)
     thread.start()
-    shutdown.native(thread)  # a torch constructor may still run in it at exit
+    shutdown.register_native_thread(thread)  # a torch constructor may still run in it at exit
     return result
 
 

@@ -15,7 +15,7 @@ So, at exit:
   true and the services registered with :func:`on_exit` stop their threads
   (they make no native call from then on, e.g. no store request);
 * last (a finalizer older than any communicator's, so it runs after theirs):
-  if a thread registered with :func:`native` is still alive, it may be inside
+  if a thread registered with :func:`register_native_thread` is still alive, it may be inside
   native code, and the process leaves with ``os._exit`` (streams flushed)
   instead of finalizing under it.
 """
@@ -40,8 +40,12 @@ def exiting() -> bool:
     return _exiting.is_set()
 
 
-def native(thread: threading.Thread | None) -> None:
-    """``thread`` may be inside native code (a torch call) when the interpreter exits."""
+def register_native_thread(thread: threading.Thread | None) -> None:
+    """``thread`` may be inside native code (a torch call) when the interpreter exits.
+
+    E.g. a waiter left in a Gloo wait by an aborted group (Gloo cannot interrupt an op in
+    flight): if it is still alive at exit, the process leaves with ``os._exit``.
+    """
     if thread is not None and thread.is_alive():
         with _lock:
             _native.add(thread)

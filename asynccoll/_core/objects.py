@@ -114,7 +114,7 @@ class ObjectChannel:
                     target=_serve, args=(self._jobs,), name="asynccoll-objects", daemon=True
                 )
                 thread.start()
-                shutdown.native(thread)  # store calls
+                shutdown.register_native_thread(thread)  # store calls
             self._jobs.put(job)
 
     def unreleased(self) -> tuple[int, ...]:

@@ -101,9 +101,9 @@ class Mesh:
         for q in peers:
             if q in self.gone:
                 continue
-            box = self._outbox[q]
-            if box:
-                box.append(frame)
+            pending = self._outbox[q]
+            if pending:
+                pending.append(frame)
                 continue
             try:
                 n = self._out[q].send(frame)
@@ -113,7 +113,7 @@ class Mesh:
                 self.gone.add(q)
                 continue
             if n < len(frame):
-                box.append(frame[n:])
+                pending.append(frame[n:])
                 self._spill = True
                 self.wake()
 
@@ -189,7 +189,7 @@ class Mesh:
             del user
         with self.lock:
             want = (
-                {q for q, box in self._outbox.items() if box and q not in self.gone}
+                {q for q, pending in self._outbox.items() if pending and q not in self.gone}
                 if self._spill
                 else set()
             )
@@ -203,20 +203,20 @@ class Mesh:
 
     def _flush(self, q: int) -> None:
         with self.lock:
-            box = self._outbox[q]
-            while box:
+            pending = self._outbox[q]
+            while pending:
                 try:
-                    n = self._out[q].send(box[0])
+                    n = self._out[q].send(pending[0])
                 except BlockingIOError:
                     return
                 except OSError:
                     self.gone.add(q)
-                    box.clear()
+                    pending.clear()
                     return
-                if n < len(box[0]):
-                    box[0] = box[0][n:]
+                if n < len(pending[0]):
+                    pending[0] = pending[0][n:]
                     return
-                box.popleft()
+                pending.popleft()
 
     def _crashed(self, exc: Exception) -> None:
         """A bug in the reader thread must not leave the user waiting silently."""

@@ -162,7 +162,9 @@ class Service:
             target=self._beat_loop, name="asynccoll-liveness", daemon=True
         )
         self._beater.start()
-        shutdown.native(self._beater)  # store calls: stopped and joined when the interpreter exits
+        shutdown.register_native_thread(
+            self._beater
+        )  # store calls: stopped and joined when the interpreter exits
 
     def _register(self) -> None:
         """List this service on its store, for a store host that closes (``announce_leaving``)."""
