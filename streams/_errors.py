@@ -6,11 +6,18 @@ is called.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Callable, Union
 
 import torch
 
-__all__ = ["CudaUnavailable", "DeviceLike", "cuda_available", "device_index", "require_cuda"]
+__all__ = [
+    "CudaUnavailable",
+    "DeviceLike",
+    "InvalidDevice",
+    "cuda_available",
+    "device_index",
+    "require_cuda",
+]
 
 #: What the public functions accept as a CUDA device.
 DeviceLike = Union[int, str, torch.device, None]
@@ -22,6 +29,15 @@ class CudaUnavailable(RuntimeError):
     The message says what is missing (a CUDA build of torch, or a visible CUDA device) and how
     to fix it. Functions that do not need CUDA (:class:`streams.LoopWaker`,
     :class:`streams.EventWatcher` with non-CUDA events) never raise it.
+    """
+
+
+class InvalidDevice(ValueError, TypeError):
+    """A device argument that names no visible CUDA device.
+
+    A ``ValueError``; also a ``TypeError``, which a device of the wrong type raised before
+    this one type existed (callers that catch either keep working). asynccoll raises it
+    again as its ``InvalidArgument`` at the call.
     """
 
 
@@ -53,26 +69,35 @@ def require_cuda(what: str) -> None:
         )
 
 
-def device_index(device: DeviceLike, what: str = "this operation") -> int:
-    """Normalise ``device`` to a CUDA device index, checking that CUDA is usable.
+def device_index(
+    device: DeviceLike,
+    what: str = "this operation",
+    *,
+    count: int | None = None,
+    current: Callable[[], int] | None = None,
+) -> int:
+    """Normalise ``device`` to a CUDA device index: the one parser of device arguments.
 
     Args:
         device: an ``int`` index, a string such as ``"cuda"`` or ``"cuda:1"``, a
             :class:`torch.device` of type ``cuda``, or ``None`` for the current device.
         what: used in error messages.
+        count, current: how many devices are visible and which one is current. Given,
+            nothing is asked of CUDA (the NCCL backend passes its own, which do not
+            initialise CUDA on the event loop's thread); left out, CUDA must be usable.
 
     Raises:
-        CudaUnavailable: CUDA cannot be used.
-        ValueError: the device is not a CUDA device or the index is out of range.
-        TypeError: ``device`` has an unsupported type.
+        CudaUnavailable: CUDA cannot be used (``count`` left out).
+        InvalidDevice: not a CUDA device, an unsupported type, or out of range.
     """
     index = _parse_index(device)
-    require_cuda(what)
+    if count is None:
+        require_cuda(what)
+        count = torch.cuda.device_count()
     if index is None:
-        return torch.cuda.current_device()
-    count = torch.cuda.device_count()
+        return (current or torch.cuda.current_device)()
     if index >= count:
-        raise ValueError(f"CUDA device index {index} is out of range: {count} device(s) visible")
+        raise InvalidDevice(f"CUDA device index {index} is out of range: {count} device(s) visible")
     return index
 
 
@@ -81,17 +106,20 @@ def _parse_index(device: DeviceLike) -> int | None:
     if device is None:
         return None
     if isinstance(device, bool):
-        raise TypeError(f"expected a CUDA device, got {device!r}")
+        raise InvalidDevice(f"expected a CUDA device, got {device!r}")
     if isinstance(device, int):
         if device < 0:
-            raise ValueError(f"CUDA device index must be >= 0, got {device}")
+            raise InvalidDevice(f"CUDA device index must be >= 0, got {device}")
         return device
     if isinstance(device, str):
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except RuntimeError as exc:
+            raise InvalidDevice(f"expected a CUDA device, got {device!r}: {exc}") from exc
     if isinstance(device, torch.device):
         if device.type != "cuda":
-            raise ValueError(f"expected a CUDA device, got {device}")
+            raise InvalidDevice(f"expected a CUDA device, got {device}")
         return device.index
-    raise TypeError(
+    raise InvalidDevice(
         f"expected a CUDA device (int, 'cuda:N' or torch.device), got {type(device).__name__}"
     )

@@ -142,24 +142,24 @@ def test_auto_falls_back_to_gloo(loop: str) -> None:
         asyncio.run(main())
 
 
-def test_device_index() -> None:
+def test_choose_device() -> None:
     cur = lambda: 1  # noqa: E731
-    assert nccl.device_index(None, 4, cur, env={}) == 1
-    assert nccl.device_index(None, 4, cur, env={"LOCAL_RANK": "3"}) == 3
+    assert nccl.choose_device(None, 4, cur, env={}) == 1
+    assert nccl.choose_device(None, 4, cur, env={"LOCAL_RANK": "3"}) == 3
     assert (
-        nccl.device_index(None, 1, cur, env={"LOCAL_RANK": "5"}) == 0
+        nccl.choose_device(None, 1, cur, env={"LOCAL_RANK": "5"}) == 0
     )  # one visible GPU per process
-    assert nccl.device_index(2, 4, cur) == 2
-    assert nccl.device_index("cuda:3", 4, cur) == 3
-    assert nccl.device_index("cuda", 4, cur) == 1
-    assert nccl.device_index(torch.device("cuda", 0), 4, cur) == 0
+    assert nccl.choose_device(2, 4, cur) == 2
+    assert nccl.choose_device("cuda:3", 4, cur) == 3
+    assert nccl.choose_device("cuda", 4, cur) == 1
+    assert nccl.choose_device(torch.device("cuda", 0), 4, cur) == 0
     for bad in ("cpu", torch.device("cpu"), 9, True, 1.5, "nonsense"):
         with pytest.raises(ac.InvalidArgument):
-            nccl.device_index(bad, 4, cur)
+            nccl.choose_device(bad, 4, cur)
     with pytest.raises(ac.InvalidArgument):
-        nccl.device_index(None, 2, cur, env={"LOCAL_RANK": "3"})
+        nccl.choose_device(None, 2, cur, env={"LOCAL_RANK": "3"})
     with pytest.raises(ac.InvalidArgument):
-        nccl.device_index(None, 2, cur, env={"LOCAL_RANK": "x"})
+        nccl.choose_device(None, 2, cur, env={"LOCAL_RANK": "x"})
 
 
 # ============================================================ contract: real nccl4py

@@ -92,7 +92,7 @@ async def join_nccl(
 
     # The device is resolved here, on the caller's thread (as nccl.create does); the
     # blocking grow runs off the loop on a thread that knows nothing of it.
-    index = nccl.device_index(device, torch.cuda.device_count(), nccl.current_device)
+    index = nccl.choose_device(device, torch.cuda.device_count(), nccl.current_device)
     job = functools.partial(nccl.join_grown, store, rank, new_size, index, timeout, lib=lib)
     return await off_loop(job, timeout + 5.0, "nccl grow")
 

@@ -19,9 +19,9 @@ from .caps import COMPLEX as COMPLEX
 from .caps import NATIVE as NATIVE
 from .caps import NcclCaps as NcclCaps
 from .creation import abort_quietly as abort_quietly
+from .creation import choose_device as choose_device
 from .creation import create as create
 from .creation import current_device as current_device
-from .creation import device_index as device_index
 from .creation import join_grown as join_grown
 from .creation import wait_ready as wait_ready
 from .cuda import CudaRuntime as CudaRuntime

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from streams._errors import InvalidDevice, device_index
+
 from ..._base.aio import run_in_thread
 from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted, InvalidArgument
 from ..._base.foreign import creation_error, nccl_kind
@@ -28,37 +30,24 @@ def current_device() -> int:
     return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
 
 
-def device_index(device: Any, count: int, current: Callable[[], int], env: Any = os.environ) -> int:
-    """The CUDA device index for ``device`` (None: ``$LOCAL_RANK``, else current)."""
-    if device is None:
-        local = env.get("LOCAL_RANK")
-        if local is None:
-            return current()
+def choose_device(
+    device: Any, count: int, current: Callable[[], int], env: Any = os.environ
+) -> int:
+    """The CUDA device an NCCL communicator uses: ``device``, else ``$LOCAL_RANK``, else
+    the current one (``count``, ``current``: see ``streams``' ``device_index``, which
+    parses it). A bad one is ``InvalidArgument``."""
+    if device is None and env.get("LOCAL_RANK") is not None:
+        local = env["LOCAL_RANK"]
         try:
-            index = int(local)
+            device = int(local)
         except ValueError:
             raise InvalidArgument(f"$LOCAL_RANK={local!r} is not an integer") from None
-        if index >= count and count == 1:  # one GPU per process (CUDA_VISIBLE_DEVICES)
-            index = 0
-    elif isinstance(device, bool):
-        raise InvalidArgument(f"device must be a CUDA device, got {device!r}")
-    elif isinstance(device, int):
-        index = device
-    elif isinstance(device, (str, torch.device)):
-        try:
-            dev = torch.device(device)
-        except RuntimeError as exc:
-            raise InvalidArgument(f"bad device {device!r}: {exc}") from None
-        if dev.type != "cuda":
-            raise InvalidArgument(f"the NCCL backend needs a CUDA device, got {dev}")
-        index = current() if dev.index is None else dev.index
-    else:
-        raise InvalidArgument(
-            f"device must be an int, 'cuda:N' or torch.device, got {type(device).__name__}"
-        )
-    if not 0 <= index < count:
-        raise InvalidArgument(f"CUDA device {index} is out of range: {count} device(s) visible")
-    return index
+        if count == 1 and device >= count:  # one GPU per process (CUDA_VISIBLE_DEVICES)
+            device = 0
+    try:
+        return device_index(device, "the NCCL backend", count=count, current=current)
+    except InvalidDevice as exc:
+        raise InvalidArgument(f"the NCCL backend needs a visible CUDA device: {exc}") from exc
 
 
 def load_lib() -> Any:
@@ -96,7 +85,7 @@ async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any
     """
     if lib is None:
         lib = load_lib()
-    index = device_index(device, torch.cuda.device_count(), current_device)
+    index = choose_device(device, torch.cuda.device_count(), current_device)
     store = rdv.prefixed(prefix)
     rank, ws = rdv.rank, rdv.world_size
     deadline = time.monotonic() + timeout
@@ -157,7 +146,7 @@ def join_grown(
     device is the one to use (``device`` None)."""
     if lib is None:
         lib = load_lib()
-    index = device_index(device, torch.cuda.device_count(), current_device)
+    index = choose_device(device, torch.cuda.device_count(), current_device)
     deadline = time.monotonic() + timeout
     if agree.joined_mode(store, deadline) != "grow":
         return None
@@ -180,4 +169,4 @@ def join_grown(
     return _backend(comm, rank, new_size, index, lib, runtime)
 
 
-__all__ = ["abort_quietly", "create", "device_index", "join_grown", "load_lib", "wait_ready"]
+__all__ = ["abort_quietly", "choose_device", "create", "join_grown", "load_lib", "wait_ready"]
