@@ -11,6 +11,8 @@ adds on top.
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -18,8 +20,9 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 #: Above this 1-minute load average a figure is not a verdict (issue 20).
@@ -93,6 +96,45 @@ def run_loop(loop: str, main: Callable[[], Any]) -> Any:
 
         return trio.run(main)
     return asyncio.run(main())
+
+
+async def last_waiter_after(
+    awaitables: Iterable[Awaitable[Any]], abort: Callable[[], None], caught: type[BaseException]
+) -> float:
+    """The abort benches' measuring loop: one task awaits each of ``awaitables``; once
+    all are parked, ``abort()`` is called on the loop; the seconds from that call to the
+    last task's ``except caught``.
+
+    The timed window starts after a full ``gc.collect()``: the rounds' own garbage
+    (a thousand Works, tasks and tracebacks each) otherwise sets off a full collection
+    of the process's heap, torch's included (~100 ms), inside one window in five or so.
+    ``abort`` measures its own call if the caller wants that figure.
+    """
+    ends: list[float] = []
+
+    async def waiter(awaitable: Awaitable[Any]) -> None:
+        try:
+            await awaitable
+        except caught:
+            ends.append(time.perf_counter())
+
+    tasks = [asyncio.ensure_future(waiter(a)) for a in awaitables]
+    await asyncio.sleep(0.05)  # every task is parked on its awaitable
+    gc.collect()
+    t0 = time.perf_counter()
+    abort()
+    await asyncio.gather(*tasks)
+    assert len(ends) == len(tasks), (len(ends), len(tasks))
+    return max(ends) - t0
+
+
+def write_json(res: Any, path: str | Path) -> Path:
+    """Write a bench's results to ``path`` (folders made as needed) and say where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
+    print(f"wrote {path}")
+    return path
 
 
 def _child(target: Callable[..., Any], rank: int, args: tuple[Any, ...], conn: Any) -> None:

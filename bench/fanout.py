@@ -9,10 +9,8 @@ only waits for the round to end. The floor, in the same process between the
 rounds: the same number of tasks awaiting plain asyncio futures, failed in one
 loop of ``fut.set_exception(CommAborted(...))`` (a fresh exception per future, as
 each Work needs its own): what any awaitable abort must at least cost on this loop.
-Both timed windows start after a full ``gc.collect()``: the rounds' own garbage
-(a thousand Works, tasks and tracebacks each) otherwise sets off a full
-collection of the process's heap, torch's included (~100 ms), inside one window
-in five or so, in ours or the floor's alike; young collections still count.
+Both timed windows are ``_common.last_waiter_after`` (after a full
+``gc.collect()``; young collections still count).
 The goal (issue 20): <= 5 ms for 1000 waiters.
 """
 
@@ -20,15 +18,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import json
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from bench._common import machine, median, pct, run_loop, spawn, store_server
+from bench._common import (
+    last_waiter_after,
+    machine,
+    median,
+    pct,
+    run_loop,
+    spawn,
+    store_server,
+    write_json,
+)
 
 
 async def _ours(comm: Any, waiters: int) -> tuple[float, float]:
@@ -36,48 +40,31 @@ async def _ours(comm: Any, waiters: int) -> tuple[float, float]:
 
     import asynccoll as ac
 
-    ends: list[float] = []
-
-    async def waiter(work: Any) -> None:
-        try:
-            await work
-        except ac.CommAborted:
-            ends.append(time.perf_counter())
-
     works = [comm.all_reduce(torch.ones(8)) for _ in range(waiters)]  # the peer never joins
-    tasks = [asyncio.ensure_future(waiter(w)) for w in works]
-    await asyncio.sleep(0.05)  # every task is parked on its Work
-    gc.collect()  # the earlier rounds' garbage: a full collection in the timed window costs ~100 ms
-    t0 = time.perf_counter()
-    comm.abort("bench")
-    call = time.perf_counter() - t0
-    await asyncio.gather(*tasks)
-    assert len(ends) == waiters, (len(ends), waiters)
-    return max(ends) - t0, call
+    calls: list[float] = []
+
+    def abort() -> None:
+        t0 = time.perf_counter()
+        comm.abort("bench")
+        calls.append(time.perf_counter() - t0)
+
+    return await last_waiter_after(works, abort, ac.CommAborted), calls[0]
 
 
 async def _floor(waiters: int) -> tuple[float, float]:
     import asynccoll as ac
 
     loop = asyncio.get_running_loop()
-    ends: list[float] = []
     futs = [loop.create_future() for _ in range(waiters)]
+    calls: list[float] = []
 
-    async def waiter(fut: asyncio.Future[Any]) -> None:
-        try:
-            await fut
-        except ac.CommAborted:
-            ends.append(time.perf_counter())
+    def abort() -> None:
+        t0 = time.perf_counter()
+        for f in futs:
+            f.set_exception(ac.CommAborted("aborted by the user"))
+        calls.append(time.perf_counter() - t0)
 
-    tasks = [asyncio.ensure_future(waiter(f)) for f in futs]
-    await asyncio.sleep(0.05)
-    gc.collect()
-    t0 = time.perf_counter()
-    for f in futs:
-        f.set_exception(ac.CommAborted("aborted by the user"))
-    call = time.perf_counter() - t0
-    await asyncio.gather(*tasks)
-    return max(ends) - t0, call
+    return await last_waiter_after(futs, abort, ac.CommAborted), calls[0]
 
 
 def _rank(rank: int, port: int, waiters: int, reps: int, loop: str) -> dict[str, Any]:
@@ -155,10 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = measure(args.waiters, args.reps, args.loop)
     print(table(res))
-    path = Path(args.json or f"bench/results/fanout_{args.loop}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2))
-    print(f"wrote {path}")
+    write_json(res, args.json or f"bench/results/fanout_{args.loop}.json")
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import re
@@ -40,11 +39,12 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 # This checkout's asynccoll, in this process and (through sys.path) in the ranks.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench._common import last_waiter_after, write_json  # noqa: E402 - after the path
 
 HOST = "127.0.0.1"
 VICTIM = 2  # the rank that dies in the 3-rank scenarios
@@ -79,41 +79,32 @@ async def _abort_once(comm: Any, waiters: int, where: str) -> tuple[float, float
 
     import asynccoll as ac
 
-    ends: list[float] = []
     calls: list[float] = []
-
-    async def waiter(work: ac.Work) -> None:
-        try:
-            await work
-        except ac.CommAborted:
-            ends.append(time.perf_counter())
 
     def abort(*_: Any) -> None:
         start = time.perf_counter()
         comm.abort("bench")
         calls.append(time.perf_counter() - start)
 
+    thread = threading.Thread(target=abort)
+
+    def start_abort() -> None:
+        if where == "thread":
+            thread.start()
+        elif where == "signal":
+            os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs on this thread at once
+        else:
+            abort()
+
     works = [comm.all_reduce(torch.ones(4)) for _ in range(waiters)]  # the peer never joins
-    tasks = [asyncio.create_task(waiter(w)) for w in works]
-    await asyncio.sleep(0.05)  # every task is parked on its Work
-    thread = None
     if where == "signal":
         old = signal.signal(signal.SIGUSR1, abort)
-    t0 = time.perf_counter()
+    last = await last_waiter_after(works, start_abort, ac.CommAborted)
     if where == "thread":
-        thread = threading.Thread(target=abort)
-        thread.start()
-    elif where == "signal":
-        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs on this thread at once
-    else:
-        abort()
-    await asyncio.gather(*tasks)
-    if thread is not None:
         thread.join()
     if where == "signal":
         signal.signal(signal.SIGUSR1, old)
-    assert len(ends) == waiters, (len(ends), waiters)
-    return max(ends) - t0, calls[0]
+    return last, calls[0]
 
 
 async def _abort(rank: int, store: Any, reps: int, waiters: int) -> list[dict[str, Any]]:
@@ -470,10 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = run(quick=args.quick, only=tuple(args.only))
     print(_table(res))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2))
-    print(f"\nwrote {path}")
+    print()
+    write_json(res, args.json)
     return 0
 
 

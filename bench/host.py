@@ -23,13 +23,11 @@ part alone (the list comprehension), and the process CPU time. The goal (issue
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from bench._common import FloorBridge, machine, median, orders, pct, run_loop
+from bench._common import FloorBridge, machine, median, orders, pct, run_loop, write_json
 
 MODES = ("asynccoll", "torch", "floor", "asynccoll_seq", "torch_seq", "floor_seq")
 
@@ -160,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = measure(args.ops, args.rounds, args.loop)
     print(table(res))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=2))
-    print(f"wrote {path}")
+    write_json(res, args.json)
     return 0
 
 
