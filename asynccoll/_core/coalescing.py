@@ -1,43 +1,16 @@
 """Task-scoped batches: ``async with comm.coalescing() as group``.
 
-While the body runs, the ops that *this task* issues on the communicator are
-recorded instead of submitted: each gets its seq and its pending Work at the call
-(so the caller can keep it), and the batch appends ``(backend, spec, work)`` to
-three lists. On a normal exit the batch is handed to each backend's
-``submit_batch`` (NCCL: one group; Gloo: flattened, see ``_backends/flatten.py``)
-while the communicator's lock is held, so no other op can slip in between its
-members; with ``wait=True`` the exit then awaits every member. The members enter
-the flight recorder there, at the batch's issue, in one pass (a body that fails
-leaves no record).
+Owns one task's batch from entering the body to issuing it. Invariants:
 
-Rules, all enforced with :class:`InvalidArgument` at the point of misuse:
+* only ops of the task that opened the group are captured; other tasks' ops issue at once;
+* a normal exit hands the whole batch to the backends under the communicator's lock, so
+  no other op slips in between its members;
+* a body that raises issues nothing: every member fails with its exception, and the
+  communicator stays usable;
+* misuse (entering twice, nesting in one task, awaiting before the exit) is
+  :class:`InvalidArgument` at the point of misuse.
 
-* a group is entered once (``async with`` the same group twice is an error);
-* coalescing does not nest within one task (a child task started inside the body
-  may open its own group: it runs in a task of its own);
-* ``await group`` is valid only after its body exited.
-
-Scope: the batch lives in the communicator's ContextVar and also remembers the task
-that opened it. Ops issued by any other task (including tasks created inside the
-body, which inherit the ContextVar) and ops issued after the body exited are not
-captured: they are issued at once, as usual. Object collectives
-(``all_gather_object``, ``broadcast_object``) go through the store and are never
-batched.
-
-Deadlines: a recorded op has no deadline while the body runs (bound the body
-itself with ``asyncio.timeout``). The issued batch has one deadline, the shortest
-of its members' timeouts counted from the issue; on expiry a pending member raises
-``CollectiveTimeout`` and the communicator aborts (the others raise
-``CommAborted``), as for any op.
-
-Body failures: if the body raises (including cancellation, e.g. by an
-``asyncio.timeout`` around it), nothing of the batch is issued. Every member Work
-fails with the body's exception, is removed from the communicator's pending ops
-without aborting it, and the exception propagates out of ``async with``. The
-members' seqs were taken from this rank's counter at record time; they are given
-back when no other op took a seq after them (the common case), otherwise they
-remain as a gap. Either way the next op's seq is the same on every rank that
-runs the same program.
+Scope, deadlines and seqs in detail: ``docs/design.md``.
 """
 
 from __future__ import annotations

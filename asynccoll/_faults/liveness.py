@@ -1,39 +1,14 @@
 """Liveness of one communicator's ranks: heartbeats, naming failed ranks, abort news.
 
-Each communicator has one :class:`Liveness` member in its process's
-:class:`~.service.Service` (one per store server, shared by the process's
-communicators). What it is for:
+Owns a communicator's :class:`Liveness` member of its process's shared
+:class:`~.service.Service` (one per store server). Invariants:
 
-* **census** — when a backend reports that *a* peer failed (Gloo: a closed
-  connection) without saying which, ``census()`` names it, from proof of death
-  only (see ``procs``): a peer on this machine whose process is gone from the
-  process table, or a peer elsewhere whose kernel refuses a TCP connection to
-  its pulse socket (or, when its machine does not answer at all, for the
-  ``misses`` x ``interval`` bound). A live process is never named, whether or
-  not it gets the CPU or the GIL. The first census result is recorded under
-  ``failure`` (first writer wins), so every survivor names the same ranks and
-  ``shrink()`` can build on them without another agreement round.
-* **detection** (``detect=True``; the default for NCCL, which hangs on a dead
-  peer instead of failing) — each rank beats a counter ``hb/<rank>`` and watches
-  a few other ranks' counters (``census.watched``: at most ``WATCH``, spread over the
-  ring), so a beat costs every rank two store requests whatever the world size.
-  A watched rank whose counter has not moved for ``misses`` of the watcher's own
-  beats (and for ``misses`` x ``interval``), that has not said goodbye, and
-  whose process then shows proof of death (or, on this machine, is stopped) is
-  declared failed; the census then names every failed rank, and ``on_failure``
-  receives a ``PeerFailure``.
-* **abort news** — ``publish_abort()`` writes the reason under ``aborted`` and
-  sends it to every peer's pulse socket; their services turn it into a local
-  abort at once (``aborted`` is also read at each beat, as a fallback).
+* a rank is named failed only on proof of death (``procs``), never for being slow;
+* the first census result is recorded under ``failure`` (first writer wins), so every
+  survivor names the same ranks and ``shrink()`` needs no second agreement;
+* once ``goodbye()`` returns, this member makes no store request.
 
-A frozen (SIGSTOPped) peer on this machine counts as failed to detection (it
-would hang NCCL), never to the census; elsewhere a frozen process cannot be
-told from a busy one and is caught by the operation deadline, as
-``CollectiveTimeout``.
-
-When the store server goes away (its host died, or closed it after telling the
-service), the members stop using it; a host that died while it was a rank of
-this communicator is a ``PeerFailure`` naming that rank.
+How the census, heartbeat detection and abort news work: ``docs/design.md``.
 """
 
 from __future__ import annotations
