@@ -183,8 +183,13 @@ def _spec(t: torch.Tensor, out: torch.Tensor | None = None) -> OpSpec:
     return OpSpec(OpKind.ALL_REDUCE if out is None else OpKind.ALL_GATHER, t, out)
 
 
+def _gate() -> tuple[MemoryGate, list[tuple[list[Work], BaseException]]]:
+    refused: list[tuple[list[Work], BaseException]] = []
+    return MemoryGate(lambda works, exc: refused.append((list(works), exc))), refused
+
+
 def test_gate_holds_overlaps_and_everything_after_them_in_call_order() -> None:
-    gate, issued = MemoryGate(), []
+    (gate, _), issued = _gate(), []
     buf = torch.zeros(16)
     other = torch.zeros(4)
     w = [Work("op", i) for i in range(5)]
@@ -196,13 +201,14 @@ def test_gate_holds_overlaps_and_everything_after_them_in_call_order() -> None:
     )  # disjoint, but after a held op
     assert not gate.run([], [w[4]], issued.append, 4)  # no memory (a barrier): in order too
     assert issued == [0, 1] and gate.holding == 3
-    assert gate.finished([w[0]]) == [] and issued == [0, 1]  # buf[8:16] still in flight
+    gate.finished([w[0]])
+    assert issued == [0, 1]  # buf[8:16] still in flight
     gate.finished([w[1]])
     assert issued == [0, 1, 2, 3, 4] and gate.holding == 0
 
 
 def test_gate_releases_a_batch_when_all_its_works_finished() -> None:
-    gate, issued = MemoryGate(), []
+    (gate, _), issued = _gate(), []
     a, b = torch.zeros(4), torch.zeros(4)
     members = [Work("all_reduce", 1), Work("all_reduce", 2)]
     assert gate.run(spans([_spec(a), _spec(b)]), members, issued.append, "batch")
@@ -215,7 +221,7 @@ def test_gate_releases_a_batch_when_all_its_works_finished() -> None:
 
 
 def test_gate_counts_inputs_and_outputs_and_hands_back_failed_issues() -> None:
-    gate = MemoryGate()
+    gate, refused = _gate()
     src, out = torch.zeros(4), torch.zeros(8)
     first = Work("all_gather", 1)
     assert gate.run(spans([_spec(src, out)]), [first], lambda: None)
@@ -225,15 +231,16 @@ def test_gate_counts_inputs_and_outputs_and_hands_back_failed_issues() -> None:
         raise ac.InvalidArgument("refused when its turn came")
 
     assert not gate.run(spans([_spec(out[4:])]), [reader], refuse)  # overlaps the output
-    [(works, exc)] = gate.finished([first])
-    assert list(works) == [reader] and isinstance(exc, ac.InvalidArgument)
+    gate.finished([first])
+    [(works, exc)] = refused
+    assert works == [reader] and isinstance(exc, ac.InvalidArgument)
     assert gate.run(
         spans([_spec(out)]), [Work("all_reduce", 3)], lambda: None
     )  # nothing left behind
 
 
 def test_gate_a_failed_issue_leaves_nothing_behind() -> None:
-    gate = MemoryGate()
+    gate, refused = _gate()
     t = torch.zeros(4)
 
     def refuse() -> None:
@@ -242,16 +249,57 @@ def test_gate_a_failed_issue_leaves_nothing_behind() -> None:
     with pytest.raises(ac.InvalidArgument):
         gate.run(spans([_spec(t)]), [Work("all_reduce", 1)], refuse)
     assert gate.run(spans([_spec(t)]), [Work("all_reduce", 2)], lambda: None)
+    assert not refused  # the caller got its own op's error
+
+
+def test_gate_absorbs_what_finished_on_the_next_call_when_nothing_is_held() -> None:
+    """The completion thread's report takes no lock while nothing is held: the next call
+    absorbs it. A call held meanwhile absorbs it too, and goes at once."""
+    (gate, _), issued = _gate(), []
+    t = torch.zeros(4)
+    first, second = Work("all_reduce", 1), Work("all_reduce", 2)
+    assert gate.run(spans([_spec(t)]), [first], issued.append, 1)
+    gate.finished([first])  # reported, not absorbed yet
+    assert gate.run(spans([_spec(t)]), [second], issued.append, 2)  # absorbed first: goes
+    # A report that lands after run()'s first absorb but before the call is held
+    # (the race the second absorb closes): the held call still goes, without any
+    # further report.
+    third = Work("all_reduce", 3)
+    real_overlaps = gate._overlaps
+
+    def report_meanwhile(ranges: list[tuple[int, int]]) -> bool:
+        found = real_overlaps(ranges)
+        gate.finished([second])  # sees nothing held: leaves it for the caller
+        gate._overlaps = real_overlaps  # type: ignore[method-assign]
+        return found
+
+    gate._overlaps = report_meanwhile  # type: ignore[method-assign]
+    assert not gate.run(spans([_spec(t)]), [third], issued.append, 3)
+    assert issued == [1, 2, 3] and gate.holding == 0
+
+
+def test_gate_bounds_what_it_keeps_unabsorbed() -> None:
+    """Reports nobody absorbs (no further calls) keep their Works alive: past
+    ``absorb_after`` of them the reporting thread absorbs them itself."""
+    (gate, _), issued = _gate(), []
+    works = [Work("all_reduce", i) for i in range(2 * MemoryGate.absorb_after)]
+    tensors = [torch.zeros(2) for _ in works]
+    for i, (w, t) in enumerate(zip(works, tensors)):
+        assert gate.run(spans([_spec(t)]), [w], issued.append, i)
+    for w in works:
+        gate.finished([w])
+    assert len(gate._done) < MemoryGate.absorb_after
 
 
 def test_gate_close_drops_what_it_holds() -> None:
-    gate, issued = MemoryGate(), []
+    (gate, _), issued = _gate(), []
     t = torch.zeros(4)
     first = Work("all_reduce", 1)
     gate.run(spans([_spec(t)]), [first], issued.append, 1)
     gate.run(spans([_spec(t)]), [Work("all_reduce", 2)], issued.append, 2)
     gate.close()
-    assert gate.finished([first]) == [] and issued == [1] and gate.holding == 0
+    gate.finished([first])
+    assert issued == [1] and gate.holding == 0 and not gate._done
 
 
 def test_spans_merge_and_cover_non_contiguous_tensors() -> None:

@@ -125,6 +125,12 @@ class Completer:
         back behind them goes when they have finished, and someone must see that)."""
         self._ring(True)
 
+    def refuse(self, target: Target, exc: BaseException) -> None:
+        """``target`` failed before it reached this queue (a held op the group refused
+        when its turn came): the thread reports it, after what it has settled."""
+        self._failed.append((target, exc))
+        self._ring(True)
+
     def _poke(self, ring: bool) -> None:
         """A Work's poke (``Work.set_poke``): settle what finished, here; or ring."""
         if ring:

@@ -15,7 +15,9 @@ backend NCCL's answer without serializing independent ops:
 
 Invariant: the byte ranges of the ops in flight are pairwise disjoint (an op that
 overlaps one in flight is held), so one ``bisect`` tells whether a range overlaps.
-The gate issues under its lock, so no op called later can overtake a held one.
+The gate issues under its lock, so no op called later can overtake a held one. The
+completion thread reports finished ops without the lock while nothing is held (the
+caller's next call absorbs them), so it never queues behind a caller issuing.
 """
 
 from __future__ import annotations
@@ -85,7 +87,14 @@ class _Unit:
 class MemoryGate:
     """Holds ops whose memory an op in flight touches (module docstring)."""
 
-    def __init__(self) -> None:
+    #: Reports of finished ops left for the caller beyond which the completion thread
+    #: absorbs them itself (they keep their Works alive until absorbed).
+    absorb_after = 64
+
+    def __init__(self, refused: Callable[[Sequence[Work], BaseException], None]) -> None:
+        """``refused(works, exc)``: a held call whose issue raised when its turn came
+        (called on whichever thread issued it, outside the lock). Its Works must fail:
+        the peers may have issued it."""
         # Re-entrant: issuing a held op can settle ops on this thread (a Work someone already
         # awaits is poked when its backend watches it), which comes back to :meth:`finished`.
         self._lock = threading.RLock()
@@ -98,7 +107,11 @@ class MemoryGate:
         self._held: collections.deque[
             tuple[list[Span], Sequence[Work], Callable[..., None], tuple[Any, ...]]
         ] = collections.deque()
+        # What finished and has not left the gate yet, appended without the lock (see
+        # :meth:`finished`): the caller's next :meth:`run` absorbs it under the lock.
+        self._done: collections.deque[Sequence[Work | Bundle]] = collections.deque()
         self._closed = False
+        self._refused = refused
 
     def run(
         self, ranges: list[Span], works: Sequence[Work], issue: Callable[..., None], *args: Any
@@ -109,48 +122,45 @@ class MemoryGate:
         of them finished (:meth:`finished`). An exception of ``issue`` propagates,
         and the call leaves nothing behind."""
         with self._lock:
-            if self._held or self._overlaps(ranges):
-                self._held.append((ranges, works, issue, args))
-                return False
-            unit = self._enter(ranges, works)
-            try:
-                issue(*args)
-            except BaseException:
-                self._leave(unit, works)
-                raise
-            return True
-
-    def finished(
-        self, targets: Iterable[Work | Bundle]
-    ) -> list[tuple[Sequence[Work], BaseException]]:
-        """These settled: their ranges leave the gate, and the held calls that can go
-        now are issued, in order. Returns the held calls whose issue raised, with the
-        exception (their Works must fail: the peers may have issued them)."""
-        units = self._units
-        if not units:
-            return []
-        failed: list[tuple[Sequence[Work], BaseException]] = []
-        with self._lock:
-            for target in targets:
-                for work in (target,) if type(target) is not Bundle else target.works:
-                    unit = units.pop(id(work), None)
-                    if unit is not None:
-                        unit.left -= 1
-                        if not unit.left:
-                            self._remove(unit.spans)
-            held = self._held
-            while held and not self._closed:
-                ranges, works, issue, args = held[0]
-                if self._overlaps(ranges):
-                    break
-                held.popleft()
+            self._absorb()
+            if not self._held and not self._overlaps(ranges):
                 unit = self._enter(ranges, works)
                 try:
                     issue(*args)
-                except Exception as exc:  # noqa: BLE001 - handed back: the caller fails these Works
+                except BaseException:
                     self._leave(unit, works)
-                    failed.append((works, exc))
-        return failed
+                    raise
+                return True
+            self._held.append((ranges, works, issue, args))
+            # What finished since the absorb above may have been reported by a thread
+            # that saw nothing held yet and so left it here: let it go now.
+            self._absorb()
+            refused = self._issue_held()
+        self._refuse(refused)
+        return False
+
+    def finished(self, targets: Sequence[Work | Bundle]) -> None:
+        """These settled: their ranges leave the gate, and the held calls that can go
+        now are issued, in order.
+
+        Takes the lock only when calls are held (or much is left to absorb): the
+        completion thread then never queues behind a caller issuing under the lock.
+        Otherwise the caller's next :meth:`run` absorbs what finished. A call held
+        after the check below absorbs it itself (:meth:`run`), so nothing is missed."""
+        if not self._units:
+            return
+        done = self._done
+        done.append(targets)
+        if not self._held and len(done) < self.absorb_after:
+            return
+        with self._lock:
+            self._absorb()
+            refused = self._issue_held()
+        self._refuse(refused)
+
+    def _refuse(self, refused: list[tuple[Sequence[Work], BaseException]]) -> None:
+        for works, exc in refused:
+            self._refused(works, exc)
 
     @property
     def holding(self) -> int:
@@ -163,10 +173,40 @@ class MemoryGate:
             self._closed = True
             self._held.clear()
             self._units.clear()
+            self._done.clear()
             self._los.clear()
             self._his.clear()
 
     # -- under the lock ------------------------------------------------------
+    def _absorb(self) -> None:
+        """The ranges of the calls whose Works all finished leave the gate."""
+        done, units = self._done, self._units
+        while done:
+            for target in done.popleft():
+                for work in (target,) if type(target) is not Bundle else target.works:
+                    unit = units.pop(id(work), None)
+                    if unit is not None:
+                        unit.left -= 1
+                        if not unit.left:
+                            self._remove(unit.spans)
+
+    def _issue_held(self) -> list[tuple[Sequence[Work], BaseException]]:
+        """Issue the held calls that can go now, in order; those whose issue raised."""
+        failed: list[tuple[Sequence[Work], BaseException]] = []
+        held = self._held
+        while held and not self._closed:
+            ranges, works, issue, args = held[0]
+            if self._overlaps(ranges):
+                break
+            held.popleft()
+            unit = self._enter(ranges, works)
+            try:
+                issue(*args)
+            except Exception as exc:  # noqa: BLE001 - handed back: the caller fails these Works
+                self._leave(unit, works)
+                failed.append((works, exc))
+        return failed
+
     def _overlaps(self, ranges: list[Span]) -> bool:
         los, his = self._los, self._his
         if not los:

@@ -96,7 +96,7 @@ class TorchGroupBackend(Backend):
         self._waiter = self._completer(f"asynccoll-{name}-waiter")
         # Gloo's send and recv finish only inside wait(): that thread waits on each at once.
         self._p2p_waiter = self._completer(f"asynccoll-{name}-p2p-waiter", eager=True)
-        self._gate = MemoryGate()
+        self._gate = MemoryGate(self._refused)
         self._aborted = False
         #: Set by the communicator: names the ranks that failed (heartbeat census).
         self.census: Callable[[], tuple[int, ...]] | None = None
@@ -159,6 +159,11 @@ class TorchGroupBackend(Backend):
             spans(specs), works, issue, self._issue, specs, works, self._pg.rank(), self._world_size
         ):
             self._waiter.hurry()
+
+    def _refused(self, works: Sequence[Work], exc: BaseException) -> None:
+        """A held op the group refused when its turn came: the peers may have started
+        it, so it fails (and the communicator aborts), as a lost one does."""
+        self._waiter.refuse(Bundle(works, works[0].op), exc)
 
     def _issue(self, spec: OpSpec, work: Work | Bundle) -> None:
         """Start ``spec`` on the group now (the gate let it through)."""
@@ -291,17 +296,15 @@ class _Settled:
         self._release((target,))
 
     def succeed_all(self, targets: Iterable[Work | Bundle]) -> None:
+        targets = targets if isinstance(targets, (list, tuple)) else list(targets)
         self._sink.succeed_all(targets)
         self._release(targets)
 
     def fail(self, target: Work | Bundle, exc: BaseException) -> None:
         self._sink.fail(target, exc)
 
-    def _release(self, targets: Iterable[Work | Bundle]) -> None:
-        for works, exc in self._gate.finished(targets):
-            # A held op the group refused when its turn came: the peers may have
-            # started it, so it fails (and the communicator aborts), as a lost one does.
-            self._sink.fail(Bundle(works, works[0].op), exc)
+    def _release(self, targets: Sequence[Work | Bundle]) -> None:
+        self._gate.finished(targets)
         if self._gate.holding:
             self._hurry()
 
