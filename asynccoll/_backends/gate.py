@@ -87,7 +87,7 @@ class MemoryGate:
 
     def __init__(self) -> None:
         # Re-entrant: issuing a held op can settle ops on this thread (a Work someone already
-        # awaits is poked when its backend watches it), which comes back to :meth:`finished`.
+        # awaits is checked when its backend attaches its queue), which comes back to :meth:`finished`.
         self._lock = threading.RLock()
         # The in-flight ranges, sorted by start (disjoint: see the module docstring).
         self._los: list[int] = []
