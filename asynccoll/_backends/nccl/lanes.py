@@ -72,10 +72,20 @@ _STOP = object()
 class Lane:
     """The launch thread of one CUDA device (see the module docstring)."""
 
-    #: Launch on the caller's thread when idle. Off: an NCCL call may block (a proxy or
-    #: a peer stuck; the simulated NCCL's ``block_calls``), and ``submit`` must never
-    #: block its caller (tests/test_simgpu_bugs.py pins it). Measured on the simulated GPU
-    #: it removes the thread hop from call -> NCCL returned; issue 35's note.
+    #: Launch on the caller's thread when idle. Off: ``submit`` must never block its
+    #: caller, and the simulated NCCL's ``block_calls`` makes every call of a
+    #: communicator, data calls included, block inside the library; with it on,
+    #: tests/test_simgpu_backend.py::test_abort_while_the_launcher_is_inside_an_nccl_call
+    #: and tests/test_simgpu_bugs.py::test_2 fail (submit blocks the test's thread).
+    #: Read in NCCL 2.30.7 (NVIDIA/nccl 5067397c): a *non-blocking* communicator's data
+    #: call does only checks and ``taskAppend`` on the caller's thread (src/enqueue.cc
+    #: 3124-3171); ``ncclGroupEndInternal`` starts a thread for the launch and returns
+    #: ncclInProgress (src/group.cc 826-857, ``STDTHREADCREATE_GOTO`` at 855). What waits
+    #: for peers, the proxy or the device runs there; the caller's call waits only after an
+    #: abort (``ncclCommEnsureReady`` joins the group job, src/init.cc 425-426). So the
+    #: faithful "stuck launch" of a non-blocking communicator is one that stays InProgress,
+    #: not a blocked call: the simulator's rule, not this code, is what stands in the way.
+    #: Not switched on until ``block_calls`` and the tests above follow the source.
     inline = False
 
     def __init__(self, index: int, bind: Any) -> None:
