@@ -78,7 +78,7 @@ async def issue_side(comm: Any, dist: Any, n: int, reps: int) -> dict[str, float
     from asynccoll._core.work import Work
 
     t = torch.zeros(2)
-    backend = comm._backend_for(t)
+    backend = comm._specs.backend_for(t)
     ledger = comm.ledger
     pg, opts = backend._pg, backend._sum_opts
     loop = asyncio.get_running_loop()
@@ -88,7 +88,7 @@ async def issue_side(comm: Any, dist: Any, n: int, reps: int) -> dict[str, float
         t0 = ns()
         for _ in range(k):
             x = validate.tensor(t, "tensor")
-            b = comm._backend_for(x)
+            b = comm._specs.backend_for(x)
             spec = OpSpec(
                 OpKind.ALL_REDUCE, x, reduce_op=validate.reduce_op(ReduceOp.SUM, x.dtype, b.caps)
             )

@@ -316,26 +316,31 @@ def test_awaiting_finished_gloo_ops_needs_no_completion_thread() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_ops_nobody_awaits_are_settled_by_later_issues_in_bursts_without_a_thread() -> None:
-    async def main() -> tuple[bool, int, int]:
+def test_issuing_settles_nothing_and_asking_settles_the_finished_ops_in_one_burst() -> None:
+    async def main() -> tuple[bool, int, int, bool, int]:
         async with _alone(timeout=30) as comm:
             waiter = comm._cpu_backend._waiter  # type: ignore[attr-defined]
             works = []
-            for i in range(200):
+            for i in range(20):
                 works.append(comm.all_reduce(torch.full((2,), float(i))))
                 deadline = time.monotonic() + 10
                 while waiter._fifo and time.monotonic() < deadline:  # the op finishes (Gloo's view:
                     if waiter._fifo[-1][0].is_completed():  # nothing of ours is asked or settled)
                         break
                     time.sleep(0.0002)
-            open_now = sum(w._state == _PENDING for w in works)  # (done() would settle them)
+            open_after_issue = sum(
+                w._state == _PENDING for w in works
+            )  # (done() would settle them)
+            last_done = works[-1].done()  # the protocol: settles the finished head, here
+            open_after_ask = sum(w._state == _PENDING for w in works)
             no_thread = waiter.thread is None
             await asyncio.gather(*works)
-            return no_thread, open_now, len(waiter._fifo)
+            return no_thread, open_after_issue, open_after_ask, last_done, len(waiter._fifo)
 
-    no_thread, open_now, left = asyncio.run(main())
-    assert no_thread  # never the backlog's ring: issuing kept the queue short
-    assert 0 < open_now <= 16  # every 16th issue settles, in one burst, what finished before it
+    no_thread, open_after_issue, open_after_ask, last_done, left = asyncio.run(main())
+    assert open_after_issue == 20  # issuing has no side effect: nothing was settled
+    assert last_done and open_after_ask == 0  # one question settled every finished op
+    assert no_thread  # all on the asking thread
     assert left == 0
 
 

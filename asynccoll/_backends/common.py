@@ -4,9 +4,10 @@ thread. (Their errors are translated in ``_base/foreign.py``, the one boundary.)
 Completion discipline (the torch-group backends): an op is an *ordered thing to
 wait on* — a torch Work — queued at submit in issue order in a :class:`Completer`,
 which reports each outcome to the backend's sink (the communicator's ledger). The
-op's outcome is collected by whoever needs it first: the thread that awaits it or
-asks about it, when the op has already finished (no thread hop), else the
-Completer's thread, which waits on the ops in order. Successes are reported in
+Completer is the queue's :class:`~.._core.completion.Completion`: the op's outcome
+is collected by whoever needs it first: the thread that awaits it or asks about it,
+when the op has already finished (no thread hop), else the Completer's thread,
+which waits on the ops in order. Successes are reported in
 batches, and always before a thread blocks again, so a burst of completions costs
 each event loop one wake-up.
 """
@@ -21,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .._base.ops import ReduceOp
-from .._core.backend import Sink, Target
+from .._core.backend import Completion, Sink, Target
 
 
 def avg_fixup(
@@ -40,25 +41,26 @@ def avg_fixup(
     return ReduceOp.SUM, lambda: out.copy_(torch.div(out, world_size, rounding_mode="floor"))
 
 
-class Completer:
+class Completer(Completion):
     """The ops of one ordered queue, and the thread that waits on them when someone must.
 
     ``watch(waitable, target, fixup)`` (at submit, in issue order) appends the op to
-    a FIFO and wakes nobody. An op's outcome is collected — ``wait(waitable)``, then
-    ``fixup()`` (if any) on success, then ``target`` reported to the sink — by
-    whoever needs it first (``Work.set_poke``):
+    a FIFO, attaches this queue to the target's Works, and wakes nobody. An op's
+    outcome is collected — ``wait(waitable)``, then ``fixup()`` (if any) on success,
+    then ``target`` reported to the sink — by whoever needs it first (the completion
+    protocol, ``_core/completion.py``):
 
-    * a Work someone starts waiting on, or asks about, is poked: the asking thread
-      settles every op at the head of the FIFO that ``is_done`` says has finished
-      (no thread hop: when ops finish before they are awaited — small ops, world
-      size 1, GradSync's buckets during backward — the thread is never woken);
-    * if the awaited op has not finished, the thread is rung: it waits on the head
-      ops in order (``wait`` releases the GIL) until the FIFO is empty, reporting
-      successes in batches (at most ``batch``, and always before it blocks), so a
-      burst costs each event loop one wake-up;
+    * :meth:`settle_finished` (a Work someone starts waiting on, or asks about; the
+      deadline service before it expires an op; an abort): the asking thread settles
+      every op at the head of the FIFO that ``is_done`` says has finished (no thread
+      hop: when ops finish before they are awaited — small ops, world size 1,
+      GradSync's buckets during backward — the thread is never woken);
+    * :meth:`watch_unfinished` (the awaited op has not finished): the thread is
+      rung: it waits on the head ops in order (``wait`` releases the GIL) until the
+      FIFO is empty, reporting successes in batches (at most ``batch``, and always
+      before it blocks), so a burst costs each event loop one wake-up;
     * a FIFO that grows past ``backlog`` (ops nobody waits on) rings the thread to
-      settle what has finished, so memory and kept tensors stay bounded;
-    * the deadline service pokes an op before it expires it.
+      settle what has finished, so memory and kept tensors stay bounded.
 
     A failure found on an asking thread is handed to the thread (the abort it
     causes tells the peers and may write files: never on an event loop). With
@@ -102,7 +104,6 @@ class Completer:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._stopped = False
-        self.poke = self._poke  # one bound method, handed to every Work
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -113,7 +114,7 @@ class Completer:
     ) -> None:
         fifo = self._fifo
         fifo.append([waitable, target, fixup])
-        target.set_poke(self.poke)
+        target.attach(self)
         if self._eager:
             self._ring(True)
         elif len(fifo) >= self._limit:
@@ -131,18 +132,17 @@ class Completer:
         self._failed.append((target, exc))
         self._ring(True)
 
-    def _poke(self, ring: bool) -> None:
-        """A Work's poke (``Work.set_poke``): settle what finished, here; or ring."""
-        if ring:
-            self._ring(True)
-            return
-        if (
-            self._eager
-        ):  # only its thread waits: a second wait() on a Gloo send/recv blocks for good
-            return
+    def settle_finished(self) -> None:
+        """Settle, on this thread, the finished ops at the head of the FIFO (the protocol)."""
+        if self._eager:
+            return  # only its thread waits: a second wait() on a Gloo send/recv blocks for good
         fifo = self._fifo
         if fifo and self._is_done(fifo[0][0]):  # the common "nothing finished yet" costs one call
             self._reap()
+
+    def watch_unfinished(self) -> None:
+        """Have the thread wait on the queued ops in order until the FIFO is empty (the protocol)."""
+        self._ring(True)
 
     def _ring(self, urgent: bool) -> None:
         if self._thread is None:
@@ -254,7 +254,7 @@ class Completer:
                 if not urgent:
                     urgent = self._rung_meanwhile()
                     if not urgent:
-                        break  # nobody waits: a poke, a ring or the backlog comes back here
+                        break  # nobody waits: a waiter, a ring or the backlog comes back here
                 if ready:
                     sink().succeed_all(ready)  # about to block: report what is done first
                     ready = []

@@ -95,8 +95,9 @@ class MemoryGate:
         """``refused(works, exc)``: a held call whose issue raised when its turn came
         (called on whichever thread issued it, outside the lock). Its Works must fail:
         the peers may have issued it."""
-        # Re-entrant: issuing a held op can settle ops on this thread (a Work someone already
-        # awaits is poked when its backend watches it), which comes back to :meth:`finished`.
+        # Re-entrant: issuing a held op can settle ops on this thread (a Work someone
+        # already awaits is checked when its backend attaches its queue), which comes
+        # back to :meth:`finished`.
         self._lock = threading.RLock()
         # The in-flight ranges, sorted by start (disjoint: see the module docstring).
         self._los: list[int] = []

@@ -281,8 +281,8 @@ class _Settled:
     """The sink the completion queues report to: the communicator's, then the gate,
     which lets the held ops that waited for these go (a failure aborts: nothing more
     goes). While the gate still holds ops, ``hurry`` keeps the completion thread
-    waiting on what is in flight: a held op has no poke, so nobody awaiting it (or an
-    op behind it) could otherwise bring its turn."""
+    waiting on what is in flight: a held op has no completion attached, so nobody
+    awaiting it (or an op behind it) could otherwise bring its turn."""
 
     __slots__ = ("_sink", "_gate", "_hurry")
 

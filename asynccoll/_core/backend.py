@@ -6,7 +6,10 @@ from any thread, to the :class:`Sink` it was bound to (the communicator's ledger
 ``sink.succeed(target)`` or ``sink.fail(target, exc)``, with ``exc`` already in the
 contract's family (``errors.py``) and the backend's original error as ``__cause__``.
 A failure makes the communicator abort, so a backend does not abort itself on
-errors. Backends never touch Work internals.
+errors. Backends never touch Work internals. *When* an outcome is collected is the
+completion protocol (:class:`Completion`, ``completion.py``): each backend queue
+attaches one to the Works it submits, so that whoever asks about or waits on a Work
+has the queue settle what finished, or watch for what has not.
 
 What a backend can do is declared on it, with the defaults below, never discovered
 with ``hasattr``: :attr:`Backend.caps` (:class:`Capabilities`: the dtypes it moves
@@ -24,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 import torch
 
 from .._base.ops import OpSpec, ReduceOp
+from .completion import Completion as Completion
 from .work import Bundle, Work
 
 #: What a backend settles through its :class:`Sink`: one Work, or a Bundle of them.

@@ -20,11 +20,11 @@ from .interfaces import DiagnosticHooks, Elastic, Membership, MembershipFactory,
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
 from .resources import Resources, weak_callback
+from .specs import Specs
 from .state import broadcast_state as _broadcast_state
 from .work import Work
 
 _OP_NAMES = {kind: kind.value for kind in OpKind}  # enum .value is slow on the hot path
-_ALL_REDUCE = OpKind.ALL_REDUCE
 
 
 class Communicator:
@@ -58,8 +58,8 @@ class Communicator:
         self.device = device
         self.timeout = timeout
         self._backends = dict(backends)
-        self._cpu_backend = self._backends.get("cpu") or self._backends.get(None)
-        self._cuda_backend = self._backends.get("cuda") or self._backends.get(None)
+        self._specs = Specs(rank, world_size, self._backends, backend_name)
+        self._cpu_backend = self._specs.cpu_backend
         self._store = store
         self._objects = ObjectChannel(store, rank, world_size) if store is not None else None
         self._build_shrunk = build_shrunk
@@ -123,23 +123,12 @@ class Communicator:
         return self._ledger
 
     def __repr__(self) -> str:
-        return f"<asynccoll.Communicator rank={self.rank}/{self.world_size} backend={self.backend} state={self.state}>"
+        return (
+            f"<asynccoll.Communicator rank={self.rank}/{self.world_size} "
+            f"backend={self.backend} state={self.state}>"
+        )
 
     # ------------------------------------------------------------------ issue
-    def _backend_for(self, tensor: torch.Tensor) -> Backend:
-        if tensor.is_cpu:
-            backend = self._cpu_backend
-        elif tensor.is_cuda:
-            backend = self._cuda_backend
-        else:
-            backend = self._backends.get(tensor.device.type) or self._backends.get(None)
-        if backend is None:
-            raise InvalidArgument(
-                f"tensor on {tensor.device} cannot be used with backend {self.backend!r} "
-                f"(it serves: {', '.join(str(k) for k in self._backends)})"
-            )
-        return backend
-
     def _issue(
         self, backend: Backend, spec: OpSpec, value: Any, keep: Any, timeout: float | None
     ) -> Work:
@@ -158,10 +147,6 @@ class Communicator:
                 ledger.discard((work,))
                 raise
             ledger.commit(work, spec.timeout)
-        # Every 16th op settles here what finished before it (outside the lock, in one
-        # burst): the completion queue stays short without waking its thread (backends/common.py).
-        if not work.seq & 15:
-            work.done()
         return work
 
     # ------------------------------------------------------------ collectives
@@ -169,53 +154,23 @@ class Communicator:
         self, tensor: Any, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
     ) -> Work:
         """Reduce ``tensor`` across ranks, in place. Work result: ``tensor``."""
-        t = validate.tensor(tensor, "tensor")
-        backend = (self._cpu_backend if t.is_cpu else None) or self._backend_for(
-            t
-        )  # the hot path: one call less
-        spec = OpSpec(_ALL_REDUCE, t, None, validate.reduce_op(op, t.dtype, backend.caps))
-        return self._issue(backend, spec, t, t, timeout)
+        return self._issue(*self._specs.all_reduce(tensor, op), timeout)
 
     def broadcast(self, tensor: Any, src: int, *, timeout: float | None = None) -> Work:
         """Copy ``tensor`` from ``src`` to every rank, in place."""
-        t = validate.tensor(tensor, "tensor")
-        backend = self._backend_for(t)
-        spec = OpSpec(
-            OpKind.BROADCAST,
-            validate.movable(t, backend.caps, "broadcast"),
-            peer=validate.rank(src, self.world_size, "src"),
-        )
-        return self._issue(backend, spec, t, t, timeout)
+        return self._issue(*self._specs.broadcast(tensor, src), timeout)
 
     def reduce(
         self, tensor: Any, dst: int, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
     ) -> Work:
         """Reduce ``tensor`` into rank ``dst`` (in place there; other ranks' buffers are scratch)."""
-        t = validate.tensor(tensor, "tensor")
-        backend = self._backend_for(t)
-        spec = OpSpec(
-            OpKind.REDUCE,
-            t,
-            reduce_op=validate.reduce_op(op, t.dtype, backend.caps),
-            peer=validate.rank(dst, self.world_size, "dst"),
-        )
-        return self._issue(backend, spec, t, t, timeout)
+        return self._issue(*self._specs.reduce(tensor, dst, op), timeout)
 
     def all_gather(self, output: Any, input: Any, *, timeout: float | None = None) -> Work:
         """Concatenate every rank's ``input`` on dim 0 into ``output``.
 
         In place: ``input`` may be exactly this rank's chunk of ``output``."""
-        out, inp = validate.tensor(output, "output"), validate.tensor(input, "input")
-        validate.stacked(out, inp, self.world_size, "all_gather output")
-        validate.no_overlap(out, inp, "all_gather", own_slot=self.rank)
-        backend = self._backend_for(inp)
-        caps = backend.caps
-        spec = OpSpec(
-            OpKind.ALL_GATHER,
-            validate.movable(validate.chunk(inp), caps, "all_gather"),
-            validate.movable(out, caps, "all_gather"),
-        )
-        return self._issue(backend, spec, out, (out, inp), timeout)
+        return self._issue(*self._specs.all_gather(output, input), timeout)
 
     def reduce_scatter(
         self, output: Any, input: Any, op: ReduceOp = ReduceOp.SUM, *, timeout: float | None = None
@@ -223,92 +178,31 @@ class Communicator:
         """Reduce ``input`` (world_size chunks on dim 0) and keep this rank's chunk in ``output``.
 
         In place: ``output`` may be exactly this rank's chunk of ``input``."""
-        out, inp = validate.tensor(output, "output"), validate.tensor(input, "input")
-        validate.stacked(inp, out, self.world_size, "reduce_scatter input")
-        validate.no_overlap(out, inp, "reduce_scatter", own_slot=self.rank)
-        backend = self._backend_for(inp)
-        rop = validate.reduce_op(op, inp.dtype, backend.caps)
-        # chunk(): a 0-d output is a (1,) view; Gloo SIGSEGVs the process on a 0-d one.
-        spec = OpSpec(OpKind.REDUCE_SCATTER, inp, validate.chunk(out), reduce_op=rop)
-        return self._issue(backend, spec, out, (out, inp), timeout)
+        return self._issue(*self._specs.reduce_scatter(output, input, op), timeout)
 
     def all_to_all(self, output: Any, input: Any, *, timeout: float | None = None) -> Work:
         """Send chunk ``i`` of ``input`` (dim 0) to rank ``i``; receive into ``output``."""
-        out, inp = validate.tensor(output, "output"), validate.tensor(input, "input")
-        validate.splittable(out, inp, self.world_size, "all_to_all")
-        validate.no_overlap(out, inp, "all_to_all")
-        backend = self._backend_for(inp)
-        caps = backend.caps
-        spec = OpSpec(
-            OpKind.ALL_TO_ALL,
-            validate.movable(inp, caps, "all_to_all"),
-            validate.movable(out, caps, "all_to_all"),
-        )
-        return self._issue(backend, spec, out, (out, inp), timeout)
+        return self._issue(*self._specs.all_to_all(output, input), timeout)
 
     def gather(
         self, input: Any, dst: int, output: Any = None, *, timeout: float | None = None
     ) -> Work:
         """Concatenate every rank's ``input`` on dim 0 into ``output`` on ``dst`` (result elsewhere: None)."""
-        inp = validate.tensor(input, "input")
-        dst = validate.rank(dst, self.world_size, "dst")
-        backend = self._backend_for(inp)
-        caps = backend.caps
-        # Every rank, root or not, checks and converts its own input alike.
-        sent = validate.movable(validate.chunk(inp), caps, "gather")
-        out = into = None
-        if self.rank == dst:
-            if output is None:
-                raise InvalidArgument("gather: output is required on the dst rank")
-            out = validate.tensor(output, "output")
-            validate.stacked(out, inp, self.world_size, "gather output")
-            validate.no_overlap(out, inp, "gather")
-            into = validate.movable(out, caps, "gather")
-        spec = OpSpec(OpKind.GATHER, sent, into, peer=dst)
-        return self._issue(backend, spec, out, (out, inp), timeout)
+        return self._issue(*self._specs.gather(input, dst, output), timeout)
 
     def scatter(
         self, output: Any, src: int, input: Any = None, *, timeout: float | None = None
     ) -> Work:
         """Split ``input`` on ``src`` (dim 0) and deliver chunk ``i`` to rank ``i``'s ``output``."""
-        out = validate.tensor(output, "output")
-        src = validate.rank(src, self.world_size, "src")
-        backend = self._backend_for(out)
-        caps = backend.caps
-        # Every rank, root or not, checks and converts its own output alike.
-        into = validate.movable(validate.chunk(out), caps, "scatter")
-        inp = sent = None
-        if self.rank == src:
-            if input is None:
-                raise InvalidArgument("scatter: input is required on the src rank")
-            inp = validate.tensor(input, "input")
-            validate.stacked(inp, out, self.world_size, "scatter input")
-            validate.no_overlap(out, inp, "scatter")
-            sent = validate.movable(inp, caps, "scatter")
-        spec = OpSpec(OpKind.SCATTER, sent, into, peer=src)
-        return self._issue(backend, spec, out, (out, inp), timeout)
+        return self._issue(*self._specs.scatter(output, src, input), timeout)
 
     def send(self, tensor: Any, dst: int, *, timeout: float | None = None) -> Work:
         """Send ``tensor`` to ``dst`` (matched in order with ``dst``'s ``recv``)."""
-        t = validate.tensor(tensor, "tensor")
-        backend = self._backend_for(t)
-        spec = OpSpec(
-            OpKind.SEND,
-            validate.movable(t, backend.caps, "send"),
-            peer=validate.peer(dst, self.world_size, self.rank, "dst"),
-        )
-        return self._issue(backend, spec, t, t, timeout)
+        return self._issue(*self._specs.send(tensor, dst), timeout)
 
     def recv(self, tensor: Any, src: int, *, timeout: float | None = None) -> Work:
         """Receive into ``tensor`` from ``src``."""
-        t = validate.tensor(tensor, "tensor")
-        backend = self._backend_for(t)
-        spec = OpSpec(
-            OpKind.RECV,
-            validate.movable(t, backend.caps, "recv"),
-            peer=validate.peer(src, self.world_size, self.rank, "src"),
-        )
-        return self._issue(backend, spec, t, t, timeout)
+        return self._issue(*self._specs.recv(tensor, src), timeout)
 
     def barrier(self, *, timeout: float | None = None) -> Work:
         """Complete once every rank has reached the barrier. Work result: None."""

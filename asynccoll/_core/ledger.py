@@ -46,7 +46,7 @@ from .._base.recorder import FlightRecorder, now, outcome
 from .backend import Target
 from .work import _DONE, _FAILED, BatchWork, Bundle, MemberWork, Wakeups, Work, settle_all
 
-_poke_of = operator.attrgetter("_poke")
+_completion_of = operator.attrgetter("_completion")
 
 
 class State(str, enum.Enum):
@@ -402,15 +402,15 @@ class Ledger:
 
     def _settle_finished(self) -> None:
         """Before an abort fails what is pending: let the ops that already finished,
-        unseen (a backend settles a Work when someone asks, ``Work.set_poke``), settle
-        as they ended. One poke per backend queue: each settles its finished head, in
+        unseen (a backend settles a Work when someone asks, ``completion.py``), settle
+        as they ended. Once per backend queue: each settles its finished head, in
         issue order, up to its first failure. Not for ``fail``: what a queue finished
         after an op that failed is not trusted (the transport is suspect)."""
         with self.lock:
-            pokes = set(map(_poke_of, self.pending.values()))
-        for poke in pokes:
-            if poke is not None:
-                poke(False)
+            queues = set(map(_completion_of, self.pending.values()))
+        for queue in queues:
+            if queue is not None:
+                queue.settle_finished()
 
     def _fail_pending(self, works: list[Work], error: BaseException, wake: Wakeups) -> None:
         """Fail every one of ``works`` with its own ``abort_error(error)``: the hot loop

@@ -7,11 +7,11 @@ waiter — on any event loop, or blocked in ``wait()`` on any thread — sees th
 outcome without depending on the loop that issued the op. Waking is batched by
 the ledger (:class:`Wakeups`): one wake-up per event loop for a whole burst.
 
-A backend that can tell cheaply whether an op has finished installs a *poke*
-(:meth:`Work.set_poke`): whoever starts waiting on a pending Work, or asks whether
-it is done, pokes it first, so that an op which already finished is settled on
-the spot, on the asking thread, without waking the backend's completion thread
-(``_backends/common.py``).
+A backend that can tell cheaply whether an op has finished attaches its
+:class:`~.completion.Completion` (:meth:`Work.attach`): whoever asks whether a
+pending Work is done, or starts waiting on it, has that queue settle what already
+finished first, on the asking thread; a waiter of a Work still pending then has the
+backend's completion thread watch for it (``completion.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import threading
 from typing import Any, Callable, Generator, Sequence
 
 from .._base.aio import running_loop
+from .completion import Completion, Completions
 from .wakeups import (
     OTHER_WAITERS,
     Blocked,
@@ -58,7 +59,7 @@ class Work:
         "_waiters",
         "_keep",
         "_stream_hook",
-        "_poke",
+        "_completion",
         "__weakref__",
     )
 
@@ -88,8 +89,8 @@ class Work:
         self._waiters: list[Any] | None = None
         # Set by device backends: makes a stream wait for the op (``wait_stream``).
         self._stream_hook: Callable[[Any], None] | None = None
-        # Set by the backend's completion queue (``set_poke``); None once settled.
-        self._poke: Callable[[bool], None] | None = None
+        # The backend queue that finishes it (``attach``); None once settled.
+        self._completion: Completion | None = None
 
     # ------------------------------------------------------------------ settle
     def _settle(self, state: int, value: Any, wake: Wakeups) -> bool:
@@ -114,49 +115,41 @@ class Work:
                 )
 
     # ------------------------------------------------------------ backend side
-    def set_poke(self, poke: Callable[[bool], None]) -> None:
-        """Install the backend's poke (called by a backend at submit, any thread).
-
-        ``poke(False)`` settles, on the calling thread, whatever of the backend's
-        queue has already finished; ``poke(True)`` asks the backend's completion
-        thread to wait for what has not. The Work pokes before anyone waits on it
-        while it is pending (``await``, ``wait()``, ``add_done_callback``: both
-        calls) or asks whether it is done (``done()``, ``result()``,
-        ``exception()``: the first only). A Work that someone already waits on
-        when the poke is installed (an op held back and submitted later) is
-        poked at once.
-        """
-        # No lock: the poke is written before the waiters are read, and every waiter
-        # reads the poke after registering, so one of the two sides always pokes.
+    def attach(self, completion: Completion) -> None:
+        """The backend queue that finishes this Work (called by a backend at submit, any
+        thread; see ``completion.py``). A Work that someone already waits on (an op held
+        back and submitted later) is handed to the queue's completion thread at once."""
+        # No lock: the completion is written before the waiters are read, and every
+        # waiter reads it after registering, so one of the two sides always checks.
         if self._state != _PENDING:
             return
-        self._poke = poke
+        self._completion = completion
         if self._waiters is not None:
-            self._nudge(True)
+            self._check(True)
 
-    def _nudge(self, wait: bool) -> None:
-        """Poke a pending Work: settle it here if it finished; if ``wait`` and it has
-        not, have the backend's completion thread wait for it."""
-        poke = self._poke
-        if poke is None:
+    def _check(self, waiting: bool) -> None:
+        """A pending Work: settle it here if it finished; if someone is ``waiting`` and
+        it has not, have the backend's completion thread watch for it."""
+        completion = self._completion
+        if completion is None:
             return
-        poke(False)
-        if wait and self._state == _PENDING:
-            poke(True)
+        completion.settle_finished()
+        if waiting and self._state == _PENDING:
+            completion.watch_unfinished()
 
     # ------------------------------------------------------------------ public
     def done(self) -> bool:
         """True once the operation finished, successfully or not."""
         if self._state == _PENDING:
-            poke = self._poke
-            if poke is not None:
-                poke(False)  # settles it here if it finished unseen
+            completion = self._completion
+            if completion is not None:
+                completion.settle_finished()  # settles it here if it finished unseen
         return self._state != _PENDING
 
     def exception(self) -> BaseException | None:
         """The failure, or None on success. Raises ``InvalidStateError`` while pending."""
         if self._state == _PENDING:
-            self._nudge(False)
+            self._check(False)
             if self._state == _PENDING:
                 raise asyncio.InvalidStateError(f"{self!r} is still pending")
         return self._value if self._state == _FAILED else None
@@ -168,7 +161,7 @@ class Work:
             return self._value
         if state == _FAILED:
             raise self._value
-        self._nudge(False)
+        self._check(False)
         state = self._state
         if state == _DONE:
             return self._value
@@ -185,7 +178,7 @@ class Work:
         """
         loop: Any = running_loop() or trio_token()
         if self._take(Callback(loop, fn)):
-            self._nudge(True)
+            self._check(True)
             return
         if loop is None:
             self._run_callback(fn)
@@ -203,7 +196,7 @@ class Work:
         if self._state == _PENDING:
             blocked = Blocked()
             if self._take(blocked):
-                self._nudge(True)
+                self._check(True)
                 if not blocked.wait(timeout):
                     raise TimeoutError(f"{self!r} not done after {timeout} s")
         return self.result()
@@ -238,13 +231,13 @@ class Work:
         # Not a generator itself: a waiting task drives its asyncio future directly,
         # and settling the Work gives that future the Work's outcome (``resolve_future``),
         # so waking a task costs no frame of ours (an abort wakes thousands).
-        poked = self._poke
-        if poked is not None and self._state == _PENDING:
-            self._nudge(True)  # settled here if it already finished; else the backend waits for it
+        known = self._completion
+        if known is not None and self._state == _PENDING:
+            self._check(True)  # settled here if it already finished; else the backend watches it
         if self._state == _PENDING:
             loop = running_loop()
             if loop is None:  # not asyncio: trio (anything else raises there)
-                return self._trio_wait(poked).__await__()
+                return self._trio_wait(known).__await__()
             fut = loop.create_future()
             with self._lock:  # ``_take`` inlined: this is every awaited op's path
                 pending = self._state == _PENDING
@@ -252,20 +245,20 @@ class Work:
                     if self._waiters is None:
                         self._waiters = []
                     self._waiters.append(fut)
-                    late = poked is None and self._poke is not None
+                    late = known is None and self._completion is not None
             if pending:
-                if late:  # the poke came between the check above and the registration
-                    self._nudge(True)
+                if late:  # attached between the check above and the registration
+                    self._check(True)
                 return fut.__await__()
         return _ready(self)
 
-    async def _trio_wait(self, poked: Any) -> Any:
+    async def _trio_wait(self, known: Any) -> Any:
         import trio
 
         waiter = TrioWaiter(trio.lowlevel.current_task(), trio.lowlevel.current_trio_token())
         if self._take(waiter):
-            if poked is None and self._poke is not None:  # the poke came before the registration
-                self._nudge(True)
+            if known is None and self._completion is not None:  # attached before the registration
+                self._check(True)
 
             def abort(_: Any) -> Any:
                 # Cancelling the wait cancels only the wait (a later wake finds it gone).
@@ -290,10 +283,11 @@ class BatchWork(Work):
     into the first pending member as it is and into the others as ``clone(error)``
     (each Work raises its own exception object). A member whose backend op failed
     is settled on its own first (the ledger then aborts, which settles the batch).
-    Backends that run part of the batch install their pokes through its members.
+    Backends that run part of the batch attach their completions through its members
+    (:class:`~.completion.Completions` keeps them all).
     """
 
-    __slots__ = ("members", "remaining", "_pokes", "_relay", "_clone")
+    __slots__ = ("members", "remaining", "_parts", "_clone")
 
     _fans_out = True
 
@@ -307,23 +301,17 @@ class BatchWork(Work):
         self.members: list[MemberWork] = []
         #: Members whose success has not been reported yet (set when the batch is issued).
         self.remaining = 0
-        self._pokes: list[Callable[[bool], None]] = []
-        self._relay = self._poke_all  # one bound method, handed to every member
+        self._parts = Completions()  # shared with every member
         self._clone = clone
 
-    def set_poke(self, poke: Callable[[bool], None]) -> None:
-        """Several backends (or queues) may run parts of one batch: every poke is kept."""
+    def attach(self, completion: Completion) -> None:
+        """Several backends (or queues) may run parts of one batch: each one is kept."""
         if self._state != _PENDING:
             return
-        if poke not in self._pokes:
-            self._pokes.append(poke)
-        self._poke = self._relay
+        self._parts.add(completion)
+        self._completion = self._parts
         if self._waiters is not None:
-            self._nudge(True)
-
-    def _poke_all(self, ring: bool) -> None:
-        for poke in tuple(self._pokes):
-            poke(ring)
+            self._check(True)
 
     def _fan_out(self, state: int, value: Any) -> None:
         """Write the batch's outcome into its pending members (caller holds the lock)."""
@@ -336,8 +324,8 @@ class BatchWork(Work):
                 first = False
             member._state = state
             member._keep = None
-            member._poke = None
-        self._pokes = []
+            member._completion = None
+        self._parts = Completions()
 
 
 class MemberWork(Work):
@@ -360,11 +348,11 @@ class MemberWork(Work):
         self._lock = batch._lock
         self._waiters = None
         self._stream_hook = None
-        self._poke = batch._relay
+        self._completion = batch._parts
         self._batch = batch
 
-    def set_poke(self, poke: Callable[[bool], None]) -> None:
-        self._batch.set_poke(poke)
+    def attach(self, completion: Completion) -> None:
+        self._batch.attach(completion)
 
     def add_done_callback(self, fn: Callable[[Work], Any]) -> None:
         if self._state == _PENDING:
@@ -432,7 +420,7 @@ def settle_all(
                 later.append(work._keep)
             if state == _FAILED or v is not None:
                 work._value = v
-            work._keep = work._poke = None
+            work._keep = work._completion = None
             if work._waiters is not None:
                 woken.append((work, work._waiters))
                 work._waiters = None
@@ -495,21 +483,21 @@ class Bundle:
         self.finish = finish
         self.keep = keep
 
-    def set_poke(self, poke: Callable[[bool], None]) -> None:
-        """Install ``poke`` on every member (``Work.set_poke``); members of one batch share it."""
+    def attach(self, completion: Completion) -> None:
+        """Attach ``completion`` to every member (``Work.attach``); members of one batch share it."""
         works = self.works
         batch = getattr(works[0], "_batch", None)
         if batch is not None and works is batch.members:  # a whole coalesced batch, handed on as is
-            batch.set_poke(poke)
+            batch.attach(completion)
             return
         batch = None
         for work in works:
             if type(work) is MemberWork:
                 if work._batch is not batch:
                     batch = work._batch
-                    batch.set_poke(poke)
+                    batch.attach(completion)
             else:
-                work.set_poke(poke)
+                work.attach(completion)
 
     def __repr__(self) -> str:
         return f"<Bundle {self.op} seqs={[w.seq for w in self.works]}>"

@@ -53,6 +53,10 @@ class CudaRuntime:
         """Make this device current on the calling thread (the CUDA runtime is per thread)."""
         torch.cuda.set_device(self.index)
 
+    def current(self) -> bool:
+        """Whether this device is the calling thread's current one."""
+        return torch.cuda.current_device() == self.index
+
     def caller_stream(self, tensor: Any) -> Any:
         return self._streams.current_stream(self.index if tensor is None else tensor)
 

@@ -12,6 +12,14 @@ rank the host order its program issued — the same order, as collectives requir
 A :class:`Lane` is a process-wide service: started by its first communicator,
 ended when its last one leaves. Its queue holds *members* (one entry per job
 issued); each member keeps its own jobs, so an aborted member drops them at once.
+
+The lane is one launch order, not one thread: a job issued while the lane is idle
+(nothing queued, nothing launching) is launched on the caller's thread at once
+(:meth:`Lane.launch`), which costs no thread hop; the lane's thread launches what
+is issued while it is busy, in order after it. A launch that NCCL leaves in
+``ncclInProgress`` (a non-blocking communicator deferring its kernel) is never
+polled on the caller's thread (an event loop): the lane's thread finishes it, and
+later jobs queue behind it.
 """
 
 from __future__ import annotations
@@ -27,14 +35,28 @@ class Member(Protocol):
 
     health_interval: float
 
-    def launch_next(self) -> None:
-        """Launch the member's oldest queued job (nothing if it has none)."""
+    def launch_next(self, inline: bool = False) -> bool:
+        """Launch the member's oldest queued job (nothing if it has none). ``inline``: on
+        the caller's thread, which must not wait for NCCL to leave ``ncclInProgress``;
+        False then means that the lane's thread must finish it (:meth:`finish_launch`)."""
+
+    def finish_launch(self) -> None:
+        """Lane thread: finish the launch that :meth:`launch_next` left in progress."""
 
     def busy(self) -> bool:
         """Whether it has jobs in flight (that a health check should poll)."""
 
     def health_check(self) -> None:
         """Poll the communicator for an asynchronous error."""
+
+
+class _Finish:
+    """A launch left in progress on a caller's thread, for the lane's thread to finish."""
+
+    __slots__ = ("member",)
+
+    def __init__(self, member: Member) -> None:
+        self.member = member
 
 
 class _Marker:
@@ -50,27 +72,87 @@ _STOP = object()
 class Lane:
     """The launch thread of one CUDA device (see the module docstring)."""
 
+    #: Launch on the caller's thread when idle. Off: ``submit`` must never block its
+    #: caller, and the simulated NCCL's ``block_calls`` makes every call of a
+    #: communicator, data calls included, block inside the library; with it on,
+    #: tests/test_simgpu_backend.py::test_abort_while_the_launcher_is_inside_an_nccl_call
+    #: and tests/test_simgpu_bugs.py::test_2 fail (submit blocks the test's thread).
+    #: Read in NCCL 2.30.7 (NVIDIA/nccl 5067397c): a *non-blocking* communicator's data
+    #: call does only checks and ``taskAppend`` on the caller's thread (src/enqueue.cc
+    #: 3124-3171); ``ncclGroupEndInternal`` starts a thread for the launch and returns
+    #: ncclInProgress (src/group.cc 826-857, ``STDTHREADCREATE_GOTO`` at 855). What waits
+    #: for peers, the proxy or the device runs there; the caller's call waits only after an
+    #: abort (``ncclCommEnsureReady`` joins the group job, src/init.cc 425-426). So the
+    #: faithful "stuck launch" of a non-blocking communicator is one that stays InProgress,
+    #: not a blocked call: the simulator's rule, not this code, is what stands in the way.
+    #: Not switched on until ``block_calls`` and the tests above follow the source.
+    inline = False
+
     def __init__(self, index: int, bind: Any) -> None:
         self.index = index
         self._bind = bind
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # The launch order: ``_backlog`` items posted and not yet run by the thread, and
+        # whether a launch is under way (``_busy``, on a caller's thread or the lane's).
+        self._turn = threading.Condition(threading.Lock())
+        self._backlog = 0
+        self._busy = False
+        self._dormant = False  # the thread sleeps with no timeout (no health checks due)
         self._members: set[Any] = set()
         self.thread = threading.Thread(
             target=self._run, name=f"asynccoll-nccl-launch-{index}", daemon=True
         )
         self.thread.start()
 
+    def launch(self, member: Member) -> None:
+        """One job of ``member`` was queued: launch it here and now if the lane is idle,
+        else post it: the lane's thread launches it in this order."""
+        turn = self._turn
+        with turn:
+            if self._backlog or self._busy or not self.inline:
+                self._backlog += 1
+                self._queue.put(member)
+                return
+            self._busy = True
+        finished = True
+        try:
+            finished = member.launch_next(inline=True)
+        finally:
+            with turn:
+                if not finished:  # in progress: the thread finishes it, before anything else
+                    self._backlog += 1
+                    self._queue.put(_Finish(member))
+                elif self._dormant and member.busy():  # in flight now: health checks are due
+                    self._dormant = False
+                    self._queue.put(None)
+                self._busy = False
+                if self._backlog:
+                    turn.notify()
+
     def post(self, member: Member) -> None:
-        """One job of ``member`` was queued: the lane launches it in this order."""
-        self._queue.put(member)
+        """One job of ``member`` was queued: the lane's thread launches it in this order."""
+        with self._turn:
+            self._backlog += 1
+            self._queue.put(member)
 
     def drained(self, timeout: float) -> bool:
         """Wait (bounded) until everything posted before this call was launched."""
         if threading.current_thread() is self.thread:
             return True
         marker = _Marker()
-        self._queue.put(marker)
+        self.post(marker)  # type: ignore[arg-type]
         return marker.reached.wait(timeout)
+
+    def _take_turn(self) -> None:
+        with self._turn:
+            while self._busy:
+                self._turn.wait()
+            self._busy = True
+
+    def _end_turn(self) -> None:
+        with self._turn:
+            self._busy = False
+            self._backlog -= 1
 
     def _run(self) -> None:
         try:
@@ -82,17 +164,26 @@ class Lane:
         while True:
             with _LOCK:
                 members = list(self._members)
-            busy = [m for m in members if m.busy()]
+            with self._turn:  # against an inline launch (``launch``: the dormant check)
+                busy = [m for m in members if m.busy()]
+                self._dormant = not busy
             try:
                 item = get(timeout=min(m.health_interval for m in busy)) if busy else get()
             except queue.Empty:
                 item = None
             if item is _STOP:
                 return
-            if isinstance(item, _Marker):
-                item.reached.set()
-            elif item is not None:
-                item.launch_next()
+            if item is not None:
+                self._take_turn()
+                try:
+                    if isinstance(item, _Marker):
+                        item.reached.set()
+                    elif isinstance(item, _Finish):
+                        item.member.finish_launch()
+                    else:
+                        item.launch_next()
+                finally:
+                    self._end_turn()
             now = time.monotonic()
             if busy and (item is None or now >= next_check):
                 next_check = now + min(m.health_interval for m in busy)

@@ -6,16 +6,22 @@ How one op travels (``submit`` runs on the caller's thread):
    resolved, so nothing can fail inside an NCCL group), records a *ready* event on
    the caller's current stream (the op must see everything the caller queued before
    the call), protects the tensors from the caching allocator (``record_stream`` on
-   the comm stream) and queues the job on the device's lane (``lanes.py``: one launch
-   thread per device, shared by its communicators, in issue order).
-2. The lane launches it: the comm stream waits for the ready event, the NCCL
+   the comm stream) and hands the job to the device's lane (``lanes.py``: one launch
+   order per device, shared by its communicators, in issue order): launched at once
+   on the caller's thread when the lane is idle, else by the lane's thread.
+2. The launch: the comm stream waits for the ready event, the NCCL
    call(s) are made through the handle (a batch or a P2P op inside one
    ``ncclGroupStart/End``), then ``ncclCommGetAsyncError`` is polled until the
    communicator leaves ``ncclInProgress``. Only then does the done event go on the
    comm stream: a non-blocking communicator may defer the kernel launch, and nothing
-   may touch its stream before.
-3. One :class:`streams.EventWatcher` thread waits for done events in order and
-   settles the Works (then returns the events to the pool); never on the loop.
+   may touch its stream before. A caller's thread (an event loop) never polls: a
+   launch left in progress goes to the lane's thread, and so do the failures an
+   inline launch meets (they abort the communicator, whose lock the caller holds).
+3. Completion (the backend's :class:`~..._core.completion.Completion`): one
+   :class:`streams.EventWatcher` thread waits for done events in order; each time
+   one fires it settles that op and every later one whose done event has fired, in
+   one pass (one wake-up per loop). Whoever asks about or awaits a Work first settles,
+   on its own thread, the launched ops whose done events have fired (no thread hop).
 
 ``work.wait_stream(s)`` makes ``s`` wait on the done event (``s.wait_event``, what
 CUDA sees). For an op the lane has not launched yet, it first waits on the host for
@@ -41,10 +47,11 @@ from ..._base.foreign import nccl_kind, op_error, status_of
 from ..._base.ops import OpSpec
 from ..._core.backend import Backend
 from ..._core.work import Bundle, Work
-from . import agree, encode, lanes
+from . import encode, lanes
 from .caps import CAPS
 from .handle import CommHandle
 from .lib import IN_PROGRESS, SUCCESS
+from .renew import Renewal
 
 _QUEUED, _LAUNCHED, _FAILED = 0, 1, 2
 
@@ -72,7 +79,7 @@ def _bind(index: int) -> None:
     torch.cuda.set_device(index)
 
 
-class NcclBackend(Backend):
+class NcclBackend(Renewal, Backend):
     """Runs OpSpecs on one non-blocking nccl4py communicator, on one CUDA device."""
 
     name = "nccl"
@@ -126,6 +133,9 @@ class NcclBackend(Backend):
         # their tensors stay referenced until the communicator is aborted.
         self._stuck: list[_Job] = []
         self._launching: _Job | None = None  # popped from _pending, not in _inflight yet
+        # Failures met by a launch on a caller's thread, reported by the lane's thread.
+        self._deferred: list[tuple[_Job, BaseException]] = []
+        self._inline = False  # a launch on a caller's thread is under way
         self._closed = False
         self._broken = False  # an NCCL error was seen: close() aborts instead of finalizing
         self._lane = lanes.join(device.index, self, _bind)
@@ -180,23 +190,27 @@ class NcclBackend(Backend):
             rt.protect(t)
         timeout = (specs[0].timeout if len(specs) == 1 else max(s.timeout for s in specs)) or 60.0
         job = _Job(plan, works, ready, rt.events.acquire(), timeout)
-        with self._lock:
-            self._pending.append(job)
-        self._lane.post(self)
         hook = functools.partial(self._wait_stream, job)
         for work in works:
             work.set_stream_hook(hook)
+            work.attach(self)
+        with self._lock:
+            self._pending.append(job)
+        self._lane.launch(self)
 
     # ---------------------------------------------------------- lane thread
     def busy(self) -> bool:
         return bool(self._inflight)
 
-    def launch_next(self) -> None:
-        """Lane thread: launch the oldest queued job."""
+    def launch_next(self, inline: bool = False) -> bool:
+        """Launch the oldest queued job (the lane's turn; ``lanes.Member``). ``inline``: on
+        the caller's thread; False: the lane's thread must finish (``finish_launch``)."""
         with self._lock:
             if not self._pending:
-                return
+                return True
             job = self._launching = self._pending.popleft()
+        self._inline = inline
+        status: int | None = None
         try:
             if self._handle.stopping:
                 self._drop(job)
@@ -204,14 +218,59 @@ class NcclBackend(Backend):
                 self._fail_job(
                     job, CommAborted("the NCCL communicator failed earlier"), issued=False
                 )
-            else:
-                self._launch(job)
+            elif self._call(job):
+                status = self._status(inline, job)
+                if status != IN_PROGRESS or not inline:
+                    self._landed(job, status)
+                    status = None
+        except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
+            self._fail_job(job, self._translate(exc, job), issued=True)
+            status = None
+        finally:
+            self._inline = False
+            if status is None:
+                self._launching = None
+        return status is None and not self._deferred
+
+    def finish_launch(self) -> None:
+        """Lane thread: report what an inline launch failed, and finish the launch it left
+        in ``ncclInProgress`` (polled here, never on the caller's thread)."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        for failed, exc in deferred:
+            self._report(failed, exc)
+        job = self._launching
+        if job is None:
+            return
+        try:
+            self._landed(job, self._handle.poll(self._by(job)))
         except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
             self._fail_job(job, self._translate(exc, job), issued=True)
         finally:
             self._launching = None
 
-    def _launch(self, job: _Job) -> None:
+    #: Immediate polls an inline launch gives a communicator left in ``ncclInProgress``
+    #: (transient once connected) before the lane's thread takes the launch over.
+    inline_polls = 4
+
+    def _status(self, inline: bool, job: _Job) -> int | None:
+        """The communicator's state after the job's NCCL calls: polled until it leaves
+        InProgress (lane thread), or a few immediate polls (caller's thread, never a wait)."""
+        if not inline:
+            return self._handle.poll(self._by(job))
+        status = self._handle.status()
+        for _ in range(self.inline_polls - 1):
+            if status != IN_PROGRESS:
+                break
+            status = self._handle.status()
+        return status
+
+    @staticmethod
+    def _by(job: _Job) -> float:
+        return time.monotonic() + job.timeout
+
+    def _call(self, job: _Job) -> bool:
+        """Make the job's NCCL call(s); False if it failed or was dropped (nothing launched)."""
         rt = self._rt
         plan = job.plan
         assert plan is not None
@@ -223,16 +282,23 @@ class NcclBackend(Backend):
         with self._handle.use() as comm:
             if comm is None:  # stopped meanwhile
                 self._drop(job)
-                return
+                return False
             if not plan.grouped:
                 try:
                     plan.calls[0](comm, stream)
                 except Exception as exc:  # noqa: BLE001 - NCCL refused the call: nothing was launched
                     self._fail_job(job, self._translate(exc, job), issued=False)
-                    return
+                    return False
             elif not self._grouped(comm, stream, job):
-                return
-        status = self._handle.poll(time.monotonic() + job.timeout)
+                return False
+        return True
+
+    def _landed(self, job: _Job, status: int | None) -> None:
+        """The NCCL call(s) returned and the communicator left InProgress with ``status``
+        (or stayed in it until the job's deadline): queue the done event, or fail."""
+        rt = self._rt
+        plan = job.plan
+        assert plan is not None
         if status is None:  # stopped meanwhile
             return
         if status == IN_PROGRESS:
@@ -309,21 +375,47 @@ class NcclBackend(Backend):
             self._fail_job(job, self._handle.failure(status), issued=True)
 
     # ------------------------------------------------------------ completion
-    def _completed(self, job: _Job) -> None:
-        """Watcher thread: the done event fired."""
-        with self._lock:
-            try:
-                self._inflight.remove(job)
-            except ValueError:
-                return  # already failed by the health check
-            done, job.done = job.done, None
-        job.plan = None  # the Works' wait_stream hooks keep the job: drop its tensors
-        if (
-            self._handle.stopping
-        ):  # never report success after abort (the op may have been cut short)
+    def settle_finished(self) -> None:
+        """The completion protocol: settle here the launched ops whose done events fired."""
+        try:
+            done = self._inflight[0].done
+        except IndexError:  # nothing launched is pending
             return
-        self.sink.succeed_all(job.works)
-        self._rt.events.release(done)  # only now: nothing queries it any more
+        # torch's Event.query has no device guard (ATen/cuda/CUDAEvent.h): on a thread whose
+        # device is another, the watcher settles it instead.
+        if done is not None and self._rt.current() and done.query():
+            self._reap(None)
+
+    def watch_unfinished(self) -> None:
+        """The completion protocol: nothing to do, the watcher waits for every launched op."""
+
+    def _completed(self, job: _Job) -> None:
+        """Watcher thread: ``job``'s done event fired; its event goes back to the pool."""
+        self._reap(job)
+        with self._lock:
+            done, job.done = job.done, None
+        if done is not None:
+            self._rt.events.release(done)  # only now: nothing queries it any more
+
+    def _reap(self, fired: _Job | None) -> None:
+        """Settle, in one pass, the launched ops at the head of ``_inflight`` whose done
+        events fired (``fired``: one known to have); their events stay with the watcher."""
+        jobs = []
+        with self._lock:
+            inflight = self._inflight
+            while inflight:
+                job = inflight[0]
+                if job is not fired and not job.done.query():
+                    break
+                inflight.popleft()
+                job.plan = None  # the Works' wait_stream hooks keep the job: drop its tensors
+                jobs.append(job)
+        if not jobs or self._handle.stopping:
+            return  # never report success after abort (the op may have been cut short)
+        if len(jobs) == 1:
+            self.sink.succeed_all(jobs[0].works)
+        else:
+            self.sink.succeed_all([w for job in jobs for w in job.works])
 
     def _watch_failed(self, job: _Job, exc: BaseException) -> None:
         with self._lock:
@@ -359,9 +451,17 @@ class NcclBackend(Backend):
                 job.plan = None
             job.done = None
             self._settled(job)
-        if not self._handle.stopping:
-            works = list(job.works)
-            self.sink.fail(works[0] if len(works) == 1 else Bundle(works, works[0].op), exc)
+        if self._handle.stopping:
+            return
+        if self._inline:  # the caller holds the communicator's lock: the lane reports it
+            with self._lock:
+                self._deferred.append((job, exc))
+        else:
+            self._report(job, exc)
+
+    def _report(self, job: _Job, exc: BaseException) -> None:
+        works = list(job.works)
+        self.sink.fail(works[0] if len(works) == 1 else Bundle(works, works[0].op), exc)
 
     def _wait_stream(self, job: _Job, stream: Any) -> None:
         """``work.wait_stream``: make ``stream`` wait for the op (see the module docstring)."""
@@ -463,107 +563,6 @@ class NcclBackend(Backend):
         clean = self._handle.close(broken=self._broken)
         self._forget()
         self._leave(reuse=clean)
-
-    # ------------------------------------------------------ shrink and grow
-    def discard(self) -> None:
-        """``ncclCommAbort`` a revoked communicator nobody will shrink (bounded, idempotent)."""
-        self._handle.discard()
-
-    def shrink(
-        self, exclude: Sequence[int], abort_pending: bool | None = None, *, timeout: float = 60.0
-    ) -> NcclBackend:
-        """A new backend over ``ncclCommShrink`` without the ``exclude`` ranks (blocking, off the loop).
-
-        Every surviving rank calls it; excluded ranks must not. ``abort_pending`` (default:
-        ops queued or in flight here, or an error seen) shrinks with ``CommShrinkFlag.ABORT``
-        (the parent's ops are terminated first), else ``DEFAULT`` (they must be quiesced).
-        Survivors are renumbered in order; the new backend gets its own comm stream. Needs
-        the parent alive or revoked; after an ``ncclCommAbort``, ``create`` a new one.
-        """
-        if not self._handle.can_shrink:
-            raise CommAborted(
-                "the NCCL communicator was aborted; create a new one instead of shrinking"
-            )
-        drop = sorted(set(int(r) for r in exclude))
-        if self.rank in drop:
-            raise InvalidArgument(
-                f"rank {self.rank} cannot shrink a communicator it is excluded from"
-            )
-        if (
-            not drop
-            or any(not 0 <= r < self.world_size for r in drop)
-            or len(drop) >= self.world_size
-        ):
-            raise InvalidArgument(
-                f"cannot exclude {drop} from a communicator of {self.world_size} ranks "
-                "(ncclCommShrink needs at least one rank to exclude, and one to keep)"
-            )
-        if abort_pending is None:
-            abort_pending = bool(self._inflight or self._pending or self._launching) or self._broken
-        child = self._handle.shrink(drop, abort_pending, time.monotonic() + timeout)
-        rank = self.rank - sum(1 for r in drop if r < self.rank)
-        return self._successor(child, rank, self.world_size - len(drop))
-
-    def shrink_agreed(
-        self,
-        store: Any,
-        new_rank: int,
-        new_size: int,
-        exclude: Sequence[int],
-        abort_pending: bool | None,
-        timeout: float,
-    ) -> NcclBackend | None:
-        """:meth:`shrink` when every survivor can, else None; see :func:`agree.shrink_agreed`."""
-        new: NcclBackend | None = agree.shrink_agreed(
-            self, store, new_rank, new_size, exclude, abort_pending, timeout
-        )
-        return new
-
-    @property
-    def can_grow(self) -> bool:
-        """Whether :meth:`grow` can use ``ncclCommGrow`` (healthy, and NCCL has it)."""
-        return self._handle.can_grow and not self._broken
-
-    def grow_agreed(self, store: Any, new_size: int, timeout: float) -> NcclBackend | None:
-        """A backend of ``new_size`` ranks over ``ncclCommGrow`` when every member can grow,
-        else None (build a new one); see :func:`agree.grow_agreed`."""
-        new: NcclBackend | None = agree.grow_agreed(self, store, new_size, timeout)
-        return new
-
-    def grow(self, new_size: int, uid: bytes | None, *, timeout: float = 60.0) -> NcclBackend:
-        """A new backend of ``new_size`` ranks over ``ncclCommGrow`` (blocking): this rank keeps
-        its number; ``uid``: the root's id (:meth:`grow_id`), None on the other members."""
-        if new_size <= self.world_size:
-            raise InvalidArgument(f"grow needs more than {self.world_size} ranks, got {new_size}")
-        try:
-            child = self._handle.grow(new_size, uid, time.monotonic() + timeout)
-        except BaseException:
-            # A grow that did not complete leaves the parent in ncclInProgress with the job
-            # pending: no NCCL call may follow but ncclCommAbort (nccl4py get_async_error docs).
-            self._handle.stop(revoke=False, after=self._forget)
-            raise
-        return self._successor(child, self.rank, new_size)
-
-    def grow_id(self) -> bytes:
-        """The unique id new ranks join with (``ncclCommGetUniqueId``; the root only; one grow)."""
-        return self._handle.grow_id()
-
-    def _successor(self, child: Any, rank: int, world_size: int) -> NcclBackend:
-        h = self._handle
-        new = type(self)(
-            child,
-            rank=rank,
-            world_size=world_size,
-            device=self.device,
-            lib=self._lib,
-            runtime=self._rt.sibling(),
-            health_interval=self.health_interval,
-            abort_timeout=h.abort_timeout,
-            close_timeout=h.close_timeout,
-            use_revoke=h.use_revoke,
-        )
-        new.bind(self.sink)  # until the new communicator binds its own ledger
-        return new
 
 
 backend_class = NcclBackend
