@@ -73,11 +73,11 @@ dist-check: $(BIN)/.docs-installed
 coverage: venv
 	-$(BIN)/python -m pytest -q --cov=asynccoll/_backends/nccl --cov=streams --cov-report= \
 		--cov-report=json:$(VENV)/coverage.json
-	$(BIN)/python -m tests.covered $(VENV)/coverage.json 90
+	$(BIN)/python -m tests.support.covered $(VENV)/coverage.json 90
 
 # Deliberate breakages of the NCCL/CUDA path, each run against a temporary copy (minutes).
 mutations: venv
-	$(BIN)/python -m tests.mutations
+	$(BIN)/python -m tests.support.mutations
 
 # The GPU run, on a CUDA machine (tools/gpu_run.py): the GPU tests, then the GPU bench, each
 # phase time-boxed (7 minutes in all), the report written into GPU_OUT as it goes. It uses

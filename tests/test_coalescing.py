@@ -15,12 +15,12 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from backends import LOOPS, in_task
 
 import asynccoll as ac
 from asynccoll._backends.flatten import plan
 from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll.testing import run_ranks
+from tests.support.backends import LOOPS, in_task
 
 pytestmark = pytest.mark.timeout(120)
 

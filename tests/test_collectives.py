@@ -11,10 +11,10 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
-from backends import BACKENDS, LOOPS
 
 import asynccoll as ac
 from asynccoll.testing import run_ranks
+from tests.support.backends import BACKENDS, LOOPS
 
 OPS = [ac.ReduceOp.SUM, ac.ReduceOp.PROD, ac.ReduceOp.MIN, ac.ReduceOp.MAX, ac.ReduceOp.AVG]
 DTYPES = [

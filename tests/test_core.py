@@ -13,11 +13,11 @@ import anyio.to_thread
 import pytest
 import torch
 import torch.distributed as dist
-from backends import BACKENDS, LOOPS
 
 import asynccoll as ac
 from asynccoll._core.work import _PENDING
 from asynccoll.testing import RankContext, run_ranks
+from tests.support.backends import BACKENDS, LOOPS
 
 
 # ---------------------------------------------------------------- Work API

@@ -37,8 +37,8 @@ import tomllib
 import asynccoll
 import asynccoll.testing
 import streams
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 GUARD = 'if __name__ == "__main__":'
 NEEDS_CUDA = "# requires: cuda"

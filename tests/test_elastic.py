@@ -14,10 +14,10 @@ import sys
 import time
 from datetime import timedelta
 
-import elastic_ranks as er
 import pytest
 import torch.distributed as dist
 
+import tests.support.elastic_ranks as er
 from asynccoll.testing import run_ranks
 
 

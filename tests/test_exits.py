@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from ports import unused_port
+
+from tests.support.ports import unused_port
 
 pytestmark = pytest.mark.timeout(150)
 

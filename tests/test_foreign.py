@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import socket
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -16,8 +15,7 @@ import asynccoll as ac
 from asynccoll._backends.nccl import NcclError
 from asynccoll._base import foreign
 from asynccoll._base.foreign import Kind, creation_error, kind_of, nccl_kind, op_error
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
 
 # Messages as torch 2.13.0 gives them (measured on this machine's CPU build).
 GLOO_PEER_DIED = (

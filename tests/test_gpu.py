@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import gpu_ranks as gr
 import pytest
 import torch
 
+import tests.support.gpu_ranks as gr
 from asynccoll._backends import nccl
 from asynccoll.testing import run_ranks
+from tests.support.paths import ROOT
 
-HERE = Path(__file__).resolve().parent
 NCCL_MISSING = nccl.missing()
 needs_nccl = pytest.mark.skipif(
     NCCL_MISSING is not None, reason=f"needs a CUDA GPU and nccl4py: {NCCL_MISSING}"
@@ -88,17 +88,15 @@ def test_close_with_work_pending_finishes_it_then_finalizes() -> None:
 def test_the_loop_never_stalls_in_init_ops_or_close(loop: str) -> None:
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join(
-            p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p
-        ),
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     )
     out = subprocess.run(
-        [sys.executable, str(HERE / "gpu_ranks.py"), "stall", loop],
+        [sys.executable, gr.__file__, "stall", loop],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
-        cwd=HERE.parent,
+        cwd=ROOT,
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
@@ -188,7 +186,7 @@ def test_host_cost_per_op_against_torch_process_group_nccl(record_property: Any)
 def test_the_gpu_run_says_there_is_no_gpu_in_seconds(tmp_path: Path) -> None:
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, str(HERE.parent / "tools" / "gpu_run.py"), "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "tools" / "gpu_run.py"), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=110,

@@ -23,11 +23,11 @@ import anyio.to_thread
 import pytest
 import torch
 import torch.distributed as dist
-from backends import LOOPS
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import asynccoll as ac
 from asynccoll.testing import run_ranks
+from tests.support.backends import LOOPS
 
 IN, HID, OUT, BATCH = 8, 16, 4, 6
 

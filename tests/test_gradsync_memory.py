@@ -11,15 +11,13 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import asynccoll as ac
 from asynccoll.testing import run_ranks
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
 
 # 6 x Linear(1024): 4 MiB gradients, 24 MiB of buckets; the median of the minor page
 # faults per step (backward, wait, optimizer step, zero_grad) over 9 steps after 3

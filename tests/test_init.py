@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 import trio
 import uvloop
-from backends import LOOPS, gather
-from ports import unused_port
 
 import asynccoll as ac
 from asynccoll._bootstrap import rendezvous, stores
 from asynccoll._faults.service import Service
 from asynccoll.testing import RankContext, run_ranks
+from tests.support.backends import LOOPS, gather
+from tests.support.ports import unused_port
 
 
 def _run(loop: str, fn: Callable[[], Awaitable[Any]]) -> Any:

@@ -36,7 +36,8 @@ import collections
 import functools
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
+
 PACKAGES = ("asynccoll", "streams")
 
 #: What each room may import besides itself (the arrows, all pointing down).

@@ -18,13 +18,13 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from backends import LOOPS
-from spies import Sets
 
 import asynccoll as ac
 from asynccoll._base.deadlines import DeadlineService
 from asynccoll._core.ledger import Ledger
 from asynccoll.testing import RankContext, run_ranks, skip_collective
+from tests.support.backends import LOOPS
+from tests.support.spies import Sets
 
 
 # ------------------------------------------------------------ deadline service

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from spies import Sets
 
 import asynccoll as ac
 from asynccoll._base.errors import CommAborted
 from asynccoll._faults.liveness import Liveness
 from asynccoll.testing import RankContext, run_ranks
+from tests.support.spies import Sets
 
 
 class CountingStore(dist.Store):  # type: ignore[misc]

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from ports import unused_port
 
 import asynccoll as ac
 import streams
 from asynccoll._backends import nccl
 from asynccoll._base.ops import ReduceOp
+from tests.support.ports import unused_port
 
 HAS_CUDA = torch.cuda.is_available()
 NCCL_MISSING = nccl.missing()

@@ -12,11 +12,11 @@ import time
 from typing import Any
 
 import pytest
-from backends import LOOPS
 
 import asynccoll as ac
 from asynccoll._core import objects
 from asynccoll.testing import RankContext, crash, run_ranks
+from tests.support.backends import LOOPS
 
 BIG = 100_000_000
 

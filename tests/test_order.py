@@ -18,17 +18,17 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from backends import LOOPS, gather
-from ports import unused_port
 
 import asynccoll as ac
 from asynccoll._backends.gate import MemoryGate, spans
 from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll._core.work import Bundle, Work
 from asynccoll.testing import run_ranks
+from tests.support.backends import LOOPS, gather
+from tests.support.paths import ROOT
+from tests.support.ports import unused_port
 
 ROUNDS = 1000
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _full(value: float, n: int = 1024, dtype: torch.dtype = torch.float32) -> torch.Tensor:

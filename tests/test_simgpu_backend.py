@@ -18,13 +18,13 @@ import nccl.core as nc
 import pytest
 import torch
 import torch.distributed as dist
-from simgpu_util import WAIT, submit, until
 
 import asynccoll as ac
 import streams
 from asynccoll._backends import nccl
 from asynccoll._base.ops import OpKind
 from asynccoll.testing.simgpu import SimCluster
+from tests.support.simgpu_util import WAIT, submit, until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,13 +16,13 @@ from typing import Any
 import nccl.core as nc
 import pytest
 import torch
-from simgpu_util import WAIT, submit, until
 
 import asynccoll as ac
 from asynccoll._backends.nccl import NcclLib
 from asynccoll._base.ops import OpKind, OpSpec, ReduceOp
 from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import SimCluster
+from tests.support.simgpu_util import WAIT, submit, until
 
 pytestmark = pytest.mark.timeout(120)
 

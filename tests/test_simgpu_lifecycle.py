@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from nccl.bindings.nccl import NCCLError, Result
-from simgpu_util import WAIT, until
 
 import asynccoll as ac
 from asynccoll._backends import nccl
 from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import Rdv, SimCluster
+from tests.support.simgpu_util import WAIT, until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -31,9 +31,7 @@ from asynccoll.testing import (
     run_ranks,
     skip_collective,
 )
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from tests.support.paths import ROOT
 
 
 def _gone(pid: int, within: float = 5.0) -> bool:
@@ -360,12 +358,12 @@ def test_close_leaves_no_process():
 _ORPHAN = textwrap.dedent(
     """
     import multiprocessing.forkserver, os, signal, sys
-    sys.path[:0] = [{here!r}, {root!r}]
+    sys.path[:0] = [{root!r}]
     multiprocessing.forkserver.set_forkserver_preload(["asynccoll.testing._worker", "asynccoll"])
     multiprocessing.forkserver.ensure_running()  # imports torch while this process does too
     from asynccoll.testing import run_ranks
-    import test_testing
-    print(" ".join(map(str, run_ranks(test_testing._pid))), flush=True)
+    from {module} import _pid
+    print(" ".join(map(str, run_ranks(_pid))), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
@@ -373,7 +371,7 @@ _ORPHAN = textwrap.dedent(
 
 def test_workers_exit_when_their_parent_is_killed():
     """A parent killed without cleanup (no atexit): its workers notice and exit."""
-    code = _ORPHAN.format(here=HERE, root=ROOT)
+    code = _ORPHAN.format(root=str(ROOT), module=__name__)
     proc = subprocess.run(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, timeout=90
     )

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backends import LOOPS
 
 import asynccoll as ac
 from asynccoll._backends import nccl
 from asynccoll._core import validate
 from asynccoll.testing import run_ranks
+from tests.support.backends import LOOPS
 
 R = ac.ReduceOp
 

@@ -1,6 +1,6 @@
 """Deliberate breakages of the NCCL/CUDA path, each of which some CPU test must catch.
 
-    python -m tests.mutations [-k SUBSTRING] [--list]     (or: make mutations)
+    python -m tests.support.mutations [-k SUBSTRING] [--list]     (or: make mutations)
 
 Each mutation replaces one exact piece of source text in a temporary copy of the
 repository (the original tree is never touched), runs the tests it names against the
@@ -23,7 +23,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import paths
+
+ROOT = str(paths.ROOT)
 NCCL = "asynccoll/_backends/nccl/"
 BUGS = "tests/test_simgpu_bugs.py::"
 BACKEND = "tests/test_simgpu_backend.py::"

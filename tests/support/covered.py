@@ -1,6 +1,6 @@
 """Per-file line coverage of the GPU path by the CPU suite (``make coverage``).
 
-    python -m tests.covered REPORT.json [MINIMUM]
+    python -m tests.support.covered REPORT.json [MINIMUM]
 
 Reads a coverage.py JSON report, prints every file of ``asynccoll/_backends/nccl/`` and
 ``streams/`` with its line coverage, and exits 1 when one is below MINIMUM (default 90).

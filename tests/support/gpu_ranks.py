@@ -547,7 +547,7 @@ async def local_rank_device(ctx: RankContext) -> str:
 async def host_cost(ctx: RankContext, iters: int) -> list[dict[str, Any]]:
     """bench.gpu's measures of asynccoll (asyncio) and torch's ProcessGroupNCCL, here, now: the
     better of two alternated rounds of each."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the repository, for bench/
     if root not in sys.path:
         sys.path.insert(0, root)
     from bench import gpu as bench_gpu
