@@ -52,7 +52,7 @@ class Kind(enum.Enum):
 #: ``unbound_buffer.cc`` "Timed out waiting ... for recv operation to complete";
 #: c10d's TCPStore "... name: EADDRINUSE, message: address already in use", "The
 #: client socket has timed out ...", "Broken pipe", "Connection refused"
-#: (tests/test_foreign.py quotes each). A new torch: measure them again.
+#: (tests/base/test_foreign.py quotes each). A new torch: measure them again.
 TORCH_TEXT: tuple[tuple[Kind, tuple[str, ...]], ...] = (
     (Kind.IN_USE, ("eaddrinuse", "address already in use")),
     (Kind.TIMEOUT, ("timed out", "timeout")),
