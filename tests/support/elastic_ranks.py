@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_elastic.py (run_ranks needs them importable)."""
+"""Rank functions for tests/faults/test_elastic.py (run_ranks needs them importable)."""
 
 from __future__ import annotations
 

@@ -245,14 +245,14 @@ MUTATIONS = [
         "asynccoll/_bootstrap/elastic.py",
         "if cuda is not None:  # Backend.grow_agreed",
         "if False:  # Backend.grow_agreed",
-        ("tests/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",),
+        ("tests/faults/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",),
     ),
     M(
         "a joiner never meets the native grow",
         "asynccoll/_bootstrap/elastic.py",
         'if plan.get("cuda") else None',
         "if False else None",
-        ("tests/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",),
+        ("tests/faults/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",),
     ),
 ]
 
