@@ -1,0 +1,1 @@
+"""The bootstrap (``asynccoll/_bootstrap``): ``init`` arguments, rendezvous and stores."""

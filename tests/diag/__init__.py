@@ -1,0 +1,1 @@
+"""Diagnostics (``asynccoll/_diag``): fingerprints, the flight record, trace files, ``diagnose``."""

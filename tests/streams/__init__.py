@@ -1,0 +1,1 @@
+"""The ``streams`` package: event watchers, loop wakers, ``wait_event``, stream pools, interop."""

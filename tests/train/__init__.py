@@ -1,0 +1,1 @@
+"""Training (``asynccoll/_train``): GradSync against torch DDP, and its memory."""
