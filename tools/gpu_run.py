@@ -10,9 +10,9 @@ else ``bench/results/gpu``), so a run stopped at any point leaves what it found:
 0. ``doctor.txt``: ``python -m asynccoll.doctor`` (torch and its CUDA, the GPUs,
    nccl4py and its libnccl). Without a CUDA GPU the run ends here: "no CUDA GPU:
    nothing to run", exit 0, in seconds.
-1. ``gpu_tests.log`` / ``gpu_tests.xml``: pytest on ``tests/test_gpu.py``, the GPU
-   tests of ``tests/streams/test_streams.py`` and ``tests/test_nccl.py``, ``tests/test_doctor.py``
-   and the GPU guide's script, ``--workers`` processes (at most 240 s).
+1. ``gpu_tests.log`` / ``gpu_tests.xml``: pytest on ``tests/nccl/test_gpu.py``, the GPU
+   tests of ``tests/streams/test_streams.py`` and ``tests/nccl/test_nccl4py.py``,
+   ``tests/test_doctor.py`` and the GPU guide's script, ``--workers`` processes (at most 240 s).
 2. ``bench.txt`` / ``bench.json``: ``python -m bench.gpu`` (asynccoll under asyncio and
    uvloop against torch's ProcessGroupNCCL, world size 1; at most 120 s).
 
@@ -37,9 +37,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = [
-    "tests/test_gpu.py",
+    "tests/nccl/test_gpu.py",
     "tests/streams/test_streams.py",
-    "tests/test_nccl.py",
+    "tests/nccl/test_nccl4py.py",
     "tests/test_doctor.py",
     "tests/test_docs.py::test_script_runs",
 ]

@@ -28,7 +28,7 @@ from tests.support import paths
 ROOT = str(paths.ROOT)
 NCCL = "asynccoll/_backends/nccl/"
 BUGS = "tests/test_simgpu_bugs.py::"
-BACKEND = "tests/test_simgpu_backend.py::"
+BACKEND = "tests/nccl/test_simgpu_backend.py::"
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ MUTATIONS = [
         NCCL + "launcher.py",
         "status = self._handle.poll(time.monotonic() + job.timeout)",
         "status = SUCCESS",
-        ("tests/test_simgpu_collectives.py",),
+        ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
         "wait_stream does not wait for the launch",
@@ -131,35 +131,35 @@ MUTATIONS = [
         NCCL + "encode.py",
         "ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN",
         "op",
-        ("tests/test_simgpu_collectives.py",),
+        ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
         "complex reduced without its real view",
         NCCL + "encode.py",
         "t = torch.view_as_real(t)",
         "pass",
-        ("tests/test_simgpu_collectives.py",),
+        ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
         "integer AVG without the floor division",
         NCCL + "encode.py",
         'post.append(functools.partial(t.div_, ws, rounding_mode="floor"))',
         "pass",
-        ("tests/test_simgpu_collectives.py",),
+        ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
         "gather's root slot never copied",
         NCCL + "encode.py",
         "post.append(P(outs[root].copy_, t))",
         "pass",
-        ("tests/test_simgpu_collectives.py",),
+        ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
         "scatter's root slot never copied",
         NCCL + "encode.py",
         "post.append(P(out.copy_, ins[root]))",
         "pass",
-        ("tests/test_simgpu_collectives.py",),
+        ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
         "revoke only from NCCL 2.29",
@@ -201,7 +201,7 @@ MUTATIONS = [
         NCCL + "handle.py",
         "        if self.stopping:\n            self.discard()",
         "        if False:\n            self.discard()",
-        ("tests/test_simgpu_shrink.py::test_a_revoked_backend_is_shrinkable_and_close_aborts_it",),
+        ("tests/nccl/test_simgpu_shrink.py::test_a_revoked_backend_is_shrinkable_and_close_aborts_it",),
     ),
     M(
         "the shrunk child used before its parent's job ended",
@@ -209,7 +209,7 @@ MUTATIONS = [
         'self._child_ready(parent, child, deadline, "NCCL shrink")',
         'wait_ready(child, self.lib, deadline, "NCCL shrink")',
         (
-            "tests/test_simgpu_shrink.py::test_dead_rank_survivors_revoke_then_shrink_with_abort_no_fresh_init",
+            "tests/nccl/test_simgpu_shrink.py::test_dead_rank_survivors_revoke_then_shrink_with_abort_no_fresh_init",
         ),
     ),
     M(
@@ -217,14 +217,14 @@ MUTATIONS = [
         NCCL + "creation.py",
         "with torch.cuda.device(index):  # ncclCommInitRank",
         "if True:  # ncclCommInitRank",
-        ("tests/test_simgpu_collectives.py",),
+        ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
         "grow without every member's vote",
         NCCL + "agree.py",
         'ok = all(bytes(v) == b"1" for v in store.multi_get(keys))',
         "ok = True",
-        ("tests/test_simgpu_grow.py::test_an_aborted_member_makes_the_grow_a_fresh_init",),
+        ("tests/nccl/test_simgpu_grow.py::test_an_aborted_member_makes_the_grow_a_fresh_init",),
     ),
     M(
         "abort without a bound",
@@ -238,7 +238,7 @@ MUTATIONS = [
         "streams/_watcher.py",
         "torch.cuda.set_device(self.cuda_device)",
         "pass",
-        ("tests/test_simgpu_device.py::test_watcher_selects_its_device_before_waiting",),
+        ("tests/testing/test_simgpu_device.py::test_watcher_selects_its_device_before_waiting",),
     ),
     M(
         "comm.grow() never grows NCCL natively",

@@ -8,7 +8,7 @@ wrong argument raises ``TypeError`` where torch would); ``Stream``, ``ExternalSt
 and ``Event`` are subclasses of the real classes whose C++-level members (torch's
 ``_CudaStreamBase``/``_CudaEventBase``, absent from a CPU build) are simulated, so the
 real Python methods (``wait_event``, ``wait_stream``, ``record_event``) run on top;
-``tests/test_simgpu_device.py`` pins every overridden signature to torch's.
+``tests/testing/test_simgpu_device.py`` pins every overridden signature to torch's.
 
 Rules, with their source:
 
