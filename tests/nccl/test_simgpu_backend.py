@@ -22,16 +22,23 @@ import torch.distributed as dist
 import asynccoll as ac
 import streams
 from asynccoll._backends import nccl
-from asynccoll._base.ops import OpKind
+from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll.testing.simgpu import SimCluster
-from tests.support.simgpu_util import WAIT, submit, until
+from tests.support.simgpu_util import WAIT, close_all, comm_of, submit, until
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def close_all(*bes: Any) -> None:
-    for be in bes:
-        be.close()
+def on_device(index: int, fn: Any, *args: Any) -> threading.Thread:
+    """``fn(*args)`` on a new thread that works on ``cuda:index`` (as a user thread would)."""
+
+    def main() -> None:
+        torch.cuda.set_device(index)
+        fn(*args)
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    return t
 
 
 # ================================================================ stream ordering
@@ -82,6 +89,107 @@ def test_wait_stream_on_a_settled_work_and_by_handle() -> None:
         assert gpu.errors == []
 
 
+def test_wait_stream_on_a_queued_op_is_deadlock_free_with_one_hardware_queue() -> None:
+    # CUDA_DEVICE_MAX_CONNECTIONS=1: a wait enqueued before its producer (the old gate wait
+    # for a job the launcher had not issued) blocks the only queue, holding the NCCL kernel
+    # that would release it. Now wait_stream waits on the host for the launch, then makes
+    # the stream wait on the op's completion event (visible to CUDA).
+    with SimCluster(hw_queues=1, sync_limit=5.0) as sim:
+        gpu = sim.gpu
+        (be,) = sim.backends(1)
+        stuck = gpu.latch()
+        sim.nccl.block_calls(comm_of(be), stuck)
+        x = gpu.tensor([3.0])
+        out = gpu.tensor([0.0])
+        w = ac.Work("all_gather", 1)
+        be.submit(OpSpec(OpKind.ALL_GATHER, x, output=out, timeout=30.0), w)
+        until(lambda: be.handle.calling)
+        side = gpu.stream("side")
+
+        def user() -> None:  # program order on one thread: wait_stream, then work on `side`
+            w.wait_stream(side)
+            with torch.cuda.stream(side):
+                out.mul_(10)  # must come after the all_gather wrote `out`
+
+        waiter = on_device(0, user)
+        waiter.join(0.2)
+        sim.nccl.block_calls(comm_of(be), None)
+        stuck.open()
+        waiter.join(WAIT)
+        assert not waiter.is_alive()
+        w.wait(WAIT)
+        side.synchronize()
+        assert gpu.host(out).item() == 30.0
+        assert sim.gpu.driver.value_waits == 0
+        be.close()
+        assert gpu.errors == []
+
+
+def test_wait_stream_on_a_launched_op_waits_on_its_event() -> None:
+    with SimCluster(hw_queues=1) as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> float:
+            t = gpu.tensor([float(comm.rank + 1)])
+            w = comm.all_reduce(t)
+            side = gpu.stream("side")
+            w.wait_stream(side)
+            with gpu.use_stream(side):
+                t.add_(100)
+            await w
+            side.synchronize()
+            return gpu.host(t).item()
+
+        assert sim.run_comms(2, body) == [103.0, 103.0]
+        assert sim.gpu.driver.value_waits == 0  # a dependency CUDA sees: stream.wait_event
+        assert gpu.errors == []
+
+
+def test_abort_never_leaves_a_stream_waiting_on_the_device() -> None:
+    # Before: wait_stream enqueued cuStreamWaitValue32(gate >= 2) on `side`; abort wrote the
+    # gate from the host, then the aborted job 1's cuStreamWriteValue32(1) ran and moved
+    # it back; `side` reached its wait afterwards and blocked forever.
+    with SimCluster(sync_limit=5.0) as sim:
+        gpu = sim.gpu
+        be0, be1 = sim.backends(2)
+        side = gpu.stream("side")
+        hold = gpu.latch()
+        gpu.kernel(side, lambda: None, hold=hold)  # side is busy when the abort happens
+        c0 = comm_of(be0)
+        submit(be0, OpKind.ALL_REDUCE, gpu.tensor([1.0]))  # rank 1 never joins: stuck
+        until(lambda: sim.nccl.pushed(c0) == 1)
+        stuck = gpu.latch()
+        sim.nccl.block_calls(c0, stuck)
+        w2 = submit(be0, OpKind.ALL_REDUCE, gpu.tensor([2.0]))  # the lane sits in its NCCL call
+        until(lambda: be0.handle.calling)
+        waiter = on_device(0, w2.wait_stream, side)
+        be0.handle.abort_timeout = 0.5
+        be0.abort()
+        waiter.join(5.0)
+        assert not waiter.is_alive()  # the abort ended the wait for the launch
+        sim.nccl.block_calls(c0, None)
+        stuck.open()
+        hold.open()
+        gpu.idle()
+        assert side.query(), f"side still waits: {gpu.busy()}"
+        be1.abort()
+        close_all(be0, be1)
+
+
+def test_the_comm_stream_is_not_one_of_torchs_pool_streams() -> None:
+    with SimCluster() as sim:
+        bes = sim.backends(2)
+        pool = {
+            torch.cuda.Stream(device=d, priority=p).cuda_stream
+            for d in (0, 1)
+            for p in (0, -1, -2, -3)
+            for _ in range(32)
+        }
+        mine = {be.runtime.comm_stream.cuda_stream for be in bes}
+        assert len(mine) == 2 and not mine & pool
+        close_all(*bes)
+
+
 # ============================================================ allocator safety
 def test_tensors_of_an_aborted_op_are_protected_by_record_stream() -> None:
     with SimCluster(abort_drains=False) as sim:
@@ -118,6 +226,32 @@ def test_failed_op_keeps_its_tensors_until_abort() -> None:
         be.abort()
         assert be.stuck == 0
         be.close()
+
+
+def test_no_pinned_allocation_or_stream_memory_operation_mid_traffic() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> float:
+            t = gpu.tensor([1.0])
+            w = comm.all_reduce(t)
+            w.wait_stream(gpu.stream("side"))
+            await w
+            return gpu.host(t).item()
+
+        assert sim.run_comms(2, body) == [2.0, 2.0]
+        assert sim.gpu.driver.host_allocs == [] and gpu.errors == []
+    with SimCluster(stream_mem_ops=False) as sim:  # a device without stream memory operations
+
+        async def body2(comm: Any) -> float:
+            t = sim.gpu.tensor([1.0])
+            w = comm.all_reduce(t)
+            w.wait_stream(sim.gpu.stream("side"))
+            await w
+            return sim.gpu.host(t).item()
+
+        assert sim.run_comms(2, body2) == [2.0, 2.0]
+        assert sim.gpu.errors == []
 
 
 # ===================================================================== faults

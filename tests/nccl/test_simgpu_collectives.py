@@ -165,3 +165,36 @@ def test_every_collective_every_op_every_dtype(ws: int) -> None:
         assert gpu.errors == []
         assert sim.nccl.live() == []  # every communicator was finalized and destroyed
         assert all(st.destroyed for st in sim.nccl.comms)
+
+
+def test_fp8_reductions_are_refused_at_the_call_below_sm90() -> None:
+    fp8 = torch.float8_e4m3fn
+    with SimCluster(capability=(8, 0)) as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> Any:
+            t = gpu.tensor(torch.ones(4).to(fp8))
+            with pytest.raises(
+                ac.InvalidArgument, match="float8_e4m3fn"
+            ):  # validate.py asks be.caps
+                comm.all_reduce(t)
+            out = gpu.tensor(torch.zeros(8).to(fp8))
+            await comm.all_gather(out, t)  # moving fp8 is fine on any device
+            x = gpu.tensor([1.0])
+            await comm.all_reduce(x)  # the communicator is still usable
+            return comm.state, gpu.host(x).item()
+
+        assert sim.run_comms(2, body) == [("ok", 2.0)] * 2
+        assert gpu.errors == []
+    with SimCluster(capability=(9, 0)) as sim:
+
+        async def body90(comm: Any) -> float:
+            t = sim.gpu.tensor(torch.ones(4).to(fp8))
+            await comm.all_reduce(t)
+            # NCCL has no fp8 AVG on any device (found on an H100): refused at the call,
+            # not a broken communicator later
+            with pytest.raises(ac.InvalidArgument, match="float8_e4m3fn with ReduceOp.AVG"):
+                comm.all_reduce(t, ac.ReduceOp.AVG)
+            return float(sim.gpu.host(t).float()[0])
+
+        assert sim.run_comms(2, body90) == [2.0, 2.0]

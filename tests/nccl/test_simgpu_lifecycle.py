@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
 from typing import Any
 
 import nccl.core as nc
@@ -20,7 +21,7 @@ from asynccoll._backends import nccl
 from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import Rdv, SimCluster
-from tests.support.simgpu_util import WAIT, until
+from tests.support.simgpu_util import WAIT, comm_of, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,10 +30,6 @@ def submit(be: Any, t: Any, timeout: float = 30.0) -> Work:
     w = Work("all_reduce", 1)
     be.submit(OpSpec(OpKind.ALL_REDUCE, t, timeout=timeout), w)
     return w
-
-
-def comm_of(be: Any) -> Any:
-    return be.handle.communicator
 
 
 def init_raising(sim: SimCluster, exc: BaseException) -> None:
@@ -128,6 +125,20 @@ def test_a_failing_revoke_falls_back_to_abort_and_cannot_shrink() -> None:
             be.submit(OpSpec(OpKind.ALL_REDUCE, sim.gpu.tensor([1.0])), Work("all_reduce", 1))
         be.close()
         assert "aborted" in repr(be)
+
+
+def test_revoke_exists_from_nccl_2_28_7() -> None:
+    with SimCluster() as sim:
+        (be,) = sim.backends(1)
+        for version, expect in (((2, 28, 6), False), ((2, 28, 7), True), ((2, 29, 0), True)):
+            old = types.ModuleType(f"nccl.core({version})")
+            old.__dict__.update(vars(sim.nccl.module))
+            v = types.SimpleNamespace(major=version[0], minor=version[1], micro=version[2])
+            old.get_version = lambda v=v: types.SimpleNamespace(
+                libnccl=types.SimpleNamespace(version=v)
+            )  # type: ignore[attr-defined]
+            assert nccl.NcclLib(old).can_revoke(comm_of(be)) is expect, version
+        be.close()
 
 
 def test_an_unusable_communicator_fails_the_ops_in_flight() -> None:

@@ -146,6 +146,26 @@ def test_planned_shrink_of_a_healthy_comm_uses_default() -> None:
         assert gpu.errors == []
 
 
+def test_shrink_after_a_user_abort_without_failures_builds_a_new_communicator() -> None:
+    with SimCluster() as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> float:
+            await comm.all_reduce(gpu.tensor([1.0]))
+            comm.abort("user")
+            new = await asyncio.wait_for(comm.shrink(), WAIT)  # nobody failed: excludes nothing
+            try:
+                x = gpu.tensor([float(new.rank + 1)])
+                await asyncio.wait_for(new.all_reduce(x), WAIT)
+                return gpu.host(x).item()
+            finally:
+                await new.close()
+
+        assert sim.run_comms(2, body) == [3.0, 3.0]
+        assert all(st.shrink_flags == [] for st in sim.nccl.comms)  # no ncclCommShrink([])
+        assert sim.gpu.errors == []
+
+
 # ===================================================================== fallbacks
 def test_without_revoke_abort_is_ncclcommabort_and_shrink_inits_afresh() -> None:
     with SimCluster(revoke=False) as sim:

@@ -27,7 +27,8 @@ from tests.support import paths
 
 ROOT = str(paths.ROOT)
 NCCL = "asynccoll/_backends/nccl/"
-BUGS = "tests/test_simgpu_bugs.py::"
+LAUNCH = "tests/nccl/test_simgpu_launch.py::"
+SHRINK = "tests/nccl/test_simgpu_shrink.py::"
 BACKEND = "tests/nccl/test_simgpu_backend.py::"
 
 
@@ -54,7 +55,7 @@ MUTATIONS = [
         NCCL + "cuda.py",
         "self.comm_stream = streams.own_streams().acquire(index)",
         "self.comm_stream = torch.cuda.Stream(device=index, priority=-3)",
-        (BUGS + "test_4_the_comm_stream_is_not_one_of_torchs_pool_streams",),
+        (BACKEND + "test_the_comm_stream_is_not_one_of_torchs_pool_streams",),
     ),
     M(
         "the ready event recorded on the comm stream, not the caller's",
@@ -82,7 +83,7 @@ MUTATIONS = [
         NCCL + "launcher.py",
         "if not job.settled:",
         "if False:",
-        (BUGS + "test_3_wait_stream_on_a_queued_op_is_deadlock_free_with_one_hardware_queue",),
+        (BACKEND + "test_wait_stream_on_a_queued_op_is_deadlock_free_with_one_hardware_queue",),
     ),
     M(
         "wait_stream orders nothing",
@@ -103,14 +104,14 @@ MUTATIONS = [
         NCCL + "launcher.py",
         "lib.poison_group(comm, self._rt.scratch, stream, self.world_size)",
         "pass",
-        (BUGS + "test_1_a_call_failing_inside_a_group_launches_nothing",),
+        (LAUNCH + "test_a_call_failing_inside_a_group_launches_nothing",),
     ),
     M(
         "a failed group ended with ncclGroupSimulateEnd",
         NCCL + "launcher.py",
         "lib.poison_group(comm, self._rt.scratch, stream, self.world_size)",
         "lib._nc.group_end(simulate=True); lib.group_start()",
-        (BUGS + "test_1_a_call_failing_inside_a_group_launches_nothing",),
+        (LAUNCH + "test_a_call_failing_inside_a_group_launches_nothing",),
     ),
     M(
         "shrink ignores the op being launched",
@@ -124,7 +125,7 @@ MUTATIONS = [
         NCCL + "launcher.py",
         'streams.EventWatcher(f"nccl{device.index}", cuda_device=device.index)',
         'streams.EventWatcher(f"nccl{device.index}")',
-        (BUGS + "test_6_every_thread_works_on_its_communicators_device",),
+        (LAUNCH + "test_every_thread_works_on_its_communicators_device",),
     ),
     M(
         "bool reduced as uint8 SUM",
@@ -166,51 +167,51 @@ MUTATIONS = [
         NCCL + "lib.py",
         "REVOKE_SINCE = (2, 28, 7)",
         "REVOKE_SINCE = (2, 29, 0)",
-        (BUGS + "test_10_revoke_exists_from_nccl_2_28_7",),
+        ("tests/nccl/test_simgpu_lifecycle.py::test_revoke_exists_from_nccl_2_28_7",),
     ),
     M(
         "fp8 reductions allowed below sm_90",
         NCCL + "caps.py",
         "drop = FP8 if capability is not None",
         "drop = frozenset() if capability is not None",
-        (BUGS + "test_7_fp8_reductions_are_refused_at_the_call_below_sm90",),
+        (
+            "tests/nccl/test_simgpu_collectives.py::test_fp8_reductions_are_refused_at_the_call_below_sm90",
+        ),
     ),
     M(
         "bool AVG allowed",
         NCCL + "caps.py",
         "ReduceOp.AVG: _NUMERIC | COMPLEX,",
         "ReduceOp.AVG: _NUMERIC | COMPLEX | {torch.bool},",
-        (BUGS + "test_1_every_argument_is_resolved_before_the_group_starts",),
+        (LAUNCH + "test_every_argument_is_resolved_before_the_group_starts",),
     ),
     M(
         "one launch thread per communicator",
         NCCL + "lanes.py",
         "lane = _LANES.get(index)",
         "lane = None",
-        (BUGS + "test_8_communicators_of_a_device_launch_in_issue_order",),
+        (LAUNCH + "test_communicators_of_a_device_launch_in_issue_order",),
     ),
     M(
         "ncclCommShrink with nothing to exclude",
         NCCL + "agree.py",
         "    if not exclude:\n",
         "    if False:\n",
-        (BUGS + "test_5_shrink_after_a_user_abort_without_failures_builds_a_new_communicator",),
+        (SHRINK + "test_shrink_after_a_user_abort_without_failures_builds_a_new_communicator",),
     ),
     M(
         "a stopped communicator finalized on close",
         NCCL + "handle.py",
         "        if self.stopping:\n            self.discard()",
         "        if False:\n            self.discard()",
-        ("tests/nccl/test_simgpu_shrink.py::test_a_revoked_backend_is_shrinkable_and_close_aborts_it",),
+        (SHRINK + "test_a_revoked_backend_is_shrinkable_and_close_aborts_it",),
     ),
     M(
         "the shrunk child used before its parent's job ended",
         NCCL + "handle.py",
         'self._child_ready(parent, child, deadline, "NCCL shrink")',
         'wait_ready(child, self.lib, deadline, "NCCL shrink")',
-        (
-            "tests/nccl/test_simgpu_shrink.py::test_dead_rank_survivors_revoke_then_shrink_with_abort_no_fresh_init",
-        ),
+        (SHRINK + "test_dead_rank_survivors_revoke_then_shrink_with_abort_no_fresh_init",),
     ),
     M(
         "init outside the device guard",

@@ -1,4 +1,5 @@
-"""What the simulated-GPU backend tests share: polling for a condition and submitting one op."""
+"""What the simulated-GPU backend tests share: polling for a condition, submitting one op, the
+NCCL communicator under a backend, closing backends."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def submit(be: Any, kind: OpKind, t: Any, timeout: float = 30.0, **kw: Any) -> W
     w = Work(kind.value, 1)
     be.submit(OpSpec(kind, t, timeout=timeout, **kw), w)
     return w
+
+
+def comm_of(be: Any) -> Any:
+    """The (simulated) nccl4py communicator under an NCCL backend."""
+    return be.handle.communicator
+
+
+def close_all(*bes: Any) -> None:
+    for be in bes:
+        be.close()
