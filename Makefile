@@ -41,7 +41,7 @@ $(VENV13)/bin/.installed: pyproject.toml
 
 test-cu13: $(VENV13)/bin/.installed
 	$(VENV13)/bin/python -c "import sys, cuda.bindings as b; v = b.__version__; print('cuda-bindings', v); sys.exit(v[:3] != '13.')"
-	$(VENV13)/bin/python -m pytest -q $(PYTEST_ARGS) tests/*/test_simgpu_*.py tests/test_simgpu_*.py tests/nccl/test_nccl4py.py tests/streams tests/test_doctor.py
+	$(VENV13)/bin/python -m pytest -q $(PYTEST_ARGS) tests/*/test_simgpu_*.py tests/nccl/test_nccl4py.py tests/streams tests/project/test_doctor.py
 
 bench: venv
 	$(BIN)/python -m bench

@@ -1,7 +1,7 @@
 """Sphinx configuration of the asynccoll documentation (``make docs``).
 
 Sphinx + autodoc (why: see ``docs/contributing.md``). The API reference is generated
-from the docstrings of the installed packages: ``tests/test_docs.py`` fails when a
+from the docstrings of the installed packages: ``tests/project/test_docs.py`` fails when a
 public name has no docstring or no entry in ``docs/reference/``. The build runs
 with warnings as errors (``-W``) and nitpicky cross-references (``-n``).
 """

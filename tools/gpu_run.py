@@ -12,7 +12,8 @@ else ``bench/results/gpu``), so a run stopped at any point leaves what it found:
    nothing to run", exit 0, in seconds.
 1. ``gpu_tests.log`` / ``gpu_tests.xml``: pytest on ``tests/nccl/test_gpu.py``, the GPU
    tests of ``tests/streams/test_streams.py`` and ``tests/nccl/test_nccl4py.py``,
-   ``tests/test_doctor.py`` and the GPU guide's script, ``--workers`` processes (at most 240 s).
+   ``tests/project/test_doctor.py`` and the GPU guide's script, ``--workers`` processes
+   (at most 240 s).
 2. ``bench.txt`` / ``bench.json``: ``python -m bench.gpu`` (asynccoll under asyncio and
    uvloop against torch's ProcessGroupNCCL, world size 1; at most 120 s).
 
@@ -40,8 +41,8 @@ TESTS = [
     "tests/nccl/test_gpu.py",
     "tests/streams/test_streams.py",
     "tests/nccl/test_nccl4py.py",
-    "tests/test_doctor.py",
-    "tests/test_docs.py::test_script_runs",
+    "tests/project/test_doctor.py",
+    "tests/project/test_docs.py::test_script_runs",
 ]
 #: pytest -k: every test of the files above but the docs' scripts other than the GPU guide's.
 SELECT = "not test_script_runs or gpu"

@@ -42,7 +42,7 @@ GUIDE = ROOT / "docs" / "guides" / "debugging.md"
 
 
 def guide_script() -> str:
-    """The guide's first complete script (the one ``tests/test_docs.py`` runs)."""
+    """The guide's first complete script (the one ``tests/project/test_docs.py`` runs)."""
     blocks = re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), flags=re.S | re.M)
     return next(b for b in blocks if 'if __name__ == "__main__":' in b)
 

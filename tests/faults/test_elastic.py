@@ -1,6 +1,6 @@
 """Elastic membership (API.md §5) on real processes: ``ac.join``, ``waiting()``, ``grow()``,
 ``broadcast_state``; deaths and freezes inside a grow and inside a state transfer; the
-store CLI. The end-to-end torchrun recipe is ``tests/test_examples.py``'s elastic test.
+store CLI. The end-to-end torchrun recipe is ``tests/project/test_examples.py``'s elastic test.
 
 No timing assertions beyond generous bounds that tell detection from a deadline; how
 fast is measured in ``bench/elastic.py``.

@@ -4,7 +4,7 @@
   ``streams.__all__``) has a docstring, every public method and property of a public
   class too, and each name has an entry in ``docs/reference/``; every entry there
   names something that exists.
-* Every complete script in the docs runs. Convention (as in ``tests/test_readme.py``):
+* Every complete script in the docs runs. Convention (as in ``tests/project/test_readme.py``):
   a ```python block that contains ``if __name__ == "__main__":`` is a complete
   script; it is written to a file and run with this Python, the repository on
   ``PYTHONPATH``, under a deadline. A script whose first line is
