@@ -1,8 +1,9 @@
-"""Rank functions of tests/test_gpu.py, run on the one real GPU (run_ranks needs them importable).
+"""Rank functions of tests/nccl/test_gpu.py, run on the one real GPU (run_ranks needs them
+importable).
 
 Each runs in a rank process of its own, never in the pytest process (which also runs the
-simulated GPU's doubles of ``torch.cuda``). ``python tests/gpu_ranks.py stall LOOP`` runs
-the event-loop stall check in a fresh process (a cold init needs one).
+simulated GPU's doubles of ``torch.cuda``). ``python tests/support/gpu_ranks.py stall LOOP``
+runs the event-loop stall check in a fresh process (a cold init needs one).
 """
 
 from __future__ import annotations
