@@ -22,7 +22,7 @@ import torch
 import asynccoll as ac
 from asynccoll._backends.gate import MemoryGate, spans
 from asynccoll._base.ops import OpKind, OpSpec
-from asynccoll._core.work import Bundle, Work
+from asynccoll._core.work import Bundle
 from asynccoll.testing import run_ranks
 from tests.support.backends import LOOPS, gather
 from tests.support.paths import ROOT
@@ -183,8 +183,8 @@ def _spec(t: torch.Tensor, out: torch.Tensor | None = None) -> OpSpec:
     return OpSpec(OpKind.ALL_REDUCE if out is None else OpKind.ALL_GATHER, t, out)
 
 
-def _gate() -> tuple[MemoryGate, list[tuple[list[Work], BaseException]]]:
-    refused: list[tuple[list[Work], BaseException]] = []
+def _gate() -> tuple[MemoryGate, list[tuple[list[ac.Work], BaseException]]]:
+    refused: list[tuple[list[ac.Work], BaseException]] = []
     return MemoryGate(lambda works, exc: refused.append((list(works), exc))), refused
 
 
@@ -192,7 +192,7 @@ def test_gate_holds_overlaps_and_everything_after_them_in_call_order() -> None:
     (gate, _), issued = _gate(), []
     buf = torch.zeros(16)
     other = torch.zeros(4)
-    w = [Work("op", i) for i in range(5)]
+    w = [ac.Work("op", i) for i in range(5)]
     assert gate.run(spans([_spec(buf[0:8])]), [w[0]], issued.append, 0)
     assert gate.run(spans([_spec(buf[8:16])]), [w[1]], issued.append, 1)  # adjacent, disjoint: goes
     assert not gate.run(spans([_spec(buf[7:9])]), [w[2]], issued.append, 2)  # overlaps both
@@ -210,9 +210,9 @@ def test_gate_holds_overlaps_and_everything_after_them_in_call_order() -> None:
 def test_gate_releases_a_batch_when_all_its_works_finished() -> None:
     (gate, _), issued = _gate(), []
     a, b = torch.zeros(4), torch.zeros(4)
-    members = [Work("all_reduce", 1), Work("all_reduce", 2)]
+    members = [ac.Work("all_reduce", 1), ac.Work("all_reduce", 2)]
     assert gate.run(spans([_spec(a), _spec(b)]), members, issued.append, "batch")
-    later = Work("all_reduce", 3)
+    later = ac.Work("all_reduce", 3)
     assert not gate.run(spans([_spec(b)]), [later], issued.append, "after")
     gate.finished([members[0]])
     assert issued == ["batch"]  # one member still in flight: b stays taken
@@ -223,9 +223,9 @@ def test_gate_releases_a_batch_when_all_its_works_finished() -> None:
 def test_gate_counts_inputs_and_outputs_and_hands_back_failed_issues() -> None:
     gate, refused = _gate()
     src, out = torch.zeros(4), torch.zeros(8)
-    first = Work("all_gather", 1)
+    first = ac.Work("all_gather", 1)
     assert gate.run(spans([_spec(src, out)]), [first], lambda: None)
-    reader = Work("broadcast", 2)
+    reader = ac.Work("broadcast", 2)
 
     def refuse() -> None:
         raise ac.InvalidArgument("refused when its turn came")
@@ -235,7 +235,7 @@ def test_gate_counts_inputs_and_outputs_and_hands_back_failed_issues() -> None:
     [(works, exc)] = refused
     assert works == [reader] and isinstance(exc, ac.InvalidArgument)
     assert gate.run(
-        spans([_spec(out)]), [Work("all_reduce", 3)], lambda: None
+        spans([_spec(out)]), [ac.Work("all_reduce", 3)], lambda: None
     )  # nothing left behind
 
 
@@ -247,8 +247,8 @@ def test_gate_a_failed_issue_leaves_nothing_behind() -> None:
         raise ac.InvalidArgument("bad")
 
     with pytest.raises(ac.InvalidArgument):
-        gate.run(spans([_spec(t)]), [Work("all_reduce", 1)], refuse)
-    assert gate.run(spans([_spec(t)]), [Work("all_reduce", 2)], lambda: None)
+        gate.run(spans([_spec(t)]), [ac.Work("all_reduce", 1)], refuse)
+    assert gate.run(spans([_spec(t)]), [ac.Work("all_reduce", 2)], lambda: None)
     assert not refused  # the caller got its own op's error
 
 
@@ -257,14 +257,14 @@ def test_gate_absorbs_what_finished_on_the_next_call_when_nothing_is_held() -> N
     absorbs it. A call held meanwhile absorbs it too, and goes at once."""
     (gate, _), issued = _gate(), []
     t = torch.zeros(4)
-    first, second = Work("all_reduce", 1), Work("all_reduce", 2)
+    first, second = ac.Work("all_reduce", 1), ac.Work("all_reduce", 2)
     assert gate.run(spans([_spec(t)]), [first], issued.append, 1)
     gate.finished([first])  # reported, not absorbed yet
     assert gate.run(spans([_spec(t)]), [second], issued.append, 2)  # absorbed first: goes
     # A report that lands after run()'s first absorb but before the call is held
     # (the race the second absorb closes): the held call still goes, without any
     # further report.
-    third = Work("all_reduce", 3)
+    third = ac.Work("all_reduce", 3)
     real_overlaps = gate._overlaps
 
     def report_meanwhile(ranges: list[tuple[int, int]]) -> bool:
@@ -282,7 +282,7 @@ def test_gate_bounds_what_it_keeps_unabsorbed() -> None:
     """Reports nobody absorbs (no further calls) keep their Works alive: past
     ``absorb_after`` of them the reporting thread absorbs them itself."""
     (gate, _), issued = _gate(), []
-    works = [Work("all_reduce", i) for i in range(2 * MemoryGate.absorb_after)]
+    works = [ac.Work("all_reduce", i) for i in range(2 * MemoryGate.absorb_after)]
     tensors = [torch.zeros(2) for _ in works]
     for i, (w, t) in enumerate(zip(works, tensors)):
         assert gate.run(spans([_spec(t)]), [w], issued.append, i)
@@ -294,9 +294,9 @@ def test_gate_bounds_what_it_keeps_unabsorbed() -> None:
 def test_gate_close_drops_what_it_holds() -> None:
     (gate, _), issued = _gate(), []
     t = torch.zeros(4)
-    first = Work("all_reduce", 1)
+    first = ac.Work("all_reduce", 1)
     gate.run(spans([_spec(t)]), [first], issued.append, 1)
-    gate.run(spans([_spec(t)]), [Work("all_reduce", 2)], issued.append, 2)
+    gate.run(spans([_spec(t)]), [ac.Work("all_reduce", 2)], issued.append, 2)
     gate.close()
     gate.finished([first])
     assert issued == [1] and gate.holding == 0 and not gate._done

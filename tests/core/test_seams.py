@@ -18,7 +18,6 @@ from asynccoll._bootstrap.build import Factories, build_gloo
 from asynccoll._bootstrap.init import init_with
 from asynccoll._core import validate
 from asynccoll._core.backend import ANY, Backend
-from asynccoll._core.work import Work
 from asynccoll._diag.fingerprint import FingerprintChecker
 from asynccoll._faults.liveness import Liveness
 
@@ -77,7 +76,7 @@ def test_checked_backend_forwards_each_declared_attribute() -> None:
 
 
 def test_work_stream_hook_is_set_through_a_method() -> None:
-    work = Work("all_reduce", 1)
+    work = ac.Work("all_reduce", 1)
     work.wait_stream()  # no hook: a no-op (CPU ops)
     seen: list[Any] = []
     work.set_stream_hook(seen.append)

@@ -375,9 +375,9 @@ def test_cancelled_nursery_leaves_nothing_behind() -> None:
 # ------------------------------------------------------------ a loop of its own per rank
 def test_a_trio_waiter_on_another_thread_sees_completion() -> None:
     """A Work settled from a plain thread wakes a trio task on another thread's trio run."""
-    from asynccoll._core.work import Wakeups, Work
+    from asynccoll._core.work import Wakeups
 
-    work = Work("all_reduce", 1)
+    work = ac.Work("all_reduce", 1)
     got: list[Any] = []
     parked = threading.Event()
 

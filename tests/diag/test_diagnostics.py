@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import asynccoll as ac
-from asynccoll._base.ops import OpKind, OpSpec, ReduceOp
+from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll._base.recorder import FlightRecorder
 from asynccoll.testing import run_ranks, skip_collective
 
@@ -226,7 +226,7 @@ def test_mismatch_text_is_the_same_whichever_rank_detects_it() -> None:
     (the suite once failed at random on ``seq 2 broadcast`` vs ``seq 2 all_reduce``)."""
     from asynccoll._diag.mismatch import fingerprint, mismatch
 
-    reduce = OpSpec(OpKind.ALL_REDUCE, torch.ones(4), reduce_op=ReduceOp.SUM)
+    reduce = OpSpec(OpKind.ALL_REDUCE, torch.ones(4), reduce_op=ac.ReduceOp.SUM)
     bcast = OpSpec(OpKind.BROADCAST, torch.ones(4), peer=0)
     seqs = {0: 2, 1: 2, 2: 2}
     single = {0: fingerprint(reduce), 1: fingerprint(reduce), 2: fingerprint(bcast)}
@@ -496,7 +496,7 @@ def test_timeline_is_valid_chrome_trace(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ flight recorder
 def _spec(n: int) -> OpSpec:
-    return OpSpec(OpKind.ALL_REDUCE, torch.ones(n), reduce_op=ReduceOp.SUM)
+    return OpSpec(OpKind.ALL_REDUCE, torch.ones(n), reduce_op=ac.ReduceOp.SUM)
 
 
 def test_flight_record_is_bounded_under_100k_ops() -> None:
@@ -558,7 +558,7 @@ def test_flight_record_of_a_batch_is_its_members_recorded_one_by_one(
         if kind == "scatter":
             return OpSpec(OpKind.SCATTER, None, t, peer=1)
         return OpSpec(
-            OpKind(kind), t, reduce_op=ReduceOp.MAX if i % 2 else ReduceOp.SUM, peer=i % 3
+            OpKind(kind), t, reduce_op=ac.ReduceOp.MAX if i % 2 else ac.ReduceOp.SUM, peer=i % 3
         )
 
     members = [(types.SimpleNamespace(seq=3 + i, op=k), spec(i, k)) for i, k in enumerate(kinds)]
@@ -762,7 +762,7 @@ def test_a_flight_record_written_after_close_still_names_the_held_ops() -> None:
     in_a, in_b = socket.socketpair()
     checker = FingerprintChecker(0, 2, {1: out_a}, {1: in_a})
     try:
-        spec = OpSpec(OpKind.ALL_REDUCE, torch.ones(4), reduce_op=ReduceOp.SUM)
+        spec = OpSpec(OpKind.ALL_REDUCE, torch.ones(4), reduce_op=ac.ReduceOp.SUM)
         work = ac.Work("all_reduce", 3)
         checker.gate_op(spec, work, lambda: None)  # rank 1 never sends its fingerprint: held
         held = [{"seq": 3, "ops": ["all_reduce"], "waiting_for": [1]}]

@@ -205,8 +205,7 @@ def test_grow_on_nccl_on_the_simulated_gpu(native: bool) -> None:
     import asyncio
 
     from asynccoll._bootstrap.init import init_with, join_with
-    from asynccoll.testing.simgpu import SimCluster
-    from asynccoll.testing.simgpu.runtime import run_threads
+    from asynccoll.testing.simgpu import SimCluster, run_threads
 
     with SimCluster(grow=native) as sim:
         store = dist.HashStore()

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 import asynccoll as ac
-from asynccoll._base.errors import CommAborted
 from asynccoll._faults.liveness import Liveness
 from asynccoll.testing import RankContext, run_ranks
 from tests.support.spies import Sets
@@ -107,7 +106,7 @@ def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
             assert time.monotonic() < end, "rank 0 never said goodbye"
             time.sleep(0.01)
         members[0].publish_abort(
-            CommAborted("all_reduce (seq 3) timed out")
+            ac.CommAborted("all_reduce (seq 3) timed out")
         )  # ...then the abort hook
         assert heard.wait(10), "rank 1 never heard rank 0's abort"
     finally:
@@ -144,7 +143,7 @@ def test_abort_news_recorded_without_a_wake_goes_out_on_wake_or_at_the_next_beat
         svc = members[0]._service
         assert svc is not None and svc is members[1]._service  # one service per process and store
         sets = Sets(svc._wake)
-        members[0].publish_abort(CommAborted("aborted by the user"), wake=False)
+        members[0].publish_abort(ac.CommAborted("aborted by the user"), wake=False)
         assert sets.n == 0, "recording the news woke the service"
         if woken:
             members[0].wake()

@@ -23,7 +23,6 @@ import torch
 import asynccoll as ac
 import streams
 from asynccoll._backends import nccl
-from asynccoll._base.ops import ReduceOp
 from tests.support.ports import unused_port
 
 HAS_CUDA = torch.cuda.is_available()
@@ -189,13 +188,13 @@ def test_contract_real_ncclib_maps_every_reduce_op() -> None:
 
     lib = nccl.NcclLib()
     want = {
-        ReduceOp.SUM: nc.NcclRedOp.SUM,
-        ReduceOp.PROD: nc.NcclRedOp.PROD,
-        ReduceOp.MIN: nc.NcclRedOp.MIN,
-        ReduceOp.MAX: nc.NcclRedOp.MAX,
-        ReduceOp.AVG: nc.NcclRedOp.AVG,
+        ac.ReduceOp.SUM: nc.NcclRedOp.SUM,
+        ac.ReduceOp.PROD: nc.NcclRedOp.PROD,
+        ac.ReduceOp.MIN: nc.NcclRedOp.MIN,
+        ac.ReduceOp.MAX: nc.NcclRedOp.MAX,
+        ac.ReduceOp.AVG: nc.NcclRedOp.AVG,
     }
-    for op in ReduceOp:
+    for op in ac.ReduceOp:
         assert lib.redop(op) is want[op]
 
 
@@ -251,17 +250,20 @@ def test_caps_bool_reduces_except_avg_and_fp8_needs_sm90() -> None:
     # would store 2 in a bool, so the backend reduces bool with MAX/MIN (or/and); AVG
     # has no meaning for bool. This table is the one validate.py must agree with.
     caps = nccl.CAPS
-    for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX):
+    for op in (ac.ReduceOp.SUM, ac.ReduceOp.PROD, ac.ReduceOp.MIN, ac.ReduceOp.MAX):
         assert torch.bool in caps.reduce[op] and caps.refusal(op, torch.bool) is None
-    assert torch.bool not in caps.reduce[ReduceOp.AVG]
-    assert "AVG is not defined" in (caps.refusal(ReduceOp.AVG, torch.bool) or "")
+    assert torch.bool not in caps.reduce[ac.ReduceOp.AVG]
+    assert "AVG is not defined" in (caps.refusal(ac.ReduceOp.AVG, torch.bool) or "")
     assert (
-        nccl.COMPLEX <= caps.reduce[ReduceOp.SUM] and not nccl.COMPLEX & caps.reduce[ReduceOp.MAX]
+        nccl.COMPLEX <= caps.reduce[ac.ReduceOp.SUM]
+        and not nccl.COMPLEX & caps.reduce[ac.ReduceOp.MAX]
     )
     fp8 = torch.float8_e4m3fn
-    assert fp8 in caps.for_device((9, 0)).reduce[ReduceOp.SUM]
+    assert fp8 in caps.for_device((9, 0)).reduce[ac.ReduceOp.SUM]
     old = caps.for_device((8, 9))
-    assert fp8 not in old.reduce[ReduceOp.SUM] and "sm_90" in (old.refusal(ReduceOp.SUM, fp8) or "")
+    assert fp8 not in old.reduce[ac.ReduceOp.SUM] and "sm_90" in (
+        old.refusal(ac.ReduceOp.SUM, fp8) or ""
+    )
     assert old.move is None  # every dtype still moves (as bytes where not native)
 
 

@@ -16,7 +16,6 @@ import torch.distributed as dist
 import asynccoll as ac
 from asynccoll._backends import nccl
 from asynccoll._base.ops import OpKind, OpSpec
-from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import SimCluster
 from asynccoll.testing.simgpu.runtime import standalone_sink
 
@@ -48,7 +47,7 @@ def all_reduce(bes: list[Any], sim: SimCluster) -> list[float]:
     ts = [sim.gpu.tensor([float(be.rank + 1)], device=be.device) for be in bes]
     works = []
     for be, t in zip(bes, ts):
-        w = Work("all_reduce", 1)
+        w = ac.Work("all_reduce", 1)
         be.submit(OpSpec(OpKind.ALL_REDUCE, t, timeout=WAIT), w)
         works.append(w)
     for w in works:

@@ -19,15 +19,14 @@ from nccl.bindings.nccl import NCCLError, Result
 import asynccoll as ac
 from asynccoll._backends import nccl
 from asynccoll._base.ops import OpKind, OpSpec
-from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import Rdv, SimCluster
 from tests.support.simgpu_util import WAIT, comm_of, until
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def submit(be: Any, t: Any, timeout: float = 30.0) -> Work:
-    w = Work("all_reduce", 1)
+def submit(be: Any, t: Any, timeout: float = 30.0) -> ac.Work:
+    w = ac.Work("all_reduce", 1)
     be.submit(OpSpec(OpKind.ALL_REDUCE, t, timeout=timeout), w)
     return w
 
@@ -122,7 +121,7 @@ def test_a_failing_revoke_falls_back_to_abort_and_cannot_shrink() -> None:
         with pytest.raises(ac.CommAborted):
             be.shrink([1])
         with pytest.raises(ac.CommAborted):
-            be.submit(OpSpec(OpKind.ALL_REDUCE, sim.gpu.tensor([1.0])), Work("all_reduce", 1))
+            be.submit(OpSpec(OpKind.ALL_REDUCE, sim.gpu.tensor([1.0])), ac.Work("all_reduce", 1))
         be.close()
         assert "aborted" in repr(be)
 

@@ -20,7 +20,6 @@ import pytest
 
 import asynccoll as ac
 from asynccoll._base.ops import OpKind, OpSpec
-from asynccoll._core.work import Work
 from asynccoll.testing.simgpu import SimCluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -200,7 +199,7 @@ def test_abort_with_a_stalled_revoke_is_bounded_and_cannot_shrink() -> None:
         be0, be1 = sim.backends(2)
         be0.handle.abort_timeout = 0.4
         st = sim.nccl.state(be0.handle.communicator)
-        w = Work("all_reduce", 1)
+        w = ac.Work("all_reduce", 1)
         be0.submit(
             OpSpec(OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]), timeout=30.0), w
         )  # rank 1 never joins

@@ -469,7 +469,6 @@ async def nccl_group_error_rule(ctx: RankContext) -> dict[str, Any]:
     with NCCL 2.28.9 (world size 1, non-blocking) they did, though 2.30's group.cc reads
     "launches nothing" (docs/verified.md). Raw nccl4py, through asynccoll's ``NcclLib``."""
     from asynccoll._backends.nccl import NcclLib, abort_quietly, wait_ready
-    from asynccoll._base.ops import ReduceOp
 
     lib = NcclLib()
     torch.cuda.set_device(DEV)
@@ -484,7 +483,7 @@ async def nccl_group_error_rule(ctx: RankContext) -> dict[str, Any]:
     # call, inside the group or not (src/enqueue.cc taskAppend: "single rank communicators,
     # collectives are issued as ncclMemcpyAsyncs"; seen on the H100: the copy ran though
     # group_end failed); AVG (PreMulSum) is a task of the group, as every op is at world size > 1
-    comm.allreduce(src, dst, lib.redop(ReduceOp.AVG), stream=stream.cuda_stream)
+    comm.allreduce(src, dst, lib.redop(ac.ReduceOp.AVG), stream=stream.cuda_stream)
     lib.poison_group(comm, src, stream.cuda_stream, 1)  # a send to rank 1 of 1
     try:
         lib.group_end()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import asynccoll as ac
 from asynccoll._base.ops import OpKind, OpSpec
-from asynccoll._core.work import Work
 
 WAIT = 20.0
 
@@ -21,8 +21,8 @@ def until(pred: Any, timeout: float = WAIT) -> None:
     raise AssertionError("condition not reached")
 
 
-def submit(be: Any, kind: OpKind, t: Any, timeout: float = 30.0, **kw: Any) -> Work:
-    w = Work(kind.value, 1)
+def submit(be: Any, kind: OpKind, t: Any, timeout: float = 30.0, **kw: Any) -> ac.Work:
+    w = ac.Work(kind.value, 1)
     be.submit(OpSpec(kind, t, timeout=timeout, **kw), w)
     return w
 
