@@ -1,4 +1,4 @@
-"""The chaos soak in short (issue 19): ``python -m bench.chaos`` for 45 seconds.
+"""The chaos soak in short: ``python -m bench.chaos`` for 45 seconds.
 
 Four ranks run random op streams (every collective, coalesced batches, p2p,
 objects) while the driver SIGKILLs, SIGSTOPs/SIGCONTs and aborts them, and

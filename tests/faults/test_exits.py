@@ -1,4 +1,4 @@
-"""Processes end promptly and quietly (issue 19, items 3 and 4).
+"""Processes end promptly and quietly.
 
 Real processes started the way a user starts them (``python script.py``, ranks
 launched one by one with ``master_addr``/``master_port``, so rank 0 hosts the

@@ -1,4 +1,4 @@
-"""Liveness (issue 19): abort news never lost, a live rank never declared dead, O(1) store
+"""Liveness: abort news never lost, a live rank never declared dead, O(1) store
 requests per rank per beat.
 
 The in-process tests run several members of one communicator in this process, on a

@@ -130,7 +130,7 @@ def test_elastic_recipe_with_torchrun_rank_killed_restarted_rejoins(tmp_path: Pa
     assert re.search(r"shrunk\s+3 -> 2 ranks", out), out
     # torchrun logs each worker that exits non-zero: the killed one, and never a survivor during
     # training. The one exception is Gloo's teardown abort at interpreter exit after the job has
-    # finished (issue 19, "terminate called without an active exception", about 1 process exit in
+    # finished ("terminate called without an active exception", about 1 process exit in
     # 40 here, with or without elastic calls): its torchrun restarts it, and the restarted worker
     # sees the job finished and says so. Every such crash must be accounted for that way.
     failed = re.findall(r"failed \(exitcode: (-?\d+)\)", out)

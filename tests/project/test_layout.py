@@ -1,4 +1,4 @@
-"""The layout guard (issue 18): rooms, arrows, sizes and private reaches, read from the source.
+"""The layout guard: rooms, arrows, sizes and private reaches, read from the source.
 
 Everything here parses the package with ``ast``; nothing is imported, so the whole file
 runs in well under a second. Definitions (the tests below apply them as written):
@@ -76,7 +76,7 @@ VENDOR_PUBLIC = {
     "os._exit",  # the os module's docs: "exit the process ... without calling cleanup handlers"
     "asyncio._get_running_loop",  # in asyncio.events.__all__: the loop or None, without raising
 }
-#: At most this many private reaches outside the friend and the allowlist (issue 18).
+#: At most this many private reaches outside the friend and the allowlist.
 MAX_REACHES = 10
 
 

@@ -94,7 +94,7 @@ def test_sim_nccl_reports_real_result_codes_and_in_progress() -> None:
         assert sim.nccl.live() == []
 
 
-# ============================================================ groups (bug 1)
+# ================================================================== groups
 def test_simulate_end_launches_a_non_blocking_group() -> None:
     # group.cc:762-764/852-857: a non-blocking group goes to groupLaunchNonBlocking,
     # which calls groupLaunch without the simulation info.
@@ -139,7 +139,7 @@ def test_a_failed_nccl_call_fails_the_group_and_launches_nothing() -> None:
         comm2.abort()
 
 
-# ================================================================ fp8 (bug 7)
+# ===================================================================== fp8
 def test_fp8_reductions_need_sm90() -> None:
     fp8 = torch.float8_e4m3fn
     for cap, ok in (((9, 0), True), ((8, 9), False)):
