@@ -677,7 +677,7 @@ _SIGINT_RANK = textwrap.dedent(
 
 @pytest.mark.timeout(60)
 def test_ctrl_c_during_a_long_op_exits_promptly(tmp_path: Any) -> None:
-    from ports import unused_port
+    from tests.support.ports import unused_port
 
     port = unused_port()
     script = tmp_path / "rank.py"

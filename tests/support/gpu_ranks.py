@@ -503,7 +503,7 @@ async def init_close_cycles(comm: Any) -> dict[str, Any]:
     that grows with the cycles. The first cycle is the baseline: on the H100 a fixed
     512-byte block and the first op's freed input moved ``memory_allocated`` once
     (-88576, +512 in two runs), which is no leak; one that grows per cycle is."""
-    from ports import unused_port
+    from tests.support.ports import unused_port
 
     await comm.all_reduce(torch.ones(4, device=DEV))
 
