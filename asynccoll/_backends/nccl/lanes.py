@@ -75,8 +75,9 @@ class Lane:
     #: Launch on the caller's thread when idle. Off: ``submit`` must never block its
     #: caller, and the simulated NCCL's ``block_calls`` makes every call of a
     #: communicator, data calls included, block inside the library; with it on,
-    #: tests/test_simgpu_backend.py::test_abort_while_the_launcher_is_inside_an_nccl_call
-    #: and tests/test_simgpu_bugs.py::test_2 fail (submit blocks the test's thread).
+    #: tests/nccl/test_simgpu_backend.py::test_abort_while_the_launcher_is_inside_an_nccl_call
+    #: and ::test_abort_never_leaves_a_stream_waiting_on_the_device fail (submit blocks
+    #: the test's thread).
     #: Read in NCCL 2.30.7 (NVIDIA/nccl 5067397c): a *non-blocking* communicator's data
     #: call does only checks and ``taskAppend`` on the caller's thread (src/enqueue.cc
     #: 3124-3171); ``ncclGroupEndInternal`` starts a thread for the launch and returns
