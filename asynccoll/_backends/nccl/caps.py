@@ -76,9 +76,8 @@ class NcclCaps:
         self.move: frozenset[torch.dtype] | None = None
         self.as_bytes = False
         self.capability = capability
-        drop = (
-            FP8 if capability is not None and tuple(capability) < FP8_REDUCE_SINCE else frozenset()
-        )
+        old_gpu = capability is not None and tuple(capability) < FP8_REDUCE_SINCE
+        drop = FP8 if old_gpu else frozenset()
         self.reduce: dict[ReduceOp, frozenset[torch.dtype]] = {
             op: dts - drop for op, dts in _REDUCE.items()
         }

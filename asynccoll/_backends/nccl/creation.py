@@ -92,9 +92,8 @@ async def create(rdv: Any, prefix: str, device: Any, timeout: float, *, lib: Any
     cancel = threading.Event()
 
     def build() -> NcclBackend:
-        with torch.cuda.device(
-            index
-        ):  # ncclCommInitRank binds to the calling thread's current device
+        # ncclCommInitRank binds to the calling thread's current device.
+        with torch.cuda.device(index):
             return _build()
 
     def _build() -> NcclBackend:

@@ -106,17 +106,14 @@ def reducible(
     if dt is None:
         dt = t.dtype
     if dt is torch.bool:  # as uint8: SUM/MAX = logical or, PROD/MIN = logical and
-        return t.view(torch.uint8), ReduceOp.MAX if op in (
-            ReduceOp.SUM,
-            ReduceOp.MAX,
-        ) else ReduceOp.MIN
+        as_uint8 = ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN
+        return t.view(torch.uint8), as_uint8
     if dt in COMPLEX:
         t = torch.view_as_real(t)
         dt = t.dtype
     if op is ReduceOp.AVG and not dt.is_floating_point and dt not in UNSIGNED:
-        post.append(
-            functools.partial(t.div_, ws, rounding_mode="floor")
-        )  # as Gloo and torch: floor
+        # Rounded down, as Gloo and torch do.
+        post.append(functools.partial(t.div_, ws, rounding_mode="floor"))
         op = ReduceOp.SUM
     return t, op
 
