@@ -1,6 +1,7 @@
 """Every figure of issue 20 (per-op cost) in one run, with its goal, its floor and a verdict.
 
-    python -m bench.perf [--quick] [--noisy] [--only SECTION ...] [--out bench/results] [--readme [PATH ...]]
+    python -m bench.perf [--quick] [--runs N] [--noisy] [--only SECTION ...] [--out bench/results]
+                         [--readme [PATH ...]]
 
 Sections (each spawns its own ranks on this machine; all on Gloo, CPU):
 
@@ -27,8 +28,10 @@ that started with a 1-minute load average above 1.5 gets "no verdict" (each sect
 first waits, up to 3 minutes, for the load the last one left to decay below 1.0; the
 load after a section counts its own ranks and is shown, not judged)
 unless ``--noisy`` is given; ``--readme`` then writes the table between the markers of
-README.md and docs/performance.md (refused for a loaded run). About 3 minutes on a quiet machine (``--quick``: about
-1; ``--smoke``: one round of each, for the test suite).
+README.md and docs/performance.md (refused for a loaded run). About 3 minutes on a quiet
+machine (``--quick``: about 1; ``--smoke``: one round of each, for the test suite).
+``--runs N`` repeats the whole run N times and reports each figure's median over the runs,
+with its range; a figure's verdict then needs every one of its runs to start quiet.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class Row:
     machine: dict[str, Any] = field(default_factory=dict)
     machine_after: dict[str, Any] = field(default_factory=dict)
     verdict: str = ""
+    #: Every run's measured value (``--runs``); empty for a single run.
+    runs: list[float] = field(default_factory=list)
 
     def met(self) -> bool:
         op, value = self.target.split()[:2]
@@ -78,6 +83,33 @@ class Row:
             self.verdict = f"no verdict (load {load:.2f} > {QUIET_LOAD})"
             return
         self.verdict = ("met" if self.met() else "NOT met") + ("" if calm else " (noisy)")
+
+
+def median_of_runs(runs: list[list[Row]]) -> list[Row]:
+    """One row per figure: the median of its runs' values, the loads of its loudest run."""
+    from statistics import median
+
+    merged = []
+    for same in zip(*runs):
+        values = [r.measured for r in same]
+        loudest = max(same, key=lambda r: r.machine.get("loadavg", [0.0])[0])
+        p10s = [r.p10 for r in same if r.p10 is not None]
+        floors = [r.floor for r in same if r.floor is not None]
+        merged.append(
+            Row(
+                same[0].section,
+                same[0].goal,
+                same[0].target,
+                median(values),
+                median(p10s) if p10s else None,
+                median(floors) if floors else None,
+                same[0].floor_note,
+                loudest.machine,
+                loudest.machine_after,
+                runs=values,
+            )
+        )
+    return merged
 
 
 def settle(below: float = 1.0, limit: float = 180.0) -> None:
@@ -298,12 +330,16 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
         "| goal | target | measured | p10 | floor | load | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
+    if rows and rows[0].runs:
+        lines[2] += f" Over {len(rows[0].runs)} runs: measured is the median, [min-max] its range."
     for r in rows:
         floor = f"{r.floor:.3f} ({r.floor_note})" if r.floor is not None else r.floor_note
         p10 = f"{r.p10:.3f}" if r.p10 is not None else "-"
         load = f"{r.machine['loadavg'][0]:.2f}/{r.machine_after['loadavg'][0]:.2f}"
+        spread = f" [{min(r.runs):.3f}-{max(r.runs):.3f}]" if r.runs else ""
         lines.append(
-            f"| {r.goal} | {r.target} | {r.measured:.3f} | {p10} | {floor} | {load} | {r.verdict} |"
+            f"| {r.goal} | {r.target} | {r.measured:.3f}{spread} | {p10} | {floor} | {load} "
+            f"| {r.verdict} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -404,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--noisy", action="store_true", help="give verdicts even when the load was above 1.5"
     )
+    ap.add_argument(
+        "--runs", type=int, default=1, help="repeat the whole run; report medians and ranges"
+    )
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--out", default="bench/results")
     ap.add_argument(
@@ -424,15 +463,25 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "size": size,
     }
-    raw: dict[str, Any] = {}
-    rows: list[Row] = []
+    raws: list[dict[str, Any]] = []
+    runs: list[list[Row]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.only:
-            if size != "smoke":
-                settle()
-            progress(f"bench.perf: {name} (load {machine()['loadavg'][0]:.2f})")
-            raw[name], got = RUNNERS[name](size, Path(tmp), out)
-            rows += got
+        for run in range(max(1, args.runs)):
+            raw: dict[str, Any] = {}
+            rows: list[Row] = []
+            for name in args.only:
+                if size != "smoke":
+                    settle()
+                progress(
+                    f"bench.perf: run {run + 1}/{args.runs}, {name} "
+                    f"(load {machine()['loadavg'][0]:.2f})"
+                )
+                raw[name], got = RUNNERS[name](size, Path(tmp), out)
+                rows += got
+            raws.append(raw)
+            runs.append(rows)
+    rows = runs[0] if len(runs) == 1 else median_of_runs(runs)
+    raw = raws[0] if len(raws) == 1 else {"runs": raws}
     for r in rows:
         r.judge(args.noisy)
     md = markdown(rows, header)
