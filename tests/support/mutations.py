@@ -275,7 +275,8 @@ def _copy(dst: str) -> None:
 
 
 def run(m: Mutation, timeout: float) -> str:
-    """``killed``, ``survived``, or ``stale`` (its source text is gone: update the list)."""
+    """``killed``, ``survived``, ``stale`` (its source text is gone: update the list) or
+    ``broken ...`` (pytest could not run the tests: the mutation itself is wrong)."""
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         _copy(tmp)
         path = os.path.join(tmp, m.path)
@@ -304,7 +305,11 @@ def run(m: Mutation, timeout: float) -> str:
             )
         except subprocess.TimeoutExpired:
             return "killed"  # the suite hung on it: caught (by the deadline)
-        return "survived" if out.returncode == 0 else "killed"
+        if out.returncode in (0, 1):  # pytest: all passed / some test failed
+            return "survived" if out.returncode == 0 else "killed"
+        # Anything else (a collection error, no test collected) proves nothing about the
+        # suite: the mutation broke the import, or names tests that do not exist.
+        return f"broken (pytest exit {out.returncode}): {out.stdout.strip().splitlines()[-1:]}"
 
 
 def main(argv: list[str] | None = None) -> int:
