@@ -3,14 +3,19 @@ the ``"asynccoll"`` backend name, DDP on it, and the faults it reports."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import time
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import asynccoll as ac
-from asynccoll.testing import run_ranks
+from asynccoll.testing import crash_later, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,3 +127,170 @@ def test_collectives_through_the_process_group() -> None:
         assert got["seq_follows"]
     assert res[0]["reduce"] == [3.0, 3.0] and res[0]["gather"] == [0.0, 10.0]
     assert res[1]["p2p"] == 42.0
+
+
+# ------------------------------------------------------------------- DDP
+def batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [
+        (torch.randn(16, 12, generator=gen), torch.randn(16, 3, generator=gen))
+        for _ in range(steps)
+    ]
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)
+    )
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+async def ddp_equal(ctx: Any, in_thread: bool) -> list[bool]:
+    """DDP on the asynccoll group and DDP on torch's own Gloo group, same start, same data:
+    the parameters after each step, compared bit for bit."""
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore("torch/", ctx.store),
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+    )
+    comm = await ac.init(
+        "gloo", rank=ctx.rank, world_size=ctx.world_size, store=dist.PrefixStore("ac/", ctx.store)
+    )
+    try:
+        ours_module, theirs_module = net(), net()
+        # bucket_cap_mb small: several buckets, so several ops in flight during backward
+        ours = DDP(ours_module, process_group=ac.process_group(comm), bucket_cap_mb=0.001)
+        theirs = DDP(theirs_module, bucket_cap_mb=0.001)
+        opt_ours = torch.optim.SGD(ours.parameters(), lr=0.1)
+        opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.1)
+        same = []
+        for x, y in batches(ctx.rank, 4):
+            if in_thread:  # backward off the loop thread
+                await asyncio.to_thread(step, ours, opt_ours, x, y)
+            else:  # backward on the loop thread: the futures must not need the loop
+                step(ours, opt_ours, x, y)
+            step(theirs, opt_theirs, x, y)
+            same.append(
+                all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+            )
+        moved = not torch.equal(next(ours.parameters()), next(net().parameters()))
+        assert moved, "the parameters did not move: the comparison is vacuous"
+        assert comm.flight_record()[-1]["op"] == "all_reduce"
+        return same
+    finally:
+        await comm.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("in_thread", [False, True], ids=["loop_thread", "worker_thread"])
+def test_ddp_on_the_group_is_bit_equal_to_ddp_on_gloo(in_thread: bool) -> None:
+    res = run_ranks(ddp_equal, world_size=2, backend=None, timeout=90, args=(in_thread,))
+    assert res == [[True] * 4, [True] * 4]
+
+
+async def backend_name(ctx: Any) -> dict[str, Any]:
+    """``dist.init_process_group("asynccoll")``: the default group runs on a communicator;
+    DDP on it equals DDP on a Gloo group of the same ranks."""
+    dist.init_process_group("asynccoll", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size)
+    try:
+        world = dist.group.WORLD
+        assert world is not None
+        gloo = dist.new_group(backend="gloo")
+        t = torch.full((4,), float(ctx.rank + 1))
+        dist.all_reduce(t)  # the default group
+        dist.broadcast(t, src=1)  # global ranks work on torch's own world
+        ours = DDP(net())
+        theirs = DDP(net(), process_group=gloo)
+        opt_ours = torch.optim.SGD(ours.parameters(), lr=0.1)
+        opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.1)
+        for x, y in batches(ctx.rank, 3):
+            step(ours, opt_ours, x, y)
+            step(theirs, opt_theirs, x, y)
+        same = all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+        comm = world.comm  # type: ignore[attr-defined]
+        return {
+            "backend": dist.get_backend(),
+            "sum": t.tolist(),
+            "same": same,
+            "comm_ops": len(comm.flight_record()),
+            "comm_backend": comm.backend,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_process_group_with_the_backend_name() -> None:
+    res = run_ranks(backend_name, world_size=2, backend=None, timeout=90)
+    for got in res:
+        assert got["backend"] == "asynccoll" and got["comm_backend"] == "auto"
+        assert got["sum"] == [3.0] * 4 and got["same"]
+        assert got["comm_ops"] > 6  # the all_reduce, the broadcast, DDP's syncs and buckets
+
+
+# ----------------------------------------------------------------- faults
+async def kill_and_shrink(comm: ac.Communicator, fatal: int) -> dict[str, Any] | None:
+    """Rank 2 dies in DDP step ``fatal``; the survivors' step raises PeerFailure naming it,
+    they shrink, rebuild DDP on the new group and train on.
+
+    Step 1 (the second) syncs in the forward pass (DDP rebuilds its buckets after the
+    first step: a broadcast it waits for); from step 2 on, only the backward's bucket
+    all-reduces communicate, and their failure reaches the caller through the futures
+    that DDP's reducer waits for."""
+    module = net()
+    model = DDP(module, process_group=ac.process_group(comm), bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(comm.rank, fatal + 4)
+    for x, y in data[:fatal]:
+        step(model, opt, x, y)
+    if comm.rank == 2:
+        crash_later(0.2)
+        time.sleep(5)  # dies in this step, before its backward
+    start = time.monotonic()
+    ranks: tuple[int, ...] | None = None
+    try:
+        step(model, opt, *data[fatal])
+    except ac.PeerFailure as exc:
+        assert isinstance(exc, dist.DistBackendError)
+        ranks = exc.ranks
+    elapsed = time.monotonic() - start
+    assert ranks is not None, "the step did not fail"
+    # The recipe: drop the old DDP (its reducer's hooks stay on the parameters while it
+    # lives; an exception kept alive keeps it too), shrink, rebuild on the new group.
+    del model, opt
+    gc.collect()
+    new = await comm.shrink()
+    try:
+        model = DDP(module, process_group=ac.process_group(new))  # syncs from the new rank 0
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data[fatal + 1 :]:
+            step(model, opt, x, y)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        high, low = flat.clone(), flat.clone()
+        await new.all_reduce(high, ac.ReduceOp.MAX)
+        await new.all_reduce(low, ac.ReduceOp.MIN)
+        return {
+            "ranks": ranks,
+            "elapsed": elapsed,
+            "new_size": new.world_size,
+            "equal": torch.equal(high, low),
+        }
+    finally:
+        await new.close()
+
+
+@pytest.mark.parametrize("fatal", [1, 2], ids=["in_forward_sync", "in_backward"])
+def test_peer_killed_during_a_ddp_step_then_shrink_and_train_on(fatal: int) -> None:
+    res = run_ranks(kill_and_shrink, world_size=3, timeout=90, lost=[2], args=(fatal,))
+    for got in res[:2]:
+        assert got is not None
+        assert got["ranks"] == (2,)
+        assert got["elapsed"] < 10.0, got  # the liveness bound, not torch's 30 minutes
+        assert got["new_size"] == 2 and got["equal"]
+    assert res[2] is None

@@ -45,9 +45,9 @@ _AS_C10D: tuple[tuple[type[CommAborted], type[CommAborted]], ...] = (
 
 
 def as_c10d(error: BaseException) -> BaseException:
-    """``error`` as c10d users catch it: the same error (message, attributes, cause) in
-    the class above that matches it; anything else (``CommClosed``, ``InvalidArgument``)
-    as it is."""
+    """``error`` as c10d users catch it: a new error (same message, attributes, cause;
+    no traceback) of the class above that matches it; anything else (``CommClosed``,
+    ``InvalidArgument``) as it is."""
     if isinstance(error, dist.DistBackendError):
         return error
     for ours, theirs in _AS_C10D:
@@ -60,6 +60,5 @@ def as_c10d(error: BaseException) -> BaseException:
             copy.__cause__ = error.__cause__
             copy.__context__ = error.__context__
             copy.__suppress_context__ = error.__suppress_context__
-            copy.__traceback__ = error.__traceback__
             return copy  # type: ignore[no-any-return]
     return error

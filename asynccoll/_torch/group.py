@@ -8,6 +8,7 @@ ops and the communicator's awaitable calls share one issue order, one sequence o
 
 from __future__ import annotations
 
+import functools
 import weakref
 from concurrent.futures import Executor, ThreadPoolExecutor
 from datetime import timedelta
@@ -16,11 +17,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .._base.errors import InvalidArgument
+from .._base.errors import CommAborted, InvalidArgument
 from .._base.ops import ReduceOp
 from .._core.communicator import Communicator
 from .._core.work import Work
 from .backward import BackwardCheck
+from .errors import as_c10d
 from .works import C10dWork
 
 # torch's stubs lack the options classes and describe the Python conveniences of
@@ -74,6 +76,20 @@ def _stack(tensors: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> to
     return torch.stack([t.to(like.dtype) for t in tensors])
 
 
+def _typed(method: Callable[..., C10dWork]) -> Callable[..., C10dWork]:
+    """An op refused at the call because the communicator is aborted raises the
+    contract's error as c10d users catch it (``InvalidArgument`` stays as it is)."""
+
+    @functools.wraps(method)
+    def issue(self: Any, *args: Any, **kwargs: Any) -> C10dWork:
+        try:
+            return method(self, *args, **kwargs)
+        except CommAborted as exc:
+            raise as_c10d(exc) from exc.__cause__
+
+    return issue
+
+
 class CommProcessGroup(dist.ProcessGroup):
     """``torch.distributed.ProcessGroup`` over an asynccoll :class:`~asynccoll.Communicator`.
 
@@ -118,30 +134,35 @@ class CommProcessGroup(dist.ProcessGroup):
         return c10d
 
     # ------------------------------------------------------------ collectives
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:  # type: ignore[override]
+    @_typed
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:
         opts = opts if opts is not None else _c10d.AllreduceOptions()
         t = _one(tensors, "allreduce")
         return self._work((self.comm.all_reduce(t, _op(opts), timeout=_timeout(opts)),), tensors)
 
+    @_typed
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:
         opts = opts if opts is not None else _c10d.AllreduceCoalescedOptions()
         op, limit = _op(opts), _timeout(opts)
         works = [self.comm.all_reduce(t, op, timeout=limit) for t in tensors]
         return self._work(works, tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:  # type: ignore[override]
+    @_typed
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:
         opts = opts if opts is not None else _c10d.BroadcastOptions()
         t = _one(tensors, "broadcast")
         work = self.comm.broadcast(t, opts.rootRank, timeout=_timeout(opts))
         return self._work((work,), tensors)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:  # type: ignore[override]
+    @_typed
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> C10dWork:
         opts = opts if opts is not None else _c10d.ReduceOptions()
         t = _one(tensors, "reduce")
         work = self.comm.reduce(t, opts.rootRank, _op(opts), timeout=_timeout(opts))
         return self._work((work,), tensors)
 
-    def allgather(  # type: ignore[override]
+    @_typed
+    def allgather(
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
@@ -158,6 +179,7 @@ class CommProcessGroup(dist.ProcessGroup):
         work = self.comm.all_gather(flat, inp.unsqueeze(0), timeout=_timeout(opts))
         return self._work((work,), output_tensors, _copy_out(flat, outs))
 
+    @_typed
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> C10dWork:
@@ -166,7 +188,8 @@ class CommProcessGroup(dist.ProcessGroup):
 
     all_gather_single = _allgather_base
 
-    def reduce_scatter(  # type: ignore[override]
+    @_typed
+    def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
@@ -183,6 +206,7 @@ class CommProcessGroup(dist.ProcessGroup):
         work = self.comm.reduce_scatter(out.unsqueeze(0), flat, _op(opts), timeout=_timeout(opts))
         return self._work((work,), output_tensors)
 
+    @_typed
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> C10dWork:
@@ -190,8 +214,9 @@ class CommProcessGroup(dist.ProcessGroup):
         work = self.comm.reduce_scatter(output, input, _op(opts), timeout=_timeout(opts))
         return self._work((work,), [output])
 
-    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
+    reduce_scatter_single = _reduce_scatter_base
 
+    @_typed
     def alltoall_base(
         self,
         output: torch.Tensor,
@@ -209,8 +234,9 @@ class CommProcessGroup(dist.ProcessGroup):
         work = self.comm.all_to_all(output, input, timeout=_timeout(opts))
         return self._work((work,), [output])
 
-    all_to_all_single = alltoall_base  # type: ignore[assignment]
+    all_to_all_single = alltoall_base
 
+    @_typed
     def alltoall(
         self,
         output_tensors: list[torch.Tensor],
@@ -226,7 +252,8 @@ class CommProcessGroup(dist.ProcessGroup):
         work = self.comm.all_to_all(flat_out, flat_in, timeout=_timeout(opts))
         return self._work((work,), output_tensors, _copy_out(flat_out, output_tensors))
 
-    def gather(  # type: ignore[override]
+    @_typed
+    def gather(
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
@@ -243,7 +270,8 @@ class CommProcessGroup(dist.ProcessGroup):
         work = self.comm.gather(inp.unsqueeze(0), root, flat, timeout=_timeout(opts))
         return self._work((work,), output_tensors, _copy_out(flat, outs))
 
-    def scatter(  # type: ignore[override]
+    @_typed
+    def scatter(
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
@@ -258,14 +286,17 @@ class CommProcessGroup(dist.ProcessGroup):
         work = self.comm.scatter(out.unsqueeze(0), root, flat, timeout=_timeout(opts))
         return self._work((work,), output_tensors)
 
+    @_typed
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> C10dWork:
         t = _one(tensors, "send")
         return self._work((self.comm.send(t, dst),), tensors)
 
+    @_typed
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> C10dWork:
         t = _one(tensors, "recv")
         return self._work((self.comm.recv(t, src),), tensors)
 
+    @_typed
     def barrier(self, opts: Any = None) -> C10dWork:
         opts = opts if opts is not None else _c10d.BarrierOptions()
         return self._work((self.comm.barrier(timeout=_timeout(opts)),), [])

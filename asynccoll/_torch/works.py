@@ -37,7 +37,7 @@ def _unwrap(parent: torch.futures.Future[Any]) -> Any:
     ok, value = parent.value()
     if ok:
         return value
-    raise value
+    raise as_c10d(value)  # a fresh copy: torch keeps only its text
 
 
 class C10dWork(dist.Work):
@@ -56,7 +56,8 @@ class C10dWork(dist.Work):
         self._finish = finish
         self._relay = relay
         self._lock = threading.Lock()
-        self._error: BaseException | None = None
+        self._cause: BaseException | None = None  # the first failed Work's own error
+        self._error: BaseException | None = None  # ... as c10d users catch it
         self._future: torch.futures.Future[Any] | None = None
         self._parent: torch.futures.Future[Any] | None = None
 
@@ -82,9 +83,18 @@ class C10dWork(dist.Work):
                 if work.done():
                     exc = work.exception()
                     if exc is not None:
+                        self._cause = exc
                         self._error = as_c10d(exc)
                         break
         return self._error
+
+    def _raise(self) -> None:
+        """Raise the failure as a fresh copy: one raised through the caller's frames
+        would keep them (and the model in them) alive from this Work, which DDP's
+        reducer holds, through its traceback."""
+        if self._failure() is not None:
+            assert self._cause is not None
+            raise as_c10d(self._cause)
 
     def _finished(self) -> None:
         with self._lock:
@@ -102,12 +112,13 @@ class C10dWork(dist.Work):
             try:
                 work.wait(limit or None)
             except Exception as exc:  # noqa: BLE001 - the op's failure is raised below, typed for c10d
+                # Our frames leave the shared error: a traceback keeps each frame's callers
+                # alive (here a backward's, and the model in it; DDP's reducer holds this Work).
+                exc.__traceback__ = None
                 if not work.done():  # the wait's own limit (builtin TimeoutError), not the op's
                     raise TimeoutError(f"{self!r} not done after {limit} s") from exc
                 break
-        error = self._failure()
-        if error is not None:
-            raise error
+        self._raise()
         if self._finish is not None:
             self._finished()
         return True
@@ -155,7 +166,7 @@ class C10dWork(dist.Work):
             self._finished()
             parent.set_result((True, self._result))
         else:
-            parent.set_result((False, error))
+            parent.set_result((False, self._cause))
 
     def __repr__(self) -> str:
         return f"<asynccoll C10dWork {', '.join(repr(w) for w in self._works)}>"
