@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from typing import Any
 
@@ -294,3 +295,65 @@ def test_peer_killed_during_a_ddp_step_then_shrink_and_train_on(fatal: int) -> N
         assert got["elapsed"] < 10.0, got  # the liveness bound, not torch's 30 minutes
         assert got["new_size"] == 2 and got["equal"]
     assert res[2] is None
+
+
+# ------------------------------------------- deadlines, abort, fingerprints
+async def contract(ctx: Any, case: str) -> dict[str, Any]:
+    comm = await ac.init(
+        "gloo",
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        store=ctx.store,
+        timeout=2.0,
+        check="fingerprint" if case == "mismatch" else None,
+    )
+    pg = ac.process_group(comm)
+    try:
+        start = time.monotonic()
+        if case == "mismatch":  # rank 1 reduces a different shape: both ranks are told
+            with pytest.raises(ac.CollectiveMismatch) as caught:
+                dist.all_reduce(torch.ones(4 + ctx.rank), group=pg)
+            assert isinstance(caught.value, dist.DistBackendError)
+            return {"fields": caught.value.fields, "state": comm.state}
+        if ctx.rank == 1:  # never joins
+            await asyncio.sleep(4.0)
+            return {}
+        work = dist.all_reduce(torch.ones(4), group=pg, async_op=True)
+        assert not work.is_completed() and work.exception() is None
+        if case == "abort":
+            threading.Timer(0.3, pg.abort).start()
+            with pytest.raises(ac.CommAborted) as aborted:
+                work.wait()
+            error: BaseException = aborted.value
+        else:  # the communicator's deadline (2 s), not c10d's 30 minutes
+            with pytest.raises(ac.CollectiveTimeout) as timed_out:
+                work.wait()
+            error = timed_out.value
+        assert isinstance(error, dist.DistBackendError)
+        assert work.is_completed() and not work.is_success()
+        assert isinstance(work.exception(), type(error))
+        with pytest.raises(RuntimeError, match=type(error).__name__):
+            work.get_future().wait()  # a failed future (torch keeps the text)
+        record = comm.flight_record()[-1]
+        return {
+            "elapsed": time.monotonic() - start,
+            "record": (record["op"], record["state"]),
+            "state": comm.state,
+        }
+    finally:
+        comm.abort()
+        await comm.close()
+
+
+@pytest.mark.parametrize("case", ["deadline", "abort", "mismatch"])
+def test_deadline_abort_and_fingerprint_apply_to_the_group(case: str) -> None:
+    res = run_ranks(contract, world_size=2, backend=None, timeout=60, args=(case,))
+    if case == "mismatch":
+        assert res[0]["fields"] == res[1]["fields"] == ("shape",)
+        return
+    got = res[0]
+    assert got["state"] == "aborted"
+    if case == "deadline":
+        assert 1.5 < got["elapsed"] < 6.0 and got["record"] == ("all_reduce", "timed out")
+    else:
+        assert got["elapsed"] < 2.0 and got["record"] == ("all_reduce", "aborted")
