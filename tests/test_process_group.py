@@ -357,3 +357,50 @@ def test_deadline_abort_and_fingerprint_apply_to_the_group(case: str) -> None:
         assert 1.5 < got["elapsed"] < 6.0 and got["record"] == ("all_reduce", "timed out")
     else:
         assert got["elapsed"] < 2.0 and got["record"] == ("all_reduce", "aborted")
+
+
+# ------------------------------------------------------------------ FSDP2
+def fsdp_steps(group: Any, rank: int) -> list[torch.Tensor]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    model = net()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches(rank, 3):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    # Each rank's shards (DTensor's full_tensor() runs torch's functional collectives,
+    # which need a C++ backend: see docs/guides/torch.md).
+    shards = [p.to_local().detach() for p in model.parameters()]  # type: ignore[attr-defined]
+    return losses + shards
+
+
+async def fsdp_equal(ctx: Any) -> list[bool]:
+    """FSDP2 (``fully_shard``) on a CPU DeviceMesh of the asynccoll group and of a Gloo
+    group of the same ranks: the losses and the parameter shards, bit for bit."""
+    dist.init_process_group("asynccoll", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size)
+    try:
+        world = dist.group.WORLD
+        ours = fsdp_steps(world, ctx.rank)
+        theirs = fsdp_steps(dist.new_group(backend="gloo"), ctx.rank)
+        comm = world.comm  # type: ignore[union-attr]
+        ops = {e["op"] for e in comm.flight_record()}
+        assert {"all_gather", "reduce_scatter"} <= ops, ops
+        assert not torch.equal(ours[0], ours[2]), "the loss did not move: a vacuous comparison"
+        return [torch.equal(a, b) for a, b in zip(ours, theirs)]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_on_the_group_equals_fsdp2_on_gloo() -> None:
+    res = run_ranks(fsdp_equal, world_size=2, backend=None, timeout=90)
+    assert res[0] == res[1] == [True] * 9  # 3 losses, 6 parameters

@@ -108,9 +108,25 @@ class CommProcessGroup(dist.ProcessGroup):
         self._close = close
         self._relay: ThreadPoolExecutor | None = None
         self._backward = BackwardCheck()
+        self._group_name = f"asynccoll:{id(comm):x}"
+        self._group_desc = "asynccoll"
 
     def getBackendName(self) -> str:
         return "asynccoll"
+
+    # torch names the groups it makes (``new_group``, ``init_process_group``); the base
+    # class keeps the name on its C++ backends, which a Python group has none of.
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"<asynccoll ProcessGroup over {self.comm!r}>"
