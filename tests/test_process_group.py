@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -404,3 +409,30 @@ async def fsdp_equal(ctx: Any) -> list[bool]:
 def test_fsdp2_on_the_group_equals_fsdp2_on_gloo() -> None:
     res = run_ranks(fsdp_equal, world_size=2, backend=None, timeout=90)
     assert res[0] == res[1] == [True] * 9  # 3 losses, 6 parameters
+
+
+# ---------------------------------------------------------------- example
+@pytest.mark.timeout(240)
+def test_ddp_shrink_example_runs_under_the_launch_recipe() -> None:
+    """examples/ddp_shrink.py: an external store and one torchrun per rank; rank 2 dies,
+    the survivors shrink, rebuild DDP and finish with equal parameters."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "examples" / "ddp_shrink.py")],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the example may outlive it
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out
+    assert "PeerFailure naming rank(s) [2]" in out, out
+    assert "survivors finished 20 steps on 2 ranks" in out, out
+    assert "parameters equal across survivors: True" in out, out

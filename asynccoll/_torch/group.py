@@ -205,6 +205,57 @@ class CommProcessGroup(dist.ProcessGroup):
     all_gather_single = _allgather_base
 
     @_typed
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_list: list[torch.Tensor],
+        opts: Any = None,
+    ) -> C10dWork:
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        n, limit = self.comm.world_size, _timeout(opts)
+        works, finishes = [], []
+        for outs, inp in zip(output_lists, input_list, strict=True):
+            if len(outs) != n:
+                raise InvalidArgument(f"allgather_coalesced: {len(outs)} outputs for {n} ranks")
+            flat = inp.new_empty((n, *inp.shape))
+            works.append(self.comm.all_gather(flat, inp.unsqueeze(0), timeout=limit))
+            finishes.append(_copy_out(flat, outs))
+
+        def finish() -> None:
+            for each in finishes:
+                each()
+
+        return self._work(works, output_lists, finish)
+
+    @_typed
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> C10dWork:
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        limit = _timeout(opts)
+        works = [
+            self.comm.all_gather(out, inp, timeout=limit)
+            for out, inp in zip(outputs, inputs, strict=True)
+        ]
+        return self._work(works, outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    @_typed
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> C10dWork:
+        opts = opts if opts is not None else _c10d.ReduceScatterOptions()
+        op, limit = _op(opts), _timeout(opts)
+        works = [
+            self.comm.reduce_scatter(out, inp, op, timeout=limit)
+            for out, inp in zip(outputs, inputs, strict=True)
+        ]
+        return self._work(works, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    @_typed
     def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
