@@ -101,6 +101,12 @@ async def collectives(comm: ac.Communicator) -> dict[str, Any]:
 
     dist.barrier(group=pg)
 
+    outs = [[torch.empty(1), torch.empty(2)] for _ in range(n)]  # [rank][input]
+    dist.all_gather_coalesced(
+        outs, [torch.tensor([float(r)]), torch.full((2,), 10.0 + r)], group=pg
+    )
+    out["all_gather_coalesced"] = [[t.tolist() for t in o] for o in outs]
+
     # One issue order: an op issued through the group takes the next seq after the
     # communicator's own awaitable call, and both show in its flight record.
     own = comm.all_reduce(torch.ones(1))
@@ -131,6 +137,7 @@ def test_collectives_through_the_process_group() -> None:
         assert got["all_to_all"] == [float(r), 10.0 + r]
         assert got["last_two"] == [("all_reduce", [1], "done"), ("all_reduce", [4], "done")]
         assert got["seq_follows"]
+        assert got["all_gather_coalesced"] == [[[0.0], [10.0, 10.0]], [[1.0], [11.0, 11.0]]]
     assert res[0]["reduce"] == [3.0, 3.0] and res[0]["gather"] == [0.0, 10.0]
     assert res[1]["p2p"] == 42.0
 

@@ -19,12 +19,13 @@ os.environ.setdefault("BACKEND", "asynccoll")
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="asynccoll-torch-suite-"))
 
-import asynccoll  # noqa: E402,F401  - registers the backend name in every rank process
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
 )
+
+import asynccoll  # noqa: E402,F401  - registers the backend name in every rank process
 
 
 class TestAsynccollBackend(TestDistBackend, DistributedTest._DistTestBase):  # type: ignore[misc]

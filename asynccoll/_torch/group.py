@@ -212,14 +212,17 @@ class CommProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> C10dWork:
         opts = opts if opts is not None else _c10d.AllgatherOptions()
+        # c10d's layout: output_lists[rank][i] receives input i of that rank.
         n, limit = self.comm.world_size, _timeout(opts)
+        if len(output_lists) != n:
+            raise InvalidArgument(
+                f"allgather_coalesced: {len(output_lists)} output lists for {n} ranks"
+            )
         works, finishes = [], []
-        for outs, inp in zip(output_lists, input_list, strict=True):
-            if len(outs) != n:
-                raise InvalidArgument(f"allgather_coalesced: {len(outs)} outputs for {n} ranks")
+        for i, inp in enumerate(input_list):
             flat = inp.new_empty((n, *inp.shape))
             works.append(self.comm.all_gather(flat, inp.unsqueeze(0), timeout=limit))
-            finishes.append(_copy_out(flat, outs))
+            finishes.append(_copy_out(flat, [output_lists[r][i] for r in range(n)]))
 
         def finish() -> None:
             for each in finishes:
