@@ -38,7 +38,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: in
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
-    return float(loss)
+    return loss.item()
 
 
 def worker(args: argparse.Namespace) -> None:
