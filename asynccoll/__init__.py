@@ -20,6 +20,8 @@ from ._bootstrap.init import join as join
 from ._bootstrap.init import wrap as wrap
 from ._core.communicator import Communicator as Communicator
 from ._core.work import Work as Work
+from ._torch.register import process_group as process_group
+from ._torch.register import register as _register_torch_backend
 from ._train import GradSync as GradSync
 
 __version__ = "0.1.0"
@@ -40,6 +42,7 @@ __all__ = [
     "Work",
     "init",
     "join",
+    "process_group",
     "wrap",
 ]
 
@@ -51,3 +54,6 @@ for _name in __all__:
         except (AttributeError, TypeError):
             pass
 del _name, _obj
+
+# torch.distributed learns the backend name "asynccoll" (one entry in its plugin table).
+_register_torch_backend()

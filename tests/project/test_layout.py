@@ -49,6 +49,9 @@ ROOMS: dict[str, set[str]] = {
     "_diag": {"_base", "_core"},
     "_backends": {"_base", "_core", "streams"},
     "_train": {"_base", "_core"},
+    # torch.distributed on a communicator: a ProcessGroup over the public API, and the
+    # "asynccoll" backend, whose creator builds a communicator with init().
+    "_torch": {"_base", "_core", "_bootstrap"},
     "_bootstrap": {"_base", "_core", "_faults", "_diag", "_backends", "streams"},
     # The top: the public names, the CLI and the test kit stand on everything.
     "__init__": {"*"},
