@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import asynccoll as ac
 from asynccoll.testing import crash_later, run_ranks
+from tests.support import paths
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -423,7 +423,7 @@ def test_fsdp2_on_the_group_equals_fsdp2_on_gloo() -> None:
 def test_ddp_shrink_example_runs_under_the_launch_recipe() -> None:
     """examples/ddp_shrink.py: an external store and one torchrun per rank; rank 2 dies,
     the survivors shrink, rebuild DDP and finish with equal parameters."""
-    root = Path(__file__).resolve().parent.parent
+    root = paths.ROOT
     proc = subprocess.Popen(
         [sys.executable, str(root / "examples" / "ddp_shrink.py")],
         cwd=root,
