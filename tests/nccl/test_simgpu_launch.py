@@ -68,7 +68,7 @@ def test_every_argument_is_resolved_before_the_group_starts() -> None:
 
 # ================================================================ launch order
 def test_communicators_of_a_device_launch_in_issue_order() -> None:
-    # Rank 0's first launch on A sits inside NCCL; rank 0 then issues on B. One launch
+    # Rank 0's first launch on A is stuck inside NCCL (ncclInProgress); rank 0 then issues on B. One launch
     # thread per communicator let B launch first on cuda:0 while cuda:1 launched A first:
     # two orders, the NCCL_LAUNCH_ORDER_IMPLICIT deadlock (a launch-order error here).
     with SimCluster() as sim:
@@ -82,7 +82,7 @@ def test_communicators_of_a_device_launch_in_issue_order() -> None:
             for i, be in enumerate((a0, a1, b0, b1))
         }
         works = [submit(a0, OpKind.ALL_REDUCE, ts[a0])]
-        until(lambda: a0.handle.calling)
+        until(lambda: sim.nccl.in_progress(comm_of(a0)) == 1)
         works += [submit(b0, OpKind.ALL_REDUCE, ts[b0]), submit(a1, OpKind.ALL_REDUCE, ts[a1])]
         until(lambda: bool(sim.nccl.state(comm_of(a1)).launches))  # cuda:1 launched A first
         works.append(submit(b1, OpKind.ALL_REDUCE, ts[b1]))

@@ -232,7 +232,7 @@ MUTATIONS = [
         NCCL + "handle.py",
         "self._stopped.wait(self.abort_timeout)\n\n    def _spawn",
         "self._stopped.wait()\n\n    def _spawn",
-        (BACKEND + "test_abort_while_the_launcher_is_inside_an_nccl_call",),
+        (BACKEND + "test_abort_while_a_launch_is_stuck_in_progress",),
     ),
     M(
         "streams' event watcher never selects the device",
