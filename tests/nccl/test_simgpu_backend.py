@@ -103,7 +103,7 @@ def test_wait_stream_on_a_queued_op_is_deadlock_free_with_one_hardware_queue() -
         out = gpu.tensor([0.0])
         w = ac.Work("all_gather", 1)
         be.submit(OpSpec(OpKind.ALL_GATHER, x, output=out, timeout=30.0), w)
-        until(lambda: be.handle.calling)
+        until(lambda: sim.nccl.in_progress(comm_of(be)) == 1)  # the launch is stuck in NCCL
         side = gpu.stream("side")
 
         def user() -> None:  # program order on one thread: wait_stream, then work on `side`
@@ -160,8 +160,8 @@ def test_abort_never_leaves_a_stream_waiting_on_the_device() -> None:
         until(lambda: sim.nccl.pushed(c0) == 1)
         stuck = gpu.latch()
         sim.nccl.block_calls(c0, stuck)
-        w2 = submit(be0, OpKind.ALL_REDUCE, gpu.tensor([2.0]))  # the lane sits in its NCCL call
-        until(lambda: be0.handle.calling)
+        w2 = submit(be0, OpKind.ALL_REDUCE, gpu.tensor([2.0]))  # its launch stays ncclInProgress
+        until(lambda: sim.nccl.in_progress(c0) == 1)
         waiter = on_device(0, w2.wait_stream, side)
         be0.handle.abort_timeout = 0.5
         be0.abort()
@@ -277,22 +277,25 @@ def test_abort_while_stuck_is_bounded_and_fails_the_work() -> None:
         assert gpu.errors == []
 
 
-def test_abort_while_the_launcher_is_inside_an_nccl_call() -> None:
+def test_abort_while_a_launch_is_stuck_in_progress() -> None:
+    # NCCL's launch thread is stuck (a non-blocking communicator: the call returned, the
+    # communicator stays ncclInProgress), and NCCL's own abort/revoke joins that thread.
     with SimCluster() as sim:
         (be,) = sim.backends(1)
         stuck = sim.gpu.latch()
         st = sim.nccl.state(be.handle.communicator)
         sim.nccl.block_calls(be.handle.communicator, stuck)
         w = submit(be, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
-        until(lambda: be.handle.calling)
+        until(lambda: sim.nccl.in_progress(be.handle.communicator) == 1)
         be.handle.abort_timeout = 0.5
         t0 = time.monotonic()
-        be.abort()  # bounded although the lock is held and NCCL's own abort is stuck too
+        be.abort()  # bounded although NCCL's own abort (or revoke) is stuck too
         assert time.monotonic() - t0 < 2.0
         assert be.handle.stopping and not w.done()  # the communicator failed it, never as a success
         stuck.open()
-        until(lambda: st.aborted)
+        until(lambda: st.revoked or st.aborted)  # the stop goes ahead once NCCL lets it
         be.close()
+        assert st.aborted and not w.done()
 
 
 class Recorder:

@@ -74,8 +74,8 @@ MUTATIONS = [
     M(
         "ncclInProgress not polled: the done event goes on the stream at once",
         NCCL + "launcher.py",
-        "            return self._handle.poll(self._by(job))",
-        "            return SUCCESS",
+        "return self._handle.poll(self._by(job))\n        wait = self.inline_lock_wait",
+        "return SUCCESS\n        return SUCCESS",
         ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
@@ -95,8 +95,8 @@ MUTATIONS = [
     M(
         "success reported after abort",
         NCCL + "launcher.py",
-        "if not jobs or self._handle.stopping:",
-        "if not jobs:",
+        "if not jobs or self._handle.stopping:\n            return  # never report success after abort",
+        "if not jobs:\n            return  # never report success after abort",
         (BACKEND + "test_no_success_is_reported_after_abort",),
     ),
     M(
@@ -193,6 +193,23 @@ MUTATIONS = [
         (LAUNCH + "test_communicators_of_a_device_launch_in_issue_order",),
     ),
     M(
+        "every launch hops to the lane's thread, even on an idle lane",
+        NCCL + "lanes.py",
+        "            if self._backlog or self._busy:\n",
+        "            if True:\n",
+        (
+            LAUNCH
+            + "test_an_idle_lane_launches_on_the_callers_thread_and_a_busy_one_in_order_after",
+        ),
+    ),
+    M(
+        "an inline launch waits for the communicator's lock",
+        NCCL + "launcher.py",
+        "with self._handle.use(timeout) as comm:",
+        "with self._handle.use() as comm:",
+        (LAUNCH + "test_submit_never_waits_for_the_communicators_lock",),
+    ),
+    M(
         "ncclCommShrink with nothing to exclude",
         NCCL + "agree.py",
         "    if not exclude:\n",
@@ -232,7 +249,7 @@ MUTATIONS = [
         NCCL + "handle.py",
         "self._stopped.wait(self.abort_timeout)\n\n    def _spawn",
         "self._stopped.wait()\n\n    def _spawn",
-        (BACKEND + "test_abort_while_the_launcher_is_inside_an_nccl_call",),
+        (BACKEND + "test_abort_while_a_launch_is_stuck_in_progress",),
     ),
     M(
         "streams' event watcher never selects the device",

@@ -149,6 +149,7 @@ def test_fp8_reductions_need_sm90() -> None:
             t = sim.gpu.tensor(torch.ones(2).to(fp8))
             out = sim.gpu.tensor(torch.zeros(2).to(fp8))
             comm.allgather(t, out, stream=s)  # data movement: any device
+            ready(comm)
             if ok:
                 comm.allreduce(t, t, nc.NcclRedOp.SUM, stream=s)
             else:
@@ -168,9 +169,67 @@ def test_fp8_avg_is_invalid_on_any_device() -> None:
         (s,) = streams_of(sim, 1)
         t = sim.gpu.tensor(torch.ones(2).to(torch.float8_e4m3fn))
         comm.allreduce(t, t, nc.NcclRedOp.MAX, stream=s)  # other reductions: fine on sm_90
+        ready(comm)
         with pytest.raises(NCCLError) as info:
             comm.allreduce(t, t, nc.NcclRedOp.AVG, stream=s)
         assert info.value.status == Result.InvalidArgument
+        comm.abort()
+
+
+def test_a_data_call_while_the_last_launch_is_in_progress_is_invalid() -> None:
+    # init.cc:422-433 ncclCommEnsureReady: "Attempt to use communicator before the
+    # previous operation returned ncclSuccess" (enqueue.cc:3141).
+    with SimCluster() as sim:
+        (comm,) = world(sim, 1)
+        (s,) = streams_of(sim, 1)
+        t = sim.gpu.tensor([1.0])
+        comm.allreduce(t, t, nc.NcclRedOp.SUM, stream=s)
+        with pytest.raises(NCCLError) as info:
+            comm.allreduce(t, t, nc.NcclRedOp.SUM, stream=s)
+        assert info.value.status == Result.InvalidArgument
+        assert comm.get_async_error() == Result.InvalidArgument  # enqueue.cc:3170
+        assert any("while its last launch is InProgress" in e for e in sim.gpu.errors)
+        sim.gpu.errors.clear()
+        comm.abort()
+
+
+def test_a_stuck_launch_of_a_non_blocking_communicator_stays_in_progress() -> None:
+    # group.cc:825-857: the launch runs on a thread NCCL starts, the call returns
+    # InProgress; abort joins that thread (init.cc:3036-3041 → 422-426, group.cc:902-908).
+    with SimCluster(sync_limit=5.0) as sim:
+        (comm,) = world(sim, 1)
+        (s,) = streams_of(sim, 1)
+        t = sim.gpu.tensor([1.0])
+        stuck = sim.gpu.latch()
+        sim.nccl.block_calls(comm, stuck)
+        comm.allreduce(t, t, nc.NcclRedOp.SUM, stream=s)  # returns: nothing blocks the caller
+        assert all(comm.get_async_error() == Result.InProgress for _ in range(10))
+        assert sim.nccl.in_progress(comm) == 1 and sim.nccl.pushed(comm) == 0
+        done = threading.Event()
+        threading.Thread(target=lambda: (comm.abort(), done.set()), daemon=True).start()
+        assert not done.wait(0.3)  # joins NCCL's stuck launch thread
+        stuck.open()
+        assert done.wait(10) and sim.nccl.state(comm).aborted
+        assert sim.nccl.pushed(comm) == 0  # the aborted launch never reached its stream
+        assert sim.gpu.errors == []
+
+
+def test_a_stuck_launch_of_a_blocking_communicator_blocks_the_call() -> None:
+    # group.cc:858-864: a blocking group is launched on the caller's thread.
+    with SimCluster(sync_limit=5.0) as sim:
+        lib = sim.lib()
+        uid = lib._nc.UniqueId.from_bytes(lib.unique_id())
+        comm = lib._nc.Communicator.init(1, 0, uid, nc.NCCLConfig(blocking=True))
+        (s,) = streams_of(sim, 1)
+        t = sim.gpu.tensor([1.0])
+        stuck = sim.gpu.latch()
+        sim.nccl.block_calls(comm, stuck)
+        done = threading.Event()
+        call = lambda: (comm.allreduce(t, t, nc.NcclRedOp.SUM, stream=s), done.set())  # noqa: E731
+        threading.Thread(target=call, daemon=True).start()
+        assert not done.wait(0.3)
+        stuck.open()
+        assert done.wait(10)
         comm.abort()
 
 

@@ -24,6 +24,9 @@ from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted
 from ..._base.foreign import creation_error, nccl_kind, op_error
 from .lib import IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, poll_async_error
 
+#: What :meth:`CommHandle.use` yields, without waiting, while another thread holds the lock.
+BUSY = object()
+
 
 def abort_quietly(comm: Any) -> None:
     """``comm.abort()``, for a communicator being thrown away after another error."""
@@ -125,19 +128,28 @@ class CommHandle:
 
     # ----------------------------------------------------------------- calls
     @contextlib.contextmanager
-    def use(self) -> Iterator[Any]:
-        """The communicator, with the lock held; None once stopping (never call into it then)."""
-        with self._lock:
+    def use(self, timeout: float | None = None) -> Iterator[Any]:
+        """The communicator, with the lock held; None once stopping (never call into it then).
+        ``timeout``: :data:`BUSY` if the lock is still held by another thread by then (a
+        stop may hold it inside ``ncclCommAbort`` for as long as NCCL takes)."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            yield BUSY
+            return
+        try:
             yield None if self.stopping else self._comm
+        finally:
+            self._lock.release()
 
     def poll(self, deadline: float) -> int | None:
         """Poll ``get_async_error`` until it leaves InProgress (or ``deadline``); None once stopping."""
         return poll_async_error(self._lock, lambda: None if self.stopping else self._comm, deadline)
 
-    def status(self) -> int | None:
-        """One ``get_async_error`` (None once stopping)."""
-        with self._lock:
-            comm = None if self.stopping else self._comm
+    def status(self, timeout: float | None = None) -> int | None:
+        """One ``get_async_error`` (None once stopping); ``IN_PROGRESS`` if another thread
+        still holds the lock after ``timeout`` (see :meth:`use`)."""
+        with self.use(timeout) as comm:
+            if comm is BUSY:
+                return IN_PROGRESS
             if comm is None:
                 return None
             try:

@@ -49,7 +49,7 @@ from ..._core.backend import Backend
 from ..._core.work import Bundle, Work
 from . import encode, lanes
 from .caps import CAPS
-from .handle import CommHandle
+from .handle import BUSY, CommHandle
 from .lib import IN_PROGRESS, SUCCESS
 from .renew import Renewal
 
@@ -136,6 +136,7 @@ class NcclBackend(Renewal, Backend):
         # Failures met by a launch on a caller's thread, reported by the lane's thread.
         self._deferred: list[tuple[_Job, BaseException]] = []
         self._inline = False  # a launch on a caller's thread is under way
+        self._unstarted = False  # _launching was left untouched (the lock was held)
         self._closed = False
         self._broken = False  # an NCCL error was seen: close() aborts instead of finalizing
         self._lane = lanes.join(device.index, self, _bind)
@@ -209,8 +210,17 @@ class NcclBackend(Renewal, Backend):
             if not self._pending:
                 return True
             job = self._launching = self._pending.popleft()
+        return self._launch(job, inline) and not self._deferred
+
+    def _launch(self, job: _Job, inline: bool) -> bool:
+        """Launch ``job``; False: left to the lane's thread (``finish_launch``).
+
+        ``inline`` (a caller's thread, an event loop) never waits: not for the
+        communicator's lock (a stop may hold it inside NCCL: the launch is left unstarted),
+        nor for NCCL to leave ``ncclInProgress`` (a few immediate polls, then the launch is
+        left to the lane), nor for an error's text (the lane reports it)."""
         self._inline = inline
-        status: int | None = None
+        left = False
         try:
             if self._handle.stopping:
                 self._drop(job)
@@ -218,29 +228,38 @@ class NcclBackend(Renewal, Backend):
                 self._fail_job(
                     job, CommAborted("the NCCL communicator failed earlier"), issued=False
                 )
-            elif self._call(job):
-                status = self._status(inline, job)
-                if status != IN_PROGRESS or not inline:
-                    self._landed(job, status)
-                    status = None
+            else:
+                called = self._call(job, self.inline_lock_wait if inline else None)
+                if called is None:  # the communicator's lock is held: nothing was done
+                    self._unstarted = left = True
+                elif called:
+                    status = self._status(inline, job)
+                    if inline and status != SUCCESS:
+                        left = True
+                    else:
+                        self._landed(job, status)
         except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
             self._fail_job(job, self._translate(exc, job), issued=True)
-            status = None
+            left = False
         finally:
             self._inline = False
-            if status is None:
+            if not left:
                 self._launching = None
-        return status is None and not self._deferred
+        return not left
 
     def finish_launch(self) -> None:
         """Lane thread: report what an inline launch failed, and finish the launch it left
-        in ``ncclInProgress`` (polled here, never on the caller's thread)."""
+        (in ``ncclInProgress``, polled here, never on the caller's thread; or unstarted)."""
         with self._lock:
             deferred, self._deferred = self._deferred, []
         for failed, exc in deferred:
             self._report(failed, exc)
         job = self._launching
         if job is None:
+            return
+        if self._unstarted:
+            self._unstarted = False
+            self._launch(job, inline=False)
             return
         try:
             self._landed(job, self._handle.poll(self._by(job)))
@@ -252,37 +271,44 @@ class NcclBackend(Renewal, Backend):
     #: Immediate polls an inline launch gives a communicator left in ``ncclInProgress``
     #: (transient once connected) before the lane's thread takes the launch over.
     inline_polls = 4
+    #: How long (s) an inline launch waits for the communicator's lock: a poll or a health
+    #: check holds it for microseconds, a stop inside ``ncclCommAbort`` without bound.
+    inline_lock_wait = 1e-3
 
     def _status(self, inline: bool, job: _Job) -> int | None:
         """The communicator's state after the job's NCCL calls: polled until it leaves
         InProgress (lane thread), or a few immediate polls (caller's thread, never a wait)."""
         if not inline:
             return self._handle.poll(self._by(job))
-        status = self._handle.status()
+        wait = self.inline_lock_wait
+        status = self._handle.status(wait)
         for _ in range(self.inline_polls - 1):
             if status != IN_PROGRESS:
                 break
-            status = self._handle.status()
+            status = self._handle.status(wait)
         return status
 
     @staticmethod
     def _by(job: _Job) -> float:
         return time.monotonic() + job.timeout
 
-    def _call(self, job: _Job) -> bool:
-        """Make the job's NCCL call(s); False if it failed or was dropped (nothing launched)."""
+    def _call(self, job: _Job, timeout: float | None = None) -> bool | None:
+        """Make the job's NCCL call(s); False if it failed or was dropped (nothing launched);
+        None if the communicator's lock was still held after ``timeout``: nothing done."""
         rt = self._rt
         plan = job.plan
         assert plan is not None
-        rt.comm_stream.wait_event(job.ready)
-        # A stream wait already enqueued is not affected by re-recording the event.
-        rt.events.release(job.ready)
-        job.ready = None
-        stream = rt.handle(rt.comm_stream)
-        with self._handle.use() as comm:
+        with self._handle.use(timeout) as comm:
+            if comm is BUSY:
+                return None
+            rt.comm_stream.wait_event(job.ready)
+            # A stream wait already enqueued is not affected by re-recording the event.
+            rt.events.release(job.ready)
+            job.ready = None
             if comm is None:  # stopped meanwhile
                 self._drop(job)
                 return False
+            stream = rt.handle(rt.comm_stream)
             if not plan.grouped:
                 try:
                     plan.calls[0](comm, stream)

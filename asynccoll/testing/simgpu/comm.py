@@ -24,6 +24,18 @@ The NCCL rules, each with the line of the NCCL 2.30 source (NVIDIA/nccl) it foll
   flag — and a child's still initialising (``setCommAbortFlags``: childAbortFlag) —
   then waits for the communicator's device stream (its kernels must reach the device
   and exit) and joins the proxy thread: the call blocks until then.
+* A launch stuck inside NCCL (:meth:`SimNccl.block_calls`). A *blocking* communicator
+  launches on the caller's thread (``ncclGroupEndInternal`` calls ``groupLaunch``
+  itself, group.cc:858-864), so each of its calls blocks. A *non-blocking* one only
+  checks and appends the task on the caller's thread (enqueue.cc:3137-3167); the
+  launch — connection setup, ``doLaunches`` — runs on a thread NCCL starts
+  (group.cc:825-857, ``STDTHREADCREATE_GOTO`` at 855; 2.28.9: group.cc:706-738), so its
+  data calls return and the communicator stays ``ncclInProgress`` until the latch
+  opens. What joins that thread blocks: abort and revoke set the abort flag and then
+  ``ncclCommEnsureReady`` → ``ncclGroupJobAbort`` joins it (init.cc:3036-3041,
+  2987-2989, 422-426; group.cc:902-908, 85-87) — the worst case, a launch stuck in
+  something that does not watch the abort flag. A data call while the last launch is
+  still InProgress is ``ncclInvalidArgument`` (``ncclCommEnsureReady``, init.cc:428-433).
 * ``ncclCommShrink`` (init.cc:3074-3170): an empty exclusion list, or a caller that
   is in it, is ``ncclInvalidArgument``; ``*newcomm`` is NULL "until comm split fully
   complete" — the child handle is filled when the parent's async job ends, and
@@ -63,6 +75,10 @@ _FP8 = {
     if d is not None
 }
 _MANAGE = ("abort", "destroy", "finalize")
+# What a stuck launch of a non-blocking communicator blocks (block_calls): ncclCommAbort
+# and ncclCommRevoke set the abort flag, then ncclCommEnsureReady joins the group job's
+# thread (init.cc:3036-3041, 2987-2989 → 422-426 → group.cc:902-908, ncclThreadJoin at 87).
+_JOINS = ("abort", "revoke")
 # Methods called per op: bound to the real signature without a mock's call recording
 # (a mock's call list keeps every tensor alive; resetting it per call cost 200 µs).
 FAST = (*DATA, "get_async_error", "get_last_error")
@@ -130,7 +146,7 @@ class CommState:
         a.pop("self", None)
         latch = self.block
         gpu = self.sim.gpu
-        if latch is not None:  # an NCCL call stuck inside the library
+        if latch is not None and (self.blocking or name in _JOINS):  # stuck inside NCCL
             with gpu.cv:
                 gpu.cv.wait_for(lambda: latch.is_open, gpu.sync_limit)
         with gpu.cv:
@@ -147,6 +163,11 @@ class CommState:
                     raise self.fail.pop(name)
                 if self.revoked:
                     self._check_revoked(name)
+                if name in DATA and not self.blocking and self.deferred:
+                    # ncclCommEnsureReady (init.cc:422-433): "Attempt to use communicator
+                    # before the previous operation returned ncclSuccess".
+                    gpu.errors.append(f"{self!r}: {name}() while its last launch is InProgress")
+                    raise nccl_error(Result.InvalidArgument)
                 fn = getattr(self, "_" + name, None)
                 if fn is None:
                     raise NotImplementedError(f"nccl4py Communicator.{name} is not simulated")
@@ -345,6 +366,8 @@ class CommState:
                 return Result.InProgress
             self.child.filled = True
             self.child = None
+        if self.deferred and self.block is not None and not self.block.is_open:
+            return Result.InProgress  # block_calls: NCCL's launch thread is stuck
         if self.deferred or self.polls_left > 0:
             self.polls_left -= 1
             if self.polls_left > 0:

@@ -32,7 +32,7 @@ device in ``world.py``:
 * faults: :meth:`SimNccl.kill` (peers see ``RemoteError``), :meth:`SimNccl.stall_revoke`
   (a revoke never quiesces), :meth:`SimNccl.hang` (a rank's kernels never complete),
   :meth:`SimNccl.set_error`, :meth:`SimNccl.fail_call`, and :meth:`SimNccl.block_calls`
-  (NCCL calls of a rank block until a latch opens).
+  (a rank's launches are stuck inside NCCL until a latch opens: see ``comm.py``).
 """
 
 from __future__ import annotations
@@ -147,8 +147,15 @@ class SimNccl:
         self.state(comm).fail[name] = exc
 
     def block_calls(self, comm: Any, latch: Latch | None) -> None:
-        """Every NCCL call on ``comm`` blocks inside the library until ``latch`` opens."""
+        """``comm``'s launches get stuck inside NCCL until ``latch`` opens: on a blocking
+        communicator every call blocks; on a non-blocking one a launch stays
+        ``ncclInProgress`` and only abort and revoke block (``comm.py``)."""
         self.state(comm).block = latch
+
+    def in_progress(self, comm: Any) -> int:
+        """Launches of ``comm`` that NCCL has not put on their stream (still ncclInProgress)."""
+        with self.gpu.cv:
+            return len(self.state(comm).deferred)
 
     def drain_aborted(self) -> None:
         """Let aborted kernels leave their streams (with ``SimGPU(abort_drains=False)``)."""
