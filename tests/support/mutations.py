@@ -74,8 +74,8 @@ MUTATIONS = [
     M(
         "ncclInProgress not polled: the done event goes on the stream at once",
         NCCL + "launcher.py",
-        "return self._handle.poll(self._by(job))\n        wait = self.inline_lock_wait",
-        "return SUCCESS\n        return SUCCESS",
+        "return self._handle.poll(self._by(job))\n        status = self._handle.status(wait=False)",
+        "return SUCCESS\n        status = SUCCESS",
         ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(
@@ -205,7 +205,7 @@ MUTATIONS = [
     M(
         "an inline launch waits for the communicator's lock",
         NCCL + "launcher.py",
-        "with self._handle.use(timeout) as comm:",
+        "with self._handle.use(wait) as comm:",
         "with self._handle.use() as comm:",
         (LAUNCH + "test_submit_never_waits_for_the_communicators_lock",),
     ),

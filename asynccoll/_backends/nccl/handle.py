@@ -128,11 +128,11 @@ class CommHandle:
 
     # ----------------------------------------------------------------- calls
     @contextlib.contextmanager
-    def use(self, timeout: float | None = None) -> Iterator[Any]:
+    def use(self, wait: bool = True) -> Iterator[Any]:
         """The communicator, with the lock held; None once stopping (never call into it then).
-        ``timeout``: :data:`BUSY` if the lock is still held by another thread by then (a
-        stop may hold it inside ``ncclCommAbort`` for as long as NCCL takes)."""
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+        ``wait=False``: :data:`BUSY` at once if another thread holds the lock (a stop may
+        hold it inside ``ncclCommAbort`` for as long as NCCL takes)."""
+        if not self._lock.acquire(blocking=wait):
             yield BUSY
             return
         try:
@@ -144,10 +144,10 @@ class CommHandle:
         """Poll ``get_async_error`` until it leaves InProgress (or ``deadline``); None once stopping."""
         return poll_async_error(self._lock, lambda: None if self.stopping else self._comm, deadline)
 
-    def status(self, timeout: float | None = None) -> int | None:
-        """One ``get_async_error`` (None once stopping); ``IN_PROGRESS`` if another thread
-        still holds the lock after ``timeout`` (see :meth:`use`)."""
-        with self.use(timeout) as comm:
+    def status(self, wait: bool = True) -> int | None:
+        """One ``get_async_error`` (None once stopping). ``wait=False``: ``IN_PROGRESS``
+        at once if another thread holds the lock (see :meth:`use`)."""
+        with self.use(wait) as comm:
             if comm is BUSY:
                 return IN_PROGRESS
             if comm is None:

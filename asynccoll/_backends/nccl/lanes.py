@@ -79,7 +79,6 @@ class _Marker:
 
 
 _STOP = object()
-_WAKE = object()  # health checks are due: the first one a health interval from now
 
 
 class Lane:
@@ -121,7 +120,7 @@ class Lane:
                     self._queue.put(_Finish(member))
                 elif self._dormant and member.busy():  # in flight now: health checks are due
                     self._dormant = False
-                    self._queue.put(_WAKE)
+                    self._queue.put(None)
                 self._busy = False
                 if self._backlog:
                     turn.notify()
@@ -170,9 +169,6 @@ class Lane:
                 item = None
             if item is _STOP:
                 return
-            if item is _WAKE:  # not a check now: it would hold the lock the caller launches with
-                next_check = time.monotonic() + min((m.health_interval for m in members), default=0)
-                continue
             if item is not None:
                 self._take_turn()
                 try:

@@ -229,7 +229,7 @@ class NcclBackend(Renewal, Backend):
                     job, CommAborted("the NCCL communicator failed earlier"), issued=False
                 )
             else:
-                called = self._call(job, self.inline_lock_wait if inline else None)
+                called = self._call(job, wait=not inline)
                 if called is None:  # the communicator's lock is held: nothing was done
                     self._unstarted = left = True
                 elif called:
@@ -271,34 +271,30 @@ class NcclBackend(Renewal, Backend):
     #: Immediate polls an inline launch gives a communicator left in ``ncclInProgress``
     #: (transient once connected) before the lane's thread takes the launch over.
     inline_polls = 4
-    #: How long (s) an inline launch waits for the communicator's lock: a poll or a health
-    #: check holds it for microseconds, a stop inside ``ncclCommAbort`` without bound.
-    inline_lock_wait = 1e-3
 
     def _status(self, inline: bool, job: _Job) -> int | None:
         """The communicator's state after the job's NCCL calls: polled until it leaves
         InProgress (lane thread), or a few immediate polls (caller's thread, never a wait)."""
         if not inline:
             return self._handle.poll(self._by(job))
-        wait = self.inline_lock_wait
-        status = self._handle.status(wait)
+        status = self._handle.status(wait=False)
         for _ in range(self.inline_polls - 1):
             if status != IN_PROGRESS:
                 break
-            status = self._handle.status(wait)
+            status = self._handle.status(wait=False)
         return status
 
     @staticmethod
     def _by(job: _Job) -> float:
         return time.monotonic() + job.timeout
 
-    def _call(self, job: _Job, timeout: float | None = None) -> bool | None:
+    def _call(self, job: _Job, wait: bool = True) -> bool | None:
         """Make the job's NCCL call(s); False if it failed or was dropped (nothing launched);
-        None if the communicator's lock was still held after ``timeout``: nothing done."""
+        None (only with ``wait=False``) if the communicator's lock is held: nothing done."""
         rt = self._rt
         plan = job.plan
         assert plan is not None
-        with self._handle.use(timeout) as comm:
+        with self._handle.use(wait) as comm:
             if comm is BUSY:
                 return None
             rt.comm_stream.wait_event(job.ready)
