@@ -10,7 +10,6 @@ CudaRuntime and ``streams`` run on the doubles of ``torch.cuda``,
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import nccl.core as nc
@@ -99,60 +98,6 @@ def test_communicators_of_a_device_launch_in_issue_order() -> None:
         assert threads == {"asynccoll-nccl-launch-0", "asynccoll-nccl-launch-1"}  # one per device
         close_all(a0, a1, b0, b1)
         assert gpu.errors == []
-
-
-def calls_by_thread(comm: Any, name: str) -> list[threading.Thread]:
-    """The thread of each later ``comm.<name>(...)`` call (a spy around the double)."""
-    seen: list[threading.Thread] = []
-    real = getattr(comm, name)
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append(threading.current_thread())
-        return real(*args, **kwargs)
-
-    setattr(comm, name, spy)
-    return seen
-
-
-def test_an_idle_lane_launches_on_the_callers_thread_and_a_busy_one_in_order_after() -> None:
-    with SimCluster(sync_limit=5.0) as sim:
-        gpu = sim.gpu
-        (be,) = sim.backends(1)
-        c = comm_of(be)
-        seen = calls_by_thread(c, "allreduce")
-        submit(be, OpKind.ALL_REDUCE, gpu.tensor([1.0])).wait(WAIT)
-        assert seen == [threading.current_thread()]  # idle: no thread hop
-        stuck = gpu.latch()
-        sim.nccl.block_calls(c, stuck)
-        ts = [gpu.tensor([float(i)]) for i in range(3)]
-        works = [submit(be, OpKind.ALL_REDUCE, ts[0])]  # its launch stays ncclInProgress
-        assert sim.nccl.in_progress(c) == 1 and len(seen) == 2  # the call returned at once
-        works += [submit(be, OpKind.ALL_REDUCE, t) for t in ts[1:]]  # the lane is busy: queued
-        gpu.idle()
-        assert len(seen) == 2 and not any(w.done() for w in works)
-        sim.nccl.block_calls(c, None)
-        stuck.open()
-        for w in works:
-            w.wait(WAIT)
-        assert seen[2:] == [be._lane.thread] * 2  # launched by the lane, after the stuck one
-        close_all(be)
-        assert gpu.errors == []
-
-
-def test_submit_never_waits_for_the_communicators_lock() -> None:
-    # A stop holds the lock inside ncclCommAbort for as long as NCCL takes (handle.py):
-    # an inline launch leaves the job to the lane's thread instead of waiting for it.
-    with SimCluster() as sim:
-        (be,) = sim.backends(1)
-        seen = calls_by_thread(comm_of(be), "allreduce")
-        with be.handle.use():  # another thread's call into the communicator
-            t0 = time.monotonic()
-            w = submit(be, OpKind.ALL_REDUCE, sim.gpu.tensor([1.0]))
-            assert time.monotonic() - t0 < 1.0 and seen == [] and not w.done()
-        w.wait(WAIT)
-        assert seen == [be._lane.thread]
-        close_all(be)
-        assert sim.gpu.errors == []
 
 
 # ================================================================ devices

@@ -24,9 +24,6 @@ from ..._base.errors import BackendUnavailable, CollectiveTimeout, CommAborted
 from ..._base.foreign import creation_error, nccl_kind, op_error
 from .lib import IN_PROGRESS, INTERNAL_ERROR, SUCCESS, NcclError, poll_async_error
 
-#: What :meth:`CommHandle.use` yields, without waiting, while another thread holds the lock.
-BUSY = object()
-
 
 def abort_quietly(comm: Any) -> None:
     """``comm.abort()``, for a communicator being thrown away after another error."""
@@ -128,28 +125,19 @@ class CommHandle:
 
     # ----------------------------------------------------------------- calls
     @contextlib.contextmanager
-    def use(self, wait: bool = True) -> Iterator[Any]:
-        """The communicator, with the lock held; None once stopping (never call into it then).
-        ``wait=False``: :data:`BUSY` at once if another thread holds the lock (a stop may
-        hold it inside ``ncclCommAbort`` for as long as NCCL takes)."""
-        if not self._lock.acquire(blocking=wait):
-            yield BUSY
-            return
-        try:
+    def use(self) -> Iterator[Any]:
+        """The communicator, with the lock held; None once stopping (never call into it then)."""
+        with self._lock:
             yield None if self.stopping else self._comm
-        finally:
-            self._lock.release()
 
     def poll(self, deadline: float) -> int | None:
         """Poll ``get_async_error`` until it leaves InProgress (or ``deadline``); None once stopping."""
         return poll_async_error(self._lock, lambda: None if self.stopping else self._comm, deadline)
 
-    def status(self, wait: bool = True) -> int | None:
-        """One ``get_async_error`` (None once stopping). ``wait=False``: ``IN_PROGRESS``
-        at once if another thread holds the lock (see :meth:`use`)."""
-        with self.use(wait) as comm:
-            if comm is BUSY:
-                return IN_PROGRESS
+    def status(self) -> int | None:
+        """One ``get_async_error`` (None once stopping)."""
+        with self._lock:
+            comm = None if self.stopping else self._comm
             if comm is None:
                 return None
             try:

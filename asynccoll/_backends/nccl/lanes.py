@@ -20,18 +20,6 @@ is issued while it is busy, in order after it. A launch that NCCL leaves in
 ``ncclInProgress`` (a non-blocking communicator deferring its kernel) is never
 polled on the caller's thread (an event loop): the lane's thread finishes it, and
 later jobs queue behind it.
-
-Why the caller's thread never waits inside NCCL (read in NCCL 2.30.7, NVIDIA/nccl
-5067397c; the same in 2.28.9): a *non-blocking* communicator's data call only checks
-its arguments and appends the task there (``ncclEnqueueCheck``, src/enqueue.cc
-3124-3171); ``ncclGroupEndInternal`` starts a thread for the launch and returns
-``ncclInProgress`` (src/group.cc 825-857). Connection setup on first use, the kernel
-launch and everything that waits for peers run on that thread. What the caller's
-call can wait for: joining that thread once it has already reported ``ncclSuccess``
-(``ncclCommGetAsyncError``, src/init.cc 3477-3480; bounded), and NCCL's abort
-(src/init.cc 425-426), which only a stop calls, never a launch. A stop may hold the
-communicator's lock inside ``ncclCommAbort``; an inline launch never waits for that
-lock (the lane's thread takes the launch over).
 """
 
 from __future__ import annotations
@@ -84,6 +72,23 @@ _STOP = object()
 class Lane:
     """The launch thread of one CUDA device (see the module docstring)."""
 
+    #: Launch on the caller's thread when idle. Off: ``submit`` must never block its
+    #: caller, and the simulated NCCL's ``block_calls`` makes every call of a
+    #: communicator, data calls included, block inside the library; with it on,
+    #: tests/nccl/test_simgpu_backend.py::test_abort_while_the_launcher_is_inside_an_nccl_call
+    #: and ::test_abort_never_leaves_a_stream_waiting_on_the_device fail (submit blocks
+    #: the test's thread).
+    #: Read in NCCL 2.30.7 (NVIDIA/nccl 5067397c): a *non-blocking* communicator's data
+    #: call does only checks and ``taskAppend`` on the caller's thread (src/enqueue.cc
+    #: 3124-3171); ``ncclGroupEndInternal`` starts a thread for the launch and returns
+    #: ncclInProgress (src/group.cc 826-857, ``STDTHREADCREATE_GOTO`` at 855). What waits
+    #: for peers, the proxy or the device runs there; the caller's call waits only after an
+    #: abort (``ncclCommEnsureReady`` joins the group job, src/init.cc 425-426). So the
+    #: faithful "stuck launch" of a non-blocking communicator is one that stays InProgress,
+    #: not a blocked call: the simulator's rule, not this code, is what stands in the way.
+    #: Not switched on until ``block_calls`` and the tests above follow the source.
+    inline = False
+
     def __init__(self, index: int, bind: Any) -> None:
         self.index = index
         self._bind = bind
@@ -105,7 +110,7 @@ class Lane:
         else post it: the lane's thread launches it in this order."""
         turn = self._turn
         with turn:
-            if self._backlog or self._busy:
+            if self._backlog or self._busy or not self.inline:
                 self._backlog += 1
                 self._queue.put(member)
                 return

@@ -49,7 +49,7 @@ from ..._core.backend import Backend
 from ..._core.work import Bundle, Work
 from . import encode, lanes
 from .caps import CAPS
-from .handle import BUSY, CommHandle
+from .handle import CommHandle
 from .lib import IN_PROGRESS, SUCCESS
 from .renew import Renewal
 
@@ -136,7 +136,6 @@ class NcclBackend(Renewal, Backend):
         # Failures met by a launch on a caller's thread, reported by the lane's thread.
         self._deferred: list[tuple[_Job, BaseException]] = []
         self._inline = False  # a launch on a caller's thread is under way
-        self._unstarted = False  # _launching was left untouched (the lock was held)
         self._closed = False
         self._broken = False  # an NCCL error was seen: close() aborts instead of finalizing
         self._lane = lanes.join(device.index, self, _bind)
@@ -210,17 +209,8 @@ class NcclBackend(Renewal, Backend):
             if not self._pending:
                 return True
             job = self._launching = self._pending.popleft()
-        return self._launch(job, inline) and not self._deferred
-
-    def _launch(self, job: _Job, inline: bool) -> bool:
-        """Launch ``job``; False: left to the lane's thread (``finish_launch``).
-
-        ``inline`` (a caller's thread, an event loop) never waits: not for the
-        communicator's lock (a stop may hold it inside NCCL: the launch is left unstarted),
-        nor for NCCL to leave ``ncclInProgress`` (a few immediate polls, then the launch is
-        left to the lane), nor for an error's text (the lane reports it)."""
         self._inline = inline
-        left = False
+        status: int | None = None
         try:
             if self._handle.stopping:
                 self._drop(job)
@@ -228,38 +218,29 @@ class NcclBackend(Renewal, Backend):
                 self._fail_job(
                     job, CommAborted("the NCCL communicator failed earlier"), issued=False
                 )
-            else:
-                called = self._call(job, wait=not inline)
-                if called is None:  # the communicator's lock is held: nothing was done
-                    self._unstarted = left = True
-                elif called:
-                    status = self._status(inline, job)
-                    if inline and status != SUCCESS:
-                        left = True
-                    else:
-                        self._landed(job, status)
+            elif self._call(job):
+                status = self._status(inline, job)
+                if status != IN_PROGRESS or not inline:
+                    self._landed(job, status)
+                    status = None
         except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
             self._fail_job(job, self._translate(exc, job), issued=True)
-            left = False
+            status = None
         finally:
             self._inline = False
-            if not left:
+            if status is None:
                 self._launching = None
-        return not left
+        return status is None and not self._deferred
 
     def finish_launch(self) -> None:
         """Lane thread: report what an inline launch failed, and finish the launch it left
-        (in ``ncclInProgress``, polled here, never on the caller's thread; or unstarted)."""
+        in ``ncclInProgress`` (polled here, never on the caller's thread)."""
         with self._lock:
             deferred, self._deferred = self._deferred, []
         for failed, exc in deferred:
             self._report(failed, exc)
         job = self._launching
         if job is None:
-            return
-        if self._unstarted:
-            self._unstarted = False
-            self._launch(job, inline=False)
             return
         try:
             self._landed(job, self._handle.poll(self._by(job)))
@@ -277,34 +258,31 @@ class NcclBackend(Renewal, Backend):
         InProgress (lane thread), or a few immediate polls (caller's thread, never a wait)."""
         if not inline:
             return self._handle.poll(self._by(job))
-        status = self._handle.status(wait=False)
+        status = self._handle.status()
         for _ in range(self.inline_polls - 1):
             if status != IN_PROGRESS:
                 break
-            status = self._handle.status(wait=False)
+            status = self._handle.status()
         return status
 
     @staticmethod
     def _by(job: _Job) -> float:
         return time.monotonic() + job.timeout
 
-    def _call(self, job: _Job, wait: bool = True) -> bool | None:
-        """Make the job's NCCL call(s); False if it failed or was dropped (nothing launched);
-        None (only with ``wait=False``) if the communicator's lock is held: nothing done."""
+    def _call(self, job: _Job) -> bool:
+        """Make the job's NCCL call(s); False if it failed or was dropped (nothing launched)."""
         rt = self._rt
         plan = job.plan
         assert plan is not None
-        with self._handle.use(wait) as comm:
-            if comm is BUSY:
-                return None
-            rt.comm_stream.wait_event(job.ready)
-            # A stream wait already enqueued is not affected by re-recording the event.
-            rt.events.release(job.ready)
-            job.ready = None
+        rt.comm_stream.wait_event(job.ready)
+        # A stream wait already enqueued is not affected by re-recording the event.
+        rt.events.release(job.ready)
+        job.ready = None
+        stream = rt.handle(rt.comm_stream)
+        with self._handle.use() as comm:
             if comm is None:  # stopped meanwhile
                 self._drop(job)
                 return False
-            stream = rt.handle(rt.comm_stream)
             if not plan.grouped:
                 try:
                     plan.calls[0](comm, stream)
