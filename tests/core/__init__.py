@@ -1,2 +1,2 @@
 """The backend-neutral core (``asynccoll/_core``): the communicator, its work, coalescing, the
-ledger of issued ops, calling order, argument checks, object collectives, the seams, and trio."""
+ledger of issued ops, calling order, argument checks, object collectives, the interfaces between rooms, and trio."""

@@ -1,4 +1,4 @@
-"""Tests of the NCCL backend's seams, pinned to the real nccl4py (``asynccoll._backends.nccl``).
+"""Tests of the NCCL backend's binding, pinned to the real nccl4py (``asynccoll._backends.nccl``).
 
 * CPU: ``missing()`` / ``create()`` say what is absent (never ModuleNotFoundError),
   ``backend="auto"`` falls back to Gloo without CUDA, device choice.

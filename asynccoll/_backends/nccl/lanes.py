@@ -72,21 +72,14 @@ _STOP = object()
 class Lane:
     """The launch thread of one CUDA device (see the module docstring)."""
 
-    #: Launch on the caller's thread when idle. Off: ``submit`` must never block its
-    #: caller, and the simulated NCCL's ``block_calls`` makes every call of a
-    #: communicator, data calls included, block inside the library; with it on,
-    #: tests/nccl/test_simgpu_backend.py::test_abort_while_the_launcher_is_inside_an_nccl_call
-    #: and ::test_abort_never_leaves_a_stream_waiting_on_the_device fail (submit blocks
-    #: the test's thread).
-    #: Read in NCCL 2.30.7 (NVIDIA/nccl 5067397c): a *non-blocking* communicator's data
-    #: call does only checks and ``taskAppend`` on the caller's thread (src/enqueue.cc
-    #: 3124-3171); ``ncclGroupEndInternal`` starts a thread for the launch and returns
-    #: ncclInProgress (src/group.cc 826-857, ``STDTHREADCREATE_GOTO`` at 855). What waits
-    #: for peers, the proxy or the device runs there; the caller's call waits only after an
-    #: abort (``ncclCommEnsureReady`` joins the group job, src/init.cc 425-426). So the
-    #: faithful "stuck launch" of a non-blocking communicator is one that stays InProgress,
-    #: not a blocked call: the simulator's rule, not this code, is what stands in the way.
-    #: Not switched on until ``block_calls`` and the tests above follow the source.
+    #: Launch on the caller's thread when idle. Off, as measured: on an H100 (NCCL 2.28.9)
+    #: the caller's issue cost rose from 53-74 to 128-131 us of thread CPU and the event
+    #: loop stalled 23-25 ms, since NCCL starts a thread for every non-blocking launch
+    #: (src/group.cc 736 at v2.28.9-1) and that start then runs on the caller's thread
+    #: (docs/performance.md, "Launching on the caller's thread"). While off, nothing
+    #: tests the inline path (its tests went with the revert). Kept for one more
+    #: measurement (a blocking communicator launched inline), not as a second way to
+    #: launch: remove it if that loses too.
     inline = False
 
     def __init__(self, index: int, bind: Any) -> None:

@@ -1,4 +1,4 @@
-"""The seams between the rooms: what backends declare, what the wrappers forward,
+"""The interfaces between the rooms: what backends declare, what the wrappers forward,
 the bootstrap's backend factories, and the public replacements of old private reaches."""
 
 from __future__ import annotations
