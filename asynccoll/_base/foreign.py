@@ -148,7 +148,13 @@ def op_error(
     """The contract's error for an operation that failed with ``exc`` in ``backend``:
     ``PeerFailure``, ``CollectiveTimeout`` or ``CommAborted`` (each aborts the
     communicator). ``message`` replaces the one made from ``seq``, ``op`` and ``exc``.
-    A contract error that stands as an abort already is returned as it is."""
+    A contract error that stands as an abort already is returned as it is.
+
+    ``exc`` is kept as ``__cause__`` without its traceback: the error outlives the call
+    (every failed Work and the aborted communicator hold it), and a traceback holds the
+    frames it passed through and, through them, their callers': an op refused at issue
+    on the caller's thread would keep that thread's stack alive, a training step and the
+    model in it (a DDP whose hooks then fire beside the rebuilt one's)."""
     if isinstance(exc, CommAborted):
         return exc
     what = f"{op} (seq {seq})"
@@ -159,7 +165,7 @@ def op_error(
         new = CollectiveTimeout(message or f"{what} timed out in {backend}: {exc}", seq, op)
     else:
         new = CommAborted(message or f"{what} failed in {backend}: {exc}")
-    new.__cause__ = exc
+    new.__cause__ = exc.with_traceback(None)
     return new
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -307,6 +308,38 @@ def test_peer_killed_during_a_ddp_step_then_shrink_and_train_on(fatal: int) -> N
         assert got["elapsed"] < 10.0, got  # the liveness bound, not torch's 30 minutes
         assert got["new_size"] == 2 and got["equal"]
     assert res[2] is None
+
+
+async def refused_at_issue(comm: ac.Communicator) -> bool | None:
+    """Rank 1 dies between two DDP steps; rank 0's next step issues after Gloo saw the
+    connection close, so the bucket's all_reduce is refused at issue, on this thread."""
+    module = net()
+    model = DDP(module, process_group=ac.process_group(comm))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batches(comm.rank, 1)[0]
+    step(model, opt, x, y)
+    if comm.rank == 1:
+        crash_later(0.0)
+        time.sleep(5)
+    time.sleep(1.0)  # no heartbeat (Gloo's default): only the transport knows
+    try:
+        step(model, opt, x, y)
+    except ac.PeerFailure:
+        pass
+    alive = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    return alive() is None
+
+
+@pytest.mark.timeout(120)
+def test_an_op_refused_at_issue_keeps_no_frame_of_the_step_alive() -> None:
+    """The failed op's error (held by the aborted communicator) must not hold the
+    caller's frames: they hold the DDP, whose hooks would fire beside a rebuilt one's
+    ("marked as ready twice", seen in the shrink example)."""
+    res = run_ranks(refused_at_issue, world_size=2, timeout=90, lost=[1])
+    assert res[0] is True  # the old DDP was collected
+    assert res[1] is None
 
 
 # ------------------------------------------- deadlines, abort, fingerprints
