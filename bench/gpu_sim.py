@@ -191,7 +191,7 @@ async def _measure(comm: Any, sim: Any, n: int) -> dict[str, Any]:
     # CPU time per op of each of our threads, ``n`` ops back to back, then all awaited
     res["cpu_per_op_us"] = await _thread_cpu(comm, be, t, n)
 
-    # profiles: caller (with launches made on its thread), lane thread, watcher
+    # profiles: caller, lane thread, watcher
     profs = {
         "caller": cProfile.Profile(),
         "launch": cProfile.Profile(),
@@ -199,15 +199,12 @@ async def _measure(comm: Any, sim: Any, n: int) -> dict[str, Any]:
     }
     launch_next, completed = be.launch_next, be._completed
 
-    def prof_launch(inline: bool = False) -> bool:
-        prof = profs["caller" if inline else "launch"]
-        if inline:
-            return launch_next(inline)
-        prof.enable()
+    def prof_launch() -> None:
+        profs["launch"].enable()
         try:
-            return launch_next(inline)
+            launch_next()
         finally:
-            prof.disable()
+            profs["launch"].disable()
 
     def prof_completed(job: Any) -> None:
         profs["watcher"].enable()
@@ -364,8 +361,8 @@ def _submit_alone(sim: Any, n: int) -> dict[str, float]:
 
     be = asyncio.run(sim.create(Rdv(dist.HashStore(), 0, 1)))
     be.bind(standalone_sink(0))
-    lane_launch = be._lane.launch
-    be._lane.launch = lambda member: None
+    lane_post = be._lane.post
+    be._lane.post = lambda member: None
     t = sim.gpu.tensor(torch.ones(8))
     spec = OpSpec(OpKind.ALL_REDUCE, t, timeout=30.0)
     out = []
@@ -379,7 +376,7 @@ def _submit_alone(sim: Any, n: int) -> dict[str, float]:
         be.runtime.events.release(job.done)
         if i >= 200:
             out.append(_us(c1 - c0))
-    be._lane.launch = lane_launch
+    be._lane.post = lane_post
     be.close()
     return _stats(out)
 

@@ -74,8 +74,8 @@ MUTATIONS = [
     M(
         "ncclInProgress not polled: the done event goes on the stream at once",
         NCCL + "launcher.py",
-        "            return self._handle.poll(self._by(job))",
-        "            return SUCCESS",
+        "self._landed(job, self._handle.poll(self._by(job)))",
+        "self._landed(job, SUCCESS)",
         ("tests/nccl/test_simgpu_collectives.py",),
     ),
     M(

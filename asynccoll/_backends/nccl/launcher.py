@@ -7,16 +7,13 @@ How one op travels (``submit`` runs on the caller's thread):
    the caller's current stream (the op must see everything the caller queued before
    the call), protects the tensors from the caching allocator (``record_stream`` on
    the comm stream) and hands the job to the device's lane (``lanes.py``: one launch
-   order per device, shared by its communicators, in issue order): launched at once
-   on the caller's thread when the lane is idle, else by the lane's thread.
+   thread per device, shared by its communicators, launching in issue order).
 2. The launch: the comm stream waits for the ready event, the NCCL
    call(s) are made through the handle (a batch or a P2P op inside one
    ``ncclGroupStart/End``), then ``ncclCommGetAsyncError`` is polled until the
    communicator leaves ``ncclInProgress``. Only then does the done event go on the
    comm stream: a non-blocking communicator may defer the kernel launch, and nothing
-   may touch its stream before. A caller's thread (an event loop) never polls: a
-   launch left in progress goes to the lane's thread, and so do the failures an
-   inline launch meets (they abort the communicator, whose lock the caller holds).
+   may touch its stream before. The caller's thread (an event loop) never polls.
 3. Completion (the backend's :class:`~..._core.completion.Completion`): one
    :class:`streams.EventWatcher` thread waits for done events in order; each time
    one fires it settles that op and every later one whose done event has fired, in
@@ -133,9 +130,6 @@ class NcclBackend(Renewal, Backend):
         # their tensors stay referenced until the communicator is aborted.
         self._stuck: list[_Job] = []
         self._launching: _Job | None = None  # popped from _pending, not in _inflight yet
-        # Failures met by a launch on a caller's thread, reported by the lane's thread.
-        self._deferred: list[tuple[_Job, BaseException]] = []
-        self._inline = False  # a launch on a caller's thread is under way
         self._closed = False
         self._broken = False  # an NCCL error was seen: close() aborts instead of finalizing
         self._lane = lanes.join(device.index, self, _bind)
@@ -196,21 +190,18 @@ class NcclBackend(Renewal, Backend):
             work.attach(self)
         with self._lock:
             self._pending.append(job)
-        self._lane.launch(self)
+        self._lane.post(self)
 
     # ---------------------------------------------------------- lane thread
     def busy(self) -> bool:
         return bool(self._inflight)
 
-    def launch_next(self, inline: bool = False) -> bool:
-        """Launch the oldest queued job (the lane's turn; ``lanes.Member``). ``inline``: on
-        the caller's thread; False: the lane's thread must finish (``finish_launch``)."""
+    def launch_next(self) -> None:
+        """Launch the oldest queued job (the lane's turn; ``lanes.Member``)."""
         with self._lock:
             if not self._pending:
-                return True
+                return
             job = self._launching = self._pending.popleft()
-        self._inline = inline
-        status: int | None = None
         try:
             if self._handle.stopping:
                 self._drop(job)
@@ -219,51 +210,11 @@ class NcclBackend(Renewal, Backend):
                     job, CommAborted("the NCCL communicator failed earlier"), issued=False
                 )
             elif self._call(job):
-                status = self._status(inline, job)
-                if status != IN_PROGRESS or not inline:
-                    self._landed(job, status)
-                    status = None
-        except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
-            self._fail_job(job, self._translate(exc, job), issued=True)
-            status = None
-        finally:
-            self._inline = False
-            if status is None:
-                self._launching = None
-        return status is None and not self._deferred
-
-    def finish_launch(self) -> None:
-        """Lane thread: report what an inline launch failed, and finish the launch it left
-        in ``ncclInProgress`` (polled here, never on the caller's thread)."""
-        with self._lock:
-            deferred, self._deferred = self._deferred, []
-        for failed, exc in deferred:
-            self._report(failed, exc)
-        job = self._launching
-        if job is None:
-            return
-        try:
-            self._landed(job, self._handle.poll(self._by(job)))
+                self._landed(job, self._handle.poll(self._by(job)))
         except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error on the comm stream
             self._fail_job(job, self._translate(exc, job), issued=True)
         finally:
             self._launching = None
-
-    #: Immediate polls an inline launch gives a communicator left in ``ncclInProgress``
-    #: (transient once connected) before the lane's thread takes the launch over.
-    inline_polls = 4
-
-    def _status(self, inline: bool, job: _Job) -> int | None:
-        """The communicator's state after the job's NCCL calls: polled until it leaves
-        InProgress (lane thread), or a few immediate polls (caller's thread, never a wait)."""
-        if not inline:
-            return self._handle.poll(self._by(job))
-        status = self._handle.status()
-        for _ in range(self.inline_polls - 1):
-            if status != IN_PROGRESS:
-                break
-            status = self._handle.status()
-        return status
 
     @staticmethod
     def _by(job: _Job) -> float:
@@ -453,13 +404,6 @@ class NcclBackend(Renewal, Backend):
             self._settled(job)
         if self._handle.stopping:
             return
-        if self._inline:  # the caller holds the communicator's lock: the lane reports it
-            with self._lock:
-                self._deferred.append((job, exc))
-        else:
-            self._report(job, exc)
-
-    def _report(self, job: _Job, exc: BaseException) -> None:
         works = list(job.works)
         self.sink.fail(works[0] if len(works) == 1 else Bundle(works, works[0].op), exc)
 
