@@ -19,6 +19,7 @@ from .._base.errors import (
 from .._base.foreign import creation_error, kind_of
 from .._core.objects import drop_ops, poll_keys
 from .._faults.census import decode_ranks
+from .._faults.service import unlist_ranks
 from .args import env_int
 from .stores import tcp_store
 
@@ -236,7 +237,9 @@ def forget(
 
     The rank counts itself out (``left``); the rank whose count makes every rank
     either left or proven dead deletes all the communicator's keys (one rank: the
-    store hands out each count once). Proven dead: the ranks of the census record
+    store hands out each count once), and the liveness service listings of the
+    processes of the ranks proven dead (``service.unlist_ranks``: a killed process
+    never unlists itself). Proven dead: the ranks of the census record
     (``failure``: proof of death only, see ``liveness``) and ``dead`` (ranks that
     shrink's build proved dead; their records, ``keys`` under the prefix, go too).
     ``ops``: object collectives this rank began that never finished (an abort ended
@@ -266,6 +269,7 @@ def forget(
             else set()
         )
         drop_ops(store, seqs, n)
+        unlist_ranks(store, sorted(gone - {rdv.rank}))  # (before drop_keys: it reads proc/<r>)
         drop_keys(store, n)
         for key in keys:
             store.delete_key(key)

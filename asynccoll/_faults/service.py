@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 from .._base import shutdown
 from . import procs
@@ -57,8 +57,13 @@ class Member(Protocol):
 
 #: Root-store key of the process hosting the store server (``host_info``).
 HOST_KEY = "asynccoll/host"
-#: Services registered on a store: a counter, and ``<prefix>/<i>`` = pulse address.
+#: Services registered on a store: a counter, ``<prefix>/<i>`` = pulse address, and
+#: ``<prefix>/of/<process>`` = ``i`` (``listing_of``: a dead process's listing is found
+#: from what its ranks published, and retired by the survivors, ``unlist_dead``).
 SERVICES_KEY = "asynccoll/services"
+#: A value never written under ``SERVICES_KEY``: ``compare_set`` with it reads a key
+#: without waiting for it (a ``get`` of a key deleted meanwhile waits for the timeout).
+_ABSENT = "-"
 #: How long a closing store host waits for the services' acknowledgements.
 LEAVE_WAIT = 2.0
 
@@ -75,6 +80,37 @@ def root_of(store: Any) -> Any:
 def root_key(root: Any) -> Any:
     host, port = getattr(root, "host", None), getattr(root, "port", None)
     return (host, port) if host is not None and port is not None else ("id", id(root))
+
+
+def listing_of(machine: str, pid: int, start: str, pulse_port: int) -> str:
+    """The root-store key naming the listing slot of the service whose pulse listens on
+    ``pulse_port`` in process ``(machine, pid, start)`` (what ``procs.Peer`` records)."""
+    return f"{SERVICES_KEY}/of/{machine}|{pid}|{start}|{pulse_port}"
+
+
+def unlist_dead(root: Any, peers: Iterable[procs.Peer]) -> None:
+    """Delete the service listings of ``peers``, processes proven dead: a killed process
+    never unlists itself (``Service._shutdown``), and its listing would stay on the store
+    for good. Blocking; store errors propagate (the caller's cleanup handles them)."""
+    for peer in peers:
+        if not peer.port or not peer.machine:
+            continue  # no pulse, or a process we cannot name: it listed nothing
+        key = listing_of(peer.machine, peer.pid, peer.start, peer.port)
+        slot = bytes(root.compare_set(key, _ABSENT, _ABSENT)).decode()
+        if slot != _ABSENT:
+            root.delete_key(f"{SERVICES_KEY}/{slot}")
+            root.delete_key(key)
+
+
+def unlist_ranks(store: Any, ranks: Iterable[int]) -> None:
+    """:func:`unlist_dead` for the processes of ``ranks`` (proven dead) of the communicator
+    whose keys are under ``store``, as their ``proc/<rank>`` records name them."""
+    peers = []
+    for r in ranks:
+        raw = bytes(store.compare_set(f"proc/{r}", _ABSENT, _ABSENT)).decode()
+        if raw != _ABSENT:
+            peers.append(procs.Peer.decode(raw))
+    unlist_dead(root_of(store), peers)
 
 
 def mark_host(store: Any) -> None:
@@ -149,6 +185,7 @@ class Service:
         #: Held by the beater while its store requests are in flight (see ``_message``).
         self._round_lock = threading.Lock()
         self._slot: int | None = None
+        self._listing: str | None = None
         self.host = StoreHost(root)
         try:
             self.pulse: procs.Pulse | None = procs.Pulse(
@@ -173,6 +210,10 @@ class Service:
         try:
             self._slot = int(self.root.add(SERVICES_KEY, 1))
             host, port = self.pulse.address
+            machine, pid, start = procs.this_process()
+            self._listing = listing_of(machine, pid, start, port) if machine else None
+            if self._listing is not None:  # first: a listing is always found from its process
+                self.root.set(self._listing, str(self._slot))
             self.root.set(f"{SERVICES_KEY}/{self._slot}", f"{host}|{port}")
         except RuntimeError:  # the store failed already: the first round notices
             self._slot = None
@@ -321,6 +362,8 @@ class Service:
         if self._slot is not None and self.store_gone is None and not self._stopping:
             try:  # unlisted: a closing host need not wait for this process
                 self.root.delete_key(f"{SERVICES_KEY}/{self._slot}")
+                if self._listing is not None:
+                    self.root.delete_key(self._listing)
             except RuntimeError:  # the store failed meanwhile: nothing more to say on it
                 pass
         if self.pulse is not None:
