@@ -44,6 +44,8 @@ class Member(Protocol):
     interval: float
     due: float
     urgent: bool
+    #: Why this member's store can no longer be used, or None.
+    store_gone: str | None
 
     def tick(self, store_gone: bool) -> bool:
         """One beat (the beater's thread); a member that leaves calls ``Service.leave``."""
@@ -122,10 +124,11 @@ def mark_host(store: Any) -> None:
 class StoreHost:
     """The process that hosts a store server, when asynccoll created it (``mark_host``)."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, *, read: bool = True) -> None:
+        """``read=False``: the store is gone, the host unknown (no request is made)."""
         self.machine, self.pid, self.start = "", 0, ""
         try:
-            if root.check([HOST_KEY]):
+            if read and root.check([HOST_KEY]):
                 self.machine, pid, self.start = root.get(HOST_KEY).decode().split("|")
                 self.pid = int(pid)
         except (RuntimeError, ValueError):  # a store without the key's format: host unknown
@@ -143,24 +146,62 @@ class Service:
     """The liveness threads of this process for one store server (see the module docstring)."""
 
     _lock = threading.Lock()
+    #: The service each new member of a store server joins, by ``root_key``.
     _services: dict[Any, Service] = {}
+    #: Every service whose threads run: those above, and those replaced there (their
+    #: store failed) that still serve their members (``threads``, ``stop_all``).
+    _running: set[Service] = set()
 
     @classmethod
     def join(cls, member: Member) -> Service:
+        """The service ``member`` joins (made if none fits).
+
+        A service whose store failed or whose store host died serves no new member on a
+        usable store: a server restarted at the same address is another store, and gets
+        a fresh service (the old one keeps its members until they leave). A member whose
+        own store is gone (a goodbye or abort news still to send) joins only a service
+        that lost its store too, or one of its own: never one whose beats it would fail.
+        """
         key = root_key(member.root)
+        gone = member.store_gone
         with cls._lock:
             svc = cls._services.get(key)
-            if svc is None or svc._closing:
-                svc = cls._services[key] = Service(key, member.root)
+            fits = svc is not None and not svc._closing and (gone is None) == svc.usable()
+            if svc is None or not fits:
+                svc = Service(key, member.root, gone=gone)
+                if gone is None:
+                    cls._services[key] = svc
+                cls._running.add(svc)
             svc._members[member.id] = weakref.ref(member)
             svc._wake.set()
             return svc
 
     @classmethod
+    def lost(cls, root: Any) -> bool:
+        """Whether this process's service on ``root`` (this very connection) knows its store
+        is gone: the store failed, or its host died. No request is made."""
+        with cls._lock:
+            svc = cls._services.get(root_key(root))
+        return svc is not None and svc.root is root and not svc.usable()
+
+    @classmethod
+    def forsake(cls, root: Any, why: str) -> None:
+        """The connection ``root`` failed (its server is gone): every service on it stops
+        using the store and tells its members, and none takes a new member."""
+        with cls._lock:
+            services = [svc for svc in cls._running if svc.root is root]
+        for svc in services:
+            svc.lose_store(why, died=True)
+
+    def usable(self) -> bool:
+        """False once the store failed or its host died (no request is made)."""
+        return self.store_gone is None and not self.host.gone()
+
+    @classmethod
     def threads(cls) -> int:
         """Live service threads of this process (for tests)."""
         with cls._lock:
-            services = list(cls._services.values())
+            services = list(cls._running)
         threads = [
             t
             for s in services
@@ -169,7 +210,9 @@ class Service:
         ]
         return sum(t.is_alive() for t in threads)
 
-    def __init__(self, key: Any, root: Any) -> None:
+    def __init__(self, key: Any, root: Any, gone: str | None = None) -> None:
+        """``gone``: the store can no longer be used already (a member that lost it joins):
+        no request is made on it."""
         self._key = key
         self.root = root
         self._members: dict[int, weakref.ref[Member]] = {}
@@ -180,13 +223,13 @@ class Service:
         self._wake = threading.Event()
         self._news: collections.deque[tuple[int, str]] = collections.deque()
         #: Why the store can no longer be used (its host died or left), or None.
-        self.store_gone: str | None = None
+        self.store_gone: str | None = gone
         self.host_left = False
         #: Held by the beater while its store requests are in flight (see ``_message``).
         self._round_lock = threading.Lock()
         self._slot: int | None = None
         self._listing: str | None = None
-        self.host = StoreHost(root)
+        self.host = StoreHost(root, read=gone is None)
         try:
             self.pulse: procs.Pulse | None = procs.Pulse(
                 self._message, getattr(root, "host", None), "asynccoll-liveness-pulse"
@@ -205,7 +248,7 @@ class Service:
 
     def _register(self) -> None:
         """List this service on its store, for a store host that closes (``announce_leaving``)."""
-        if self.pulse is None or self.host.here:
+        if self.pulse is None or self.host.here or self.store_gone is not None:
             return
         try:
             self._slot = int(self.root.add(SERVICES_KEY, 1))
@@ -316,6 +359,7 @@ class Service:
                 self._closing = True
                 if Service._services.get(self._key) is self:
                     del Service._services[self._key]
+                Service._running.discard(self)
                 return False
         while self._news:
             mid, raw = self._news.popleft()
@@ -359,6 +403,7 @@ class Service:
             self._closing = True
             if Service._services.get(self._key) is self:
                 del Service._services[self._key]
+            Service._running.discard(self)
         if self._slot is not None and self.store_gone is None and not self._stopping:
             try:  # unlisted: a closing host need not wait for this process
                 self.root.delete_key(f"{SERVICES_KEY}/{self._slot}")
@@ -406,7 +451,7 @@ class Service:
         thread of ours may be inside one when the interpreter finalizes), every pulse
         closes."""
         with cls._lock:
-            services = list(cls._services.values())
+            services = list(cls._running)
         for svc in services:
             svc._stopping = True
             svc._wake.set()
