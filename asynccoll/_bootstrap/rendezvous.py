@@ -198,8 +198,11 @@ async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
     await off_loop(arrive, timeout, "creation")
 
 
+#: The communicator's name in ``trace_dir`` (``build.build_diagnostics``).
+TRACE_KEY = "trace"
 #: Keys a communicator leaves under its prefix (see ``forget``).
 _SHARED_KEYS = (
+    TRACE_KEY,
     "aborted",
     "host",
     "failure",
