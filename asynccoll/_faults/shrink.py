@@ -120,7 +120,10 @@ async def shrink(comm: ShrinkRequest, exclude: Iterable[int] | None) -> Communic
         agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
         new, dead, records = await _build(comm, build_shrunk, agreed, failed)
         # Every survivor built ``new`` (its creation ends when all have): none reads the
-        # old communicator's agreement or retry keys any more.
+        # old communicator's agreement or retry keys any more. The excluded ranks that
+        # failed (named on proof, as the census names them: a grow's watch, a peer's
+        # news) never count themselves out of the old keys: they are gone for ``forget``.
+        dead = tuple(sorted(set(dead) | (set(comm.failed_ranks) & agreed)))
         try:  # the new communicator holds whatever happens to the cleanup
             await run_in_thread(lambda: comm.retire(dead, records), None, name="asynccoll-shrink")
         except (

@@ -8,6 +8,7 @@ deleted by the survivors, or a long-running job's store grows with every fault.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -86,3 +87,54 @@ def test_killed_ranks_leave_no_keys_across_shrink_generations() -> None:
         assert res["left"] == [] and res["after"] == res["before"], res
     counts = results[0]["counts"]  # keys at each generation start (5, 4, 3 and 2 ranks)
     assert counts == sorted(counts, reverse=True), counts
+
+
+async def keys_around_a_grow_death(ctx: RankContext, member_dies: bool) -> dict[str, Any]:
+    """The keys a grow that a participant died in leaves on the store, once the others are
+    done (the group shrank, or grew again, and closed)."""
+    from tests.support import elastic_ranks as er
+
+    store = ctx.store
+    root = root_of(store)
+    for name in ("b/start", "b/end"):
+        store.add(name, 0)
+    await _barrier(store, "b/warm", ctx.world_size)
+    before = sorted(root.list_keys())
+    await _barrier(store, "b/start", ctx.world_size)
+    if member_dies:
+        res = await er.member_dies_in_grow(ctx)
+    else:
+        res = await er.joiner_dies_in_grow(ctx)
+    await _services_ended()
+    await _barrier(store, "b/end", ctx.world_size - 1)
+    return {"res": res, "left": sorted(set(root.list_keys()) - set(before))}
+
+
+#: What a grow that a participant died in may leave, once the others are done: the
+#: per-rank creation counters of the store (one per rank for good, as after any
+#: ``ac.init``), the group's waiting room (its counters and the tickets' ``admit`` marks,
+#: which its scan reads), the services counter, the scenario's own barrier keys, and the
+#: keys of the grown communicator whose creation the death broke (its creation counters
+#: and the options the live ranks stated): a failed creation's keys, not the dead rank's.
+_MAY_STAY = re.compile(
+    r"(^asynccoll/services$|(^|/)asynccoll/count/\d+$|/asynccoll/group/g/(admit/\d+|generations"
+    r"|resolved|tickets)$|/before-shrink/\d$|/asynccoll/group/g/gen/1/comm/asynccoll/1//opts/\d$)"
+)
+
+
+@pytest.mark.parametrize("member_dies", [False, True], ids=["joiner", "member"])
+def test_a_grow_that_a_participant_died_in_leaves_no_keys_of_it(member_dies: bool) -> None:
+    """The grow's plan, outcome, marks and watch, the old communicator's keys (after the
+    survivors' shrink) and the dead process's service listing: all stayed for good
+    (11 keys stayed for good when the joiner died, 40 when a member did)."""
+    results = run_ranks(
+        keys_around_a_grow_death,
+        world_size=4 if member_dies else 3,
+        backend=None,
+        timeout=120,
+        lost=(2,),
+        args=(member_dies,),
+    )
+    for res in results:
+        if res is not None:
+            assert [k for k in res["left"] if not _MAY_STAY.search(k)] == [], res["left"]
