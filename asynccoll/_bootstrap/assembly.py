@@ -85,14 +85,16 @@ class _Assembly:
         Its plan, outcome and ``built/`` marks, the watch's keys, the joiners' ticket
         records. Every participant has read the outcome and said goodbye on its
         watch before it counts itself here. The ranks the outcome names failed
-        (proven dead: the process table, or the watch's census) never count
-        themselves: the last of the others deletes the keys, and unlists their
-        processes' liveness services (``unlist_ranks``). The tickets' ``admit``
+        whose processes are gone (``Liveness.probe``; a stopped one may resume and
+        read the keys: it counts itself then) never count themselves: the last of
+        the others deletes the keys, and unlists their processes' liveness services
+        (``unlist_ranks``). The tickets' ``admit``
         marks stay: the room's scan reads them until its ``resolved`` passes them.
         """
         gen = self.gen
         _, ranks, _ = (outcome.split("|", 2) + ["", ""])[:3]
-        dead = [r for r in decode_ranks(ranks) if r != self.rank] if ranks not in ("", "-") else []
+        named = [r for r in decode_ranks(ranks) if r != self.rank] if ranks not in ("", "-") else []
+        dead = list(self.watch.probe(named)) if named else []
         if int(gen.add("left", 1)) < self.size - len(dead):
             return
         for key in ("plan", "outcome", "left", *(f"built/{r}" for r in range(self.size))):
