@@ -109,9 +109,13 @@ def unlist_ranks(store: Any, ranks: Iterable[int]) -> None:
     whose keys are under ``store``, as their ``proc/<rank>`` records name them."""
     peers = []
     for r in ranks:
-        raw = bytes(store.compare_set(f"proc/{r}", _ABSENT, _ABSENT)).decode()
-        if raw != _ABSENT:
+        raw = bytes(store.compare_set(f"proc/{r}", _ABSENT, _ABSENT)).decode(errors="replace")
+        if raw == _ABSENT:
+            continue
+        try:
             peers.append(procs.Peer.decode(raw))
+        except ValueError:  # not a record of Liveness.start: it names no listing of ours
+            continue
     unlist_dead(root_of(store), peers)
 
 
