@@ -1,8 +1,14 @@
 """``python -m asynccoll.diagnose DIR``: read every rank's trace files and say what went wrong.
 
-Reads ``rank<R>.flight.json`` (written on timeout, abort or mismatch) or, for a rank
-without one, ``rank<R>.trace.json`` (its timeline, written on close), as produced by
-``ac.init(..., trace_dir=DIR)``. Reports, in this order:
+Reads ``<comm>.rank<R>.flight.json`` (written on timeout, abort or mismatch) or, for a
+rank without one, ``<comm>.rank<R>.trace.json`` (its timeline, written on close), as
+produced by ``ac.init(..., trace_dir=DIR)``. ``<comm>`` names the communicator (its
+creation time and a random part): a directory may hold several, the generations of an
+elastic job (each ``shrink()`` or ``grow()`` makes a new communicator whose ranks are
+renumbered) and communicators alive at once. One is read at a time, never a mix: the
+newest, or the one named with ``--comm``; the report names it and lists the others
+(``--list`` lists them only). Files named ``rank<R>.*.json`` (before communicators were
+named) are read as one communicator. Reports, in this order:
 
 * ranks without files;
 * errors the ranks recorded (a ``CollectiveMismatch`` names the fields that differ);
@@ -12,7 +18,9 @@ without one, ``rank<R>.trace.json`` (its timeline, written on close), as produce
 * for every rank, its last completed op and what it was still waiting on.
 
 Exit status: 0 when every rank agrees and nothing failed, 1 when a problem was found,
-2 when ``DIR`` holds no trace files. ``--json`` prints the same as one JSON object.
+2 when ``DIR`` holds no trace files (or none of the communicator named). ``--json``
+prints the same as one JSON object, with ``comm`` (the communicator read) and
+``others``.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_FILE = re.compile(r"^rank(\d+)\.(flight|trace)\.json$")
+_FILE = re.compile(r"^(?:(?P<comm>[^.]+)\.)?rank(?P<rank>\d+)\.(?P<kind>flight|trace)\.json$")
 _COMPARED = ("op", "dtype", "shape", "root", "reduce_op")
 _P2P = ("send", "recv")
 
@@ -61,13 +69,21 @@ def _from_timeline(data: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["seq"])
 
 
-def load(directory: str | Path) -> dict[int, dict[str, Any]]:
-    """Each rank's data: ``records`` by seq, plus the error fields of its flight record."""
-    found: dict[int, dict[str, Path]] = {}
+def load_all(directory: str | Path) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every communicator's ranks (see :func:`load`), by the communicator's name in the
+    file names (``""``: files without one)."""
+    found: dict[str, dict[int, dict[str, Path]]] = {}
     for path in Path(directory).iterdir():
         m = _FILE.match(path.name)
         if m:
-            found.setdefault(int(m.group(1)), {})[m.group(2)] = path
+            comm = found.setdefault(m.group("comm") or "", {})
+            comm.setdefault(int(m.group("rank")), {})[m.group("kind")] = path
+    return {comm: load(files) for comm, files in found.items()}
+
+
+def load(found: dict[int, dict[str, Path]]) -> dict[int, dict[str, Any]]:
+    """One communicator's ranks, from their files (``{rank: {"flight"|"trace": path}}``):
+    each rank's ``records`` by seq, plus the error fields of its flight record."""
     ranks: dict[int, dict[str, Any]] = {}
     for rank, files in sorted(found.items()):
         if "flight" in files:
@@ -81,6 +97,9 @@ def load(directory: str | Path) -> dict[int, dict[str, Any]]:
             source = "trace"
         ranks[rank] = {
             "rank": rank,
+            "comm": data.get("comm"),
+            "created_at": data.get("created_at"),
+            "group": data.get("group"),
             "world_size": data.get("world_size"),
             "source": source,
             "error_type": data.get("error_type"),
@@ -89,6 +108,35 @@ def load(directory: str | Path) -> dict[int, dict[str, Any]]:
             "records": {r["seq"]: r for r in records},
         }
     return ranks
+
+
+def describe(comm: str, ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What names a communicator in a report: its id, creation time, group, size, files."""
+    first = ranks[min(ranks)]
+    return {
+        "id": comm or None,
+        "created_at": first["created_at"],
+        "group": first["group"],
+        "world_size": max([r["world_size"] or 0 for r in ranks.values()] + [max(ranks) + 1]),
+        "ranks": sorted(ranks),
+        "flight_records": sorted(r for r, d in ranks.items() if d["source"] == "flight"),
+    }
+
+
+def _newest_last(desc: dict[str, Any]) -> tuple[float, str]:
+    created = desc["created_at"]
+    return (created if created is not None else float("-inf"), desc["id"] or "")
+
+
+def _name(desc: dict[str, Any]) -> str:
+    """``c2026...-3fa91c (created 01:45:12 UTC, 3 ranks, group 'chaos')``."""
+    parts = [] if desc["created_at"] is None else [f"created {_when(desc['created_at'])}"]
+    parts.append(f"{desc['world_size']} ranks")
+    if desc["group"]:
+        parts.append(f"group {desc['group']!r}")
+    if desc["flight_records"]:
+        parts.append(f"flight records from {_ranks(desc['flight_records'])}")
+    return f"{desc['id'] or '(unnamed files rank<R>.*.json)'} ({', '.join(parts)})"
 
 
 def analyse(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -281,6 +329,14 @@ def _show(v: Any) -> str:
 def render(result: dict[str, Any], directory: str) -> str:
     """The report as readable text."""
     lines = [f"asynccoll diagnose: {result['world_size']} ranks, files in {directory}"]
+    comm, others = result.get("comm"), result.get("others", [])
+    if comm is not None:
+        lines.append(f"communicator {_name(comm)}")
+    if others:
+        lines.append(
+            f"{directory} also holds {len(others)} other communicator(s) (read one with --comm ID):"
+        )
+        lines.extend(f"  {_name(o)}" for o in others)
     if result["ok"]:
         lines.append("OK: every rank issued the same operations and all of them completed")
     for p in result["problems"]:
@@ -312,16 +368,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("dir", help="the trace_dir given to asynccoll.init")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument(
+        "--comm", metavar="ID", help="the communicator to read (default: the newest in DIR)"
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="list the communicators in DIR, newest last"
+    )
     args = parser.parse_args(argv)
     directory = Path(args.dir)
     if not directory.is_dir():
         print(f"{directory}: not a directory", file=sys.stderr)
         return 2
-    ranks = load(directory)
-    if not ranks:
-        print(f"{directory}: no rank*.flight.json or rank*.trace.json files", file=sys.stderr)
+    comms = load_all(directory)
+    if not comms:
+        print(f"{directory}: no *rank*.flight.json or *rank*.trace.json files", file=sys.stderr)
         return 2
-    result = analyse(ranks)
+    descs = sorted((describe(c, r) for c, r in comms.items()), key=_newest_last)
+    if args.list:
+        for d in descs:
+            print(json.dumps(d) if args.json else _name(d))
+        return 0
+    if args.comm is None:
+        chosen = descs[-1]
+    else:
+        named = [d for d in descs if d["id"] == args.comm]
+        if not named:
+            print(
+                f"{directory}: no files of communicator {args.comm!r}; it holds: "
+                + ", ".join(_name(d) for d in descs),
+                file=sys.stderr,
+            )
+            return 2
+        chosen = named[0]
+    result = analyse(comms[chosen["id"] or ""])
+    result["comm"] = chosen
+    result["others"] = [d for d in descs if d is not chosen]
     if args.json:
         print(
             json.dumps(

@@ -27,6 +27,7 @@ from .._base.errors import AsyncCollError, CommAborted, PeerFailure
 from .._core.communicator import Communicator
 from .._faults.census import decode_ranks, encode_ranks
 from .._faults.liveness import Liveness
+from .._faults.service import unlist_ranks
 from .rendezvous import drop_keys, off_loop
 from .room import Room, gone
 
@@ -78,21 +79,29 @@ class _Assembly:
             return bytes(gen.compare_set("outcome", "", "ok")).decode()
         return None
 
-    def leave(self) -> None:
+    def leave(self, outcome: str) -> None:
         """This participant is done with the grow's keys: the last of them deletes them.
 
         Its plan, outcome and ``built/`` marks, the watch's keys, the joiners' ticket
         records. Every participant has read the outcome and said goodbye on its
-        watch before it counts itself here. A grow a participant died in keeps its
-        keys (nobody knows when the dead one stopped reading). The tickets' ``admit``
+        watch before it counts itself here. The ranks the outcome names failed
+        whose processes are gone (``Liveness.probe``; a stopped one may resume and
+        read the keys: it counts itself then) never count themselves: the last of
+        the others deletes the keys, and unlists their processes' liveness services
+        (``unlist_ranks``). The tickets' ``admit``
         marks stay: the room's scan reads them until its ``resolved`` passes them.
         """
         gen = self.gen
-        if int(gen.add("left", 1)) < self.size:
+        _, ranks, _ = (outcome.split("|", 2) + ["", ""])[:3]
+        named = [r for r in decode_ranks(ranks) if r != self.rank] if ranks not in ("", "-") else []
+        dead = list(self.watch.probe(named)) if named else []
+        if int(gen.add("left", 1)) < self.size - len(dead):
             return
         for key in ("plan", "outcome", "left", *(f"built/{r}" for r in range(self.size))):
             gen.delete_key(key)
-        drop_keys(dist.PrefixStore("watch", gen), self.size)
+        watch = dist.PrefixStore("watch", gen)
+        unlist_ranks(watch, dead)  # (before drop_keys: it reads proc/<r>)
+        drop_keys(watch, self.size)
         for ticket in self.joiners.values():
             self.room.store.delete_key(f"ticket/{ticket}")
 
@@ -131,7 +140,7 @@ async def assemble(
         outcome = await _race(view, timeout, news, build, built, errors)
         try:  # the outcome holds whatever happens to the cleanup
             await off_loop(watch.goodbye, timeout, "grow")
-            await off_loop(view.leave, timeout, "grow")
+            await off_loop(functools.partial(view.leave, outcome), timeout, "grow")
         except AsyncCollError:  # the store failed meanwhile (off_loop's types): its keys stay
             pass
     finally:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Awaitable, Callable
@@ -27,11 +29,13 @@ from .._base.errors import AsyncCollError, BackendUnavailable, CollectiveMismatc
 from .._core.backend import Backend
 from .._core.communicator import Communicator
 from .._core.interfaces import Membership
+from .._diag import trace
 from .._diag.diagnostics import Diagnostics
 from .._faults.liveness import Liveness
 from .._faults.shrink import shrink
 from .args import check_args
 from .rendezvous import (
+    TRACE_KEY,
     Rendezvous,
     agree_options,
     all_created,
@@ -243,7 +247,7 @@ async def connect(
         if use_nccl:
             backends["cuda"] = nccl_backend or await factories.nccl(rdv, prefix, device, timeout)
         diagnostics = await build_diagnostics(
-            rdv, prefix, backends, backend, check, trace_dir, timeout
+            rdv, prefix, backends, backend, check, trace_dir, timeout, getattr(group, "name", None)
         )
         await all_created(rdv, prefix, timeout)
     except BaseException as exc:
@@ -344,8 +348,23 @@ async def build_diagnostics(
     check: str | None,
     trace_dir: Any,
     timeout: float,
+    group: str | None = None,
 ) -> Diagnostics:
-    """The communicator's diagnostics; with ``check``, wraps ``backends`` in place."""
+    """The communicator's diagnostics; with ``check``, wraps ``backends`` in place.
+
+    With ``trace_dir``, the ranks agree on the communicator's name in it (the first
+    proposal stored wins: one request per rank), so that their files go together and
+    apart from every other communicator's (``trace``)."""
+    comm_name = None
+    if trace_dir is not None:
+        mine = json.dumps({"id": trace.new_comm_id(), "at": time.time()})
+        if rdv.world_size > 1:
+            store = rdv.prefixed(prefix)
+            mine = await off_loop(
+                lambda: bytes(store.compare_set(TRACE_KEY, "", mine)).decode(), timeout, "store"
+            )
+        agreed = json.loads(mine)
+        comm_name = trace.CommName(agreed["id"], agreed["at"], group)
     checker = None
     if check == "fingerprint" and rdv.world_size > 1:
         from .._diag.fingerprint import FingerprintChecker
@@ -369,4 +388,5 @@ async def build_diagnostics(
         backend=name,
         trace_dir=os.fspath(trace_dir) if trace_dir is not None else None,
         checker=checker,
+        name=comm_name,
     )

@@ -19,6 +19,7 @@ from .._base.errors import (
 from .._base.foreign import creation_error, kind_of
 from .._core.objects import drop_ops, poll_keys
 from .._faults.census import decode_ranks
+from .._faults.service import unlist_ranks
 from .args import env_int
 from .stores import tcp_store
 
@@ -197,8 +198,11 @@ async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
     await off_loop(arrive, timeout, "creation")
 
 
+#: The communicator's name in ``trace_dir`` (``build.build_diagnostics``).
+TRACE_KEY = "trace"
 #: Keys a communicator leaves under its prefix (see ``forget``).
 _SHARED_KEYS = (
+    TRACE_KEY,
     "aborted",
     "host",
     "failure",
@@ -236,7 +240,9 @@ def forget(
 
     The rank counts itself out (``left``); the rank whose count makes every rank
     either left or proven dead deletes all the communicator's keys (one rank: the
-    store hands out each count once). Proven dead: the ranks of the census record
+    store hands out each count once), and the liveness service listings of the
+    processes of the ranks proven dead (``service.unlist_ranks``: a killed process
+    never unlists itself). Proven dead: the ranks of the census record
     (``failure``: proof of death only, see ``liveness``) and ``dead`` (ranks that
     shrink's build proved dead; their records, ``keys`` under the prefix, go too).
     ``ops``: object collectives this rank began that never finished (an abort ended
@@ -266,6 +272,7 @@ def forget(
             else set()
         )
         drop_ops(store, seqs, n)
+        unlist_ranks(store, sorted(gone - {rdv.rank}))  # (before drop_keys: it reads proc/<r>)
         drop_keys(store, n)
         for key in keys:
             store.delete_key(key)

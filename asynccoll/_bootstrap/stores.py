@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .._base.aio import run_in_thread
 from .._base.errors import AsyncCollError, CollectiveTimeout, InvalidArgument
 from .._base.foreign import store_error
-from .._faults.service import Service, mark_host
+from .._faults.service import HOST_KEY, Service, mark_host
 
 
 class _StoreCache:
@@ -34,6 +34,12 @@ class _StoreCache:
     process dies), and before it is dropped, or at interpreter exit, the
     liveness services of the other processes are told and acknowledge
     (``Service.announce_leaving``): none of their requests meets a closed server.
+
+    A store whose server is gone (its process died; one may have been restarted
+    at the same address) is not handed out again: before a cached client is
+    reused, it is checked (``_usable``), and a failed one is replaced by a new
+    client (and its liveness service told, ``Service.forsake``). Communicators
+    made on the old one keep it; the entry's holds count them all.
     """
 
     def __init__(self) -> None:
@@ -50,10 +56,18 @@ class _StoreCache:
         with key_lock:  # one creation per key; other keys proceed
             with self._lock:
                 entry = self._stores.get(key)
-                if entry is not None:
-                    entry[1] += 1
-                    return entry[0]
+            if entry is not None and (entry[2] or _usable(entry[0])):
+                with self._lock:
+                    if self._stores.get(key) is entry:  # (not released meanwhile)
+                        entry[1] += 1
+                        return entry[0]
             store = create()
+            with self._lock:
+                entry = self._stores.get(key)
+                if entry is not None:  # the old client's server is gone: this one replaces it
+                    entry[0] = store
+                    entry[1] += 1
+                    return store
             if hosted:
                 mark_host(store)
             with self._lock:
@@ -91,6 +105,20 @@ class _StoreCache:
     def __contains__(self, key: tuple[str, int]) -> bool:
         with self._lock:
             return key in self._stores
+
+
+def _usable(store: Any) -> bool:
+    """Whether a cached client's server still answers it (blocking: one request, unless its
+    liveness service knows already). A client whose connection failed never recovers:
+    torch's TCPStore client does not reconnect, to a restarted server either."""
+    if Service.lost(store):
+        return False
+    try:
+        store.check([HOST_KEY])
+        return True
+    except (dist.DistError, RuntimeError) as exc:  # DistNetworkError: broken pipe, reset
+        Service.forsake(store, f"the rendezvous store failed: {exc}")
+        return False
 
 
 STORES = _StoreCache()

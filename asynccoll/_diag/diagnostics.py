@@ -9,8 +9,11 @@ communicator reaches it at these points only:
   (``issued``/``discard``/``ended``/``failed``) with the outcome it settles;
 * object collectives: ``gate_object(...)`` holds them for the checker;
 * abort: ``aborted(error)`` after the pending Works were failed: writes
-  ``rank<R>.flight.json`` when ``trace_dir`` is set;
-* close: ``closed()`` (off the loop): writes ``rank<R>.trace.json``.
+  ``<comm>.rank<R>.flight.json`` when ``trace_dir`` is set;
+* close: ``closed()`` (off the loop): writes ``<comm>.rank<R>.trace.json``.
+
+``<comm>`` names the communicator (``trace.CommName``, agreed by its ranks at creation):
+files of communicators that share a ``trace_dir`` never collide.
 
 The checker needs no call site for tensor ops: it wraps the backends
 (:meth:`FingerprintChecker.wrap`).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Callable
 
 from .._base.recorder import DEFAULT_CAPACITY, FlightRecorder
@@ -43,13 +47,16 @@ class Diagnostics(DiagnosticHooks):
         trace_dir: str | os.PathLike[str] | None = None,
         checker: FingerprintChecker | None = None,
         capacity: int = DEFAULT_CAPACITY,
+        name: trace.CommName | None = None,
     ) -> None:
+        """``name``: the communicator's name in ``trace_dir`` (a new one if None)."""
         super().__init__(FlightRecorder(capacity))
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.trace_dir = trace_dir
         self.checker = checker
+        self.name = name if name is not None else trace.CommName(trace.new_comm_id(), time.time())
         self._dumped = False
 
     def gate_object(self, op: str, root: int, work: Work, run: Callable[[], None]) -> None:
@@ -74,6 +81,7 @@ class Diagnostics(DiagnosticHooks):
         try:
             trace.write_flight_record(
                 self.trace_dir,
+                comm=self.name,
                 rank=self.rank,
                 world_size=self.world_size,
                 backend=self.backend,
@@ -94,6 +102,7 @@ class Diagnostics(DiagnosticHooks):
         try:
             trace.write_timeline(
                 self.trace_dir,
+                comm=self.name,
                 rank=self.rank,
                 world_size=self.world_size,
                 backend=self.backend,

@@ -1,18 +1,25 @@
 """Trace files: a rank's flight record (on timeout, abort, mismatch) and its timeline (on close).
 
-Files in ``trace_dir`` (one set per rank, read back by ``python -m asynccoll.diagnose``):
+Files in ``trace_dir`` (one set per rank of each communicator, read back by
+``python -m asynccoll.diagnose``) are named by the communicator, then the rank:
+``<comm>.rank<R>.*``. ``<comm>`` (:func:`new_comm_id`: its creation time, UTC, and
+a random part) is agreed by the communicator's ranks as it is created, so one
+directory holds every generation of an elastic job (a ``shrink()`` or ``grow()``
+renumbers ranks; their new communicator writes files of its own) and every
+communicator alive at once (subgroups) without one overwriting another's.
 
-* ``rank<R>.flight.json`` — ``{"kind": "asynccoll.flight_record", "rank", "world_size",
-  "backend", "reason", "error_type", "written_at", "records": [...], "waiting": [...]}``;
+* ``<comm>.rank<R>.flight.json`` — ``{"kind": "asynccoll.flight_record", "comm",
+  "created_at", "group", "rank", "world_size", "backend", "reason", "error_type",
+  "written_at", "records": [...], "waiting": [...]}``;
   ``records`` are :meth:`FlightRecorder.snapshot` dicts, ``waiting`` lists ops held by
   the fingerprint check and the ranks whose fingerprints they still wait for.
-* ``rank<R>.trace.json`` — a Chrome trace / Perfetto timeline (JSON object format):
+* ``<comm>.rank<R>.trace.json`` — a Chrome trace / Perfetto timeline (JSON object format):
   ``traceEvents`` with one process per rank (``pid`` = rank) and one thread row per
   stream (collectives, point-to-point, object collectives); each op is a complete
   event (``"ph": "X"``) from issue to end, with its record in ``args``; a coalesced
   batch is one span ``coalesced[n]`` with its members' seqs in ``args.members``, its
   members drawn inside it. Times are wall-clock microseconds, so the ranks' files
-  line up when loaded together.
+  line up when loaded together. ``otherData`` names the communicator as above.
 
 Files are written to a temporary name and renamed, so a reader never sees half a file.
 """
@@ -21,7 +28,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +40,34 @@ _P2P = ("send", "recv")
 _OBJECTS = ("all_gather_object", "broadcast_object")
 
 
-def flight_path(trace_dir: str | os.PathLike[str], rank: int) -> Path:
-    return Path(trace_dir) / f"rank{rank}.flight.json"
+@dataclass(frozen=True)
+class CommName:
+    """Which communicator a rank's files belong to (the same on all of its ranks)."""
+
+    #: ``new_comm_id()`` of one of its ranks, agreed as it was created.
+    id: str
+    #: When it was created (seconds since the epoch, from the id's proposer).
+    created_at: float
+    #: The elastic group's name (``ac.init(name=...)``), or None.
+    group: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return {"comm": self.id, "created_at": self.created_at, "group": self.group}
 
 
-def timeline_path(trace_dir: str | os.PathLike[str], rank: int) -> Path:
-    return Path(trace_dir) / f"rank{rank}.trace.json"
+def new_comm_id(now: float | None = None) -> str:
+    """A communicator's file name part: its creation time (UTC, to the second, so that a
+    directory's files sort by it) and 6 random hex digits: ``c20261127T014512-3fa91c``."""
+    t = time.time() if now is None else now
+    return "c" + time.strftime("%Y%m%dT%H%M%S", time.gmtime(t)) + "-" + secrets.token_hex(3)
+
+
+def flight_path(trace_dir: str | os.PathLike[str], comm: str, rank: int) -> Path:
+    return Path(trace_dir) / f"{comm}.rank{rank}.flight.json"
+
+
+def timeline_path(trace_dir: str | os.PathLike[str], comm: str, rank: int) -> Path:
+    return Path(trace_dir) / f"{comm}.rank{rank}.trace.json"
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -50,6 +81,7 @@ def _write_json(path: Path, data: Any) -> None:
 def write_flight_record(
     trace_dir: str | os.PathLike[str],
     *,
+    comm: CommName,
     rank: int,
     world_size: int,
     backend: str,
@@ -57,8 +89,8 @@ def write_flight_record(
     reason: BaseException | None,
     waiting: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Write ``rank<R>.flight.json`` (see the module docstring); returns its path."""
-    path = flight_path(trace_dir, rank)
+    """Write ``<comm>.rank<R>.flight.json`` (see the module docstring); returns its path."""
+    path = flight_path(trace_dir, comm.id, rank)
     cause = reason
     # The root cause names the problem best (a CommAborted wrapping a mismatch or timeout).
     while (
@@ -67,6 +99,7 @@ def write_flight_record(
         cause = cause.__cause__
     data = {
         "kind": "asynccoll.flight_record",
+        **comm.fields(),
         "rank": rank,
         "world_size": world_size,
         "backend": backend,
@@ -98,7 +131,12 @@ def stream_of(op: str) -> str:
 
 
 def timeline(
-    records: list[dict[str, Any]], *, rank: int, world_size: int, backend: str
+    records: list[dict[str, Any]],
+    *,
+    rank: int,
+    world_size: int,
+    backend: str,
+    comm: CommName | None = None,
 ) -> dict[str, Any]:
     """A Chrome-trace JSON object for one rank's records (see the module docstring)."""
     events: list[dict[str, Any]] = [
@@ -164,6 +202,7 @@ def timeline(
         "displayTimeUnit": "ms",
         "otherData": {
             "kind": "asynccoll.timeline",
+            **(comm.fields() if comm is not None else {}),
             "rank": rank,
             "world_size": world_size,
             "backend": backend,
@@ -174,12 +213,14 @@ def timeline(
 def write_timeline(
     trace_dir: str | os.PathLike[str],
     *,
+    comm: CommName,
     rank: int,
     world_size: int,
     backend: str,
     records: list[dict[str, Any]],
 ) -> Path:
-    """Write ``rank<R>.trace.json`` (see the module docstring); returns its path."""
-    path = timeline_path(trace_dir, rank)
-    _write_json(path, timeline(records, rank=rank, world_size=world_size, backend=backend))
+    """Write ``<comm>.rank<R>.trace.json`` (see the module docstring); returns its path."""
+    path = timeline_path(trace_dir, comm.id, rank)
+    data = timeline(records, rank=rank, world_size=world_size, backend=backend, comm=comm)
+    _write_json(path, data)
     return path

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 from .._base import shutdown
 from . import procs
@@ -44,6 +44,8 @@ class Member(Protocol):
     interval: float
     due: float
     urgent: bool
+    #: Why this member's store can no longer be used, or None.
+    store_gone: str | None
 
     def tick(self, store_gone: bool) -> bool:
         """One beat (the beater's thread); a member that leaves calls ``Service.leave``."""
@@ -57,8 +59,13 @@ class Member(Protocol):
 
 #: Root-store key of the process hosting the store server (``host_info``).
 HOST_KEY = "asynccoll/host"
-#: Services registered on a store: a counter, and ``<prefix>/<i>`` = pulse address.
+#: Services registered on a store: a counter, ``<prefix>/<i>`` = pulse address, and
+#: ``<prefix>/of/<process>`` = ``i`` (``listing_of``: a dead process's listing is found
+#: from what its ranks published, and retired by the survivors, ``unlist_dead``).
 SERVICES_KEY = "asynccoll/services"
+#: A value never written under ``SERVICES_KEY``: ``compare_set`` with it reads a key
+#: without waiting for it (a ``get`` of a key deleted meanwhile waits for the timeout).
+_ABSENT = "-"
 #: How long a closing store host waits for the services' acknowledgements.
 LEAVE_WAIT = 2.0
 
@@ -77,6 +84,41 @@ def root_key(root: Any) -> Any:
     return (host, port) if host is not None and port is not None else ("id", id(root))
 
 
+def listing_of(machine: str, pid: int, start: str, pulse_port: int) -> str:
+    """The root-store key naming the listing slot of the service whose pulse listens on
+    ``pulse_port`` in process ``(machine, pid, start)`` (what ``procs.Peer`` records)."""
+    return f"{SERVICES_KEY}/of/{machine}|{pid}|{start}|{pulse_port}"
+
+
+def unlist_dead(root: Any, peers: Iterable[procs.Peer]) -> None:
+    """Delete the service listings of ``peers``, processes proven dead: a killed process
+    never unlists itself (``Service._shutdown``), and its listing would stay on the store
+    for good. Blocking; store errors propagate (the caller's cleanup handles them)."""
+    for peer in peers:
+        if not peer.port or not peer.machine:
+            continue  # no pulse, or a process we cannot name: it listed nothing
+        key = listing_of(peer.machine, peer.pid, peer.start, peer.port)
+        slot = bytes(root.compare_set(key, _ABSENT, _ABSENT)).decode()
+        if slot != _ABSENT:
+            root.delete_key(f"{SERVICES_KEY}/{slot}")
+            root.delete_key(key)
+
+
+def unlist_ranks(store: Any, ranks: Iterable[int]) -> None:
+    """:func:`unlist_dead` for the processes of ``ranks`` (proven dead) of the communicator
+    whose keys are under ``store``, as their ``proc/<rank>`` records name them."""
+    peers = []
+    for r in ranks:
+        raw = bytes(store.compare_set(f"proc/{r}", _ABSENT, _ABSENT)).decode(errors="replace")
+        if raw == _ABSENT:
+            continue
+        try:
+            peers.append(procs.Peer.decode(raw))
+        except ValueError:  # not a record of Liveness.start: it names no listing of ours
+            continue
+    unlist_dead(root_of(store), peers)
+
+
 def mark_host(store: Any) -> None:
     """Record, on a store server just created by this process, that this process hosts it."""
     machine, pid, start = procs.this_process()
@@ -86,10 +128,11 @@ def mark_host(store: Any) -> None:
 class StoreHost:
     """The process that hosts a store server, when asynccoll created it (``mark_host``)."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, *, read: bool = True) -> None:
+        """``read=False``: the store is gone, the host unknown (no request is made)."""
         self.machine, self.pid, self.start = "", 0, ""
         try:
-            if root.check([HOST_KEY]):
+            if read and root.check([HOST_KEY]):
                 self.machine, pid, self.start = root.get(HOST_KEY).decode().split("|")
                 self.pid = int(pid)
         except (RuntimeError, ValueError):  # a store without the key's format: host unknown
@@ -107,24 +150,62 @@ class Service:
     """The liveness threads of this process for one store server (see the module docstring)."""
 
     _lock = threading.Lock()
+    #: The service each new member of a store server joins, by ``root_key``.
     _services: dict[Any, Service] = {}
+    #: Every service whose threads run: those above, and those replaced there (their
+    #: store failed) that still serve their members (``threads``, ``stop_all``).
+    _running: set[Service] = set()
 
     @classmethod
     def join(cls, member: Member) -> Service:
+        """The service ``member`` joins (made if none fits).
+
+        A service whose store failed or whose store host died serves no new member on a
+        usable store: a server restarted at the same address is another store, and gets
+        a fresh service (the old one keeps its members until they leave). A member whose
+        own store is gone (a goodbye or abort news still to send) joins only a service
+        that lost its store too, or one of its own: never one whose beats it would fail.
+        """
         key = root_key(member.root)
+        gone = member.store_gone
         with cls._lock:
             svc = cls._services.get(key)
-            if svc is None or svc._closing:
-                svc = cls._services[key] = Service(key, member.root)
+            fits = svc is not None and not svc._closing and (gone is None) == svc.usable()
+            if svc is None or not fits:
+                svc = Service(key, member.root, gone=gone)
+                if gone is None:
+                    cls._services[key] = svc
+                cls._running.add(svc)
             svc._members[member.id] = weakref.ref(member)
             svc._wake.set()
             return svc
 
     @classmethod
+    def lost(cls, root: Any) -> bool:
+        """Whether this process's service on ``root`` (this very connection) knows its store
+        is gone: the store failed, or its host died. No request is made."""
+        with cls._lock:
+            svc = cls._services.get(root_key(root))
+        return svc is not None and svc.root is root and not svc.usable()
+
+    @classmethod
+    def forsake(cls, root: Any, why: str) -> None:
+        """The connection ``root`` failed (its server is gone): every service on it stops
+        using the store and tells its members, and none takes a new member."""
+        with cls._lock:
+            services = [svc for svc in cls._running if svc.root is root]
+        for svc in services:
+            svc.lose_store(why, died=True)
+
+    def usable(self) -> bool:
+        """False once the store failed or its host died (no request is made)."""
+        return self.store_gone is None and not self.host.gone()
+
+    @classmethod
     def threads(cls) -> int:
         """Live service threads of this process (for tests)."""
         with cls._lock:
-            services = list(cls._services.values())
+            services = list(cls._running)
         threads = [
             t
             for s in services
@@ -133,7 +214,9 @@ class Service:
         ]
         return sum(t.is_alive() for t in threads)
 
-    def __init__(self, key: Any, root: Any) -> None:
+    def __init__(self, key: Any, root: Any, gone: str | None = None) -> None:
+        """``gone``: the store can no longer be used already (a member that lost it joins):
+        no request is made on it."""
         self._key = key
         self.root = root
         self._members: dict[int, weakref.ref[Member]] = {}
@@ -144,12 +227,13 @@ class Service:
         self._wake = threading.Event()
         self._news: collections.deque[tuple[int, str]] = collections.deque()
         #: Why the store can no longer be used (its host died or left), or None.
-        self.store_gone: str | None = None
+        self.store_gone: str | None = gone
         self.host_left = False
         #: Held by the beater while its store requests are in flight (see ``_message``).
         self._round_lock = threading.Lock()
         self._slot: int | None = None
-        self.host = StoreHost(root)
+        self._listing: str | None = None
+        self.host = StoreHost(root, read=gone is None)
         try:
             self.pulse: procs.Pulse | None = procs.Pulse(
                 self._message, getattr(root, "host", None), "asynccoll-liveness-pulse"
@@ -168,11 +252,15 @@ class Service:
 
     def _register(self) -> None:
         """List this service on its store, for a store host that closes (``announce_leaving``)."""
-        if self.pulse is None or self.host.here:
+        if self.pulse is None or self.host.here or self.store_gone is not None:
             return
         try:
             self._slot = int(self.root.add(SERVICES_KEY, 1))
             host, port = self.pulse.address
+            machine, pid, start = procs.this_process()
+            self._listing = listing_of(machine, pid, start, port) if machine else None
+            if self._listing is not None:  # first: a listing is always found from its process
+                self.root.set(self._listing, str(self._slot))
             self.root.set(f"{SERVICES_KEY}/{self._slot}", f"{host}|{port}")
         except RuntimeError:  # the store failed already: the first round notices
             self._slot = None
@@ -275,6 +363,7 @@ class Service:
                 self._closing = True
                 if Service._services.get(self._key) is self:
                     del Service._services[self._key]
+                Service._running.discard(self)
                 return False
         while self._news:
             mid, raw = self._news.popleft()
@@ -318,9 +407,12 @@ class Service:
             self._closing = True
             if Service._services.get(self._key) is self:
                 del Service._services[self._key]
+            Service._running.discard(self)
         if self._slot is not None and self.store_gone is None and not self._stopping:
             try:  # unlisted: a closing host need not wait for this process
                 self.root.delete_key(f"{SERVICES_KEY}/{self._slot}")
+                if self._listing is not None:
+                    self.root.delete_key(self._listing)
             except RuntimeError:  # the store failed meanwhile: nothing more to say on it
                 pass
         if self.pulse is not None:
@@ -363,7 +455,7 @@ class Service:
         thread of ours may be inside one when the interpreter finalizes), every pulse
         closes."""
         with cls._lock:
-            services = list(cls._services.values())
+            services = list(cls._running)
         for svc in services:
             svc._stopping = True
             svc._wake.set()

@@ -120,7 +120,16 @@ async def shrink(comm: ShrinkRequest, exclude: Iterable[int] | None) -> Communic
         agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
         new, dead, records = await _build(comm, build_shrunk, agreed, failed)
         # Every survivor built ``new`` (its creation ends when all have): none reads the
-        # old communicator's agreement or retry keys any more.
+        # old communicator's agreement or retry keys any more. The excluded ranks that
+        # failed (a grow's watch or a peer's news named them) and whose processes are
+        # gone never count themselves out of the old keys: they are gone for ``forget``.
+        # (A stopped one may resume and read them: it counts itself out then.)
+        failed_out = sorted((set(comm.failed_ranks) & agreed) - set(dead))
+        if failed_out and liveness is not None:
+            proven = await run_in_thread(
+                lambda: _probe(liveness, failed_out), None, name="asynccoll-shrink"
+            )
+            dead = tuple(sorted(set(dead) | set(proven)))
         try:  # the new communicator holds whatever happens to the cleanup
             await run_in_thread(lambda: comm.retire(dead, records), None, name="asynccoll-shrink")
         except (

@@ -375,9 +375,10 @@ def test_rank_that_never_issues_is_named(tmp_path: Path, check: str | None) -> N
     assert results[0]["last"]["seq"] == 3 and results[0]["last"]["state"] == "timed out"
     assert results[1]["last"]["seq"] == 2
     for r in (0, 1):
-        assert (tmp_path / f"rank{r}.flight.json").exists()
-        assert (tmp_path / f"rank{r}.trace.json").exists()
-    flight0 = json.loads((tmp_path / "rank0.flight.json").read_text())
+        assert len(list(tmp_path.glob(f"*.rank{r}.flight.json"))) == 1
+        assert len(list(tmp_path.glob(f"*.rank{r}.trace.json"))) == 1
+    (flight_file,) = tmp_path.glob("*.rank0.flight.json")
+    flight0 = json.loads(flight_file.read_text())
     assert flight0["error_type"] == "CollectiveTimeout"
     proc = _diagnose(tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -469,8 +470,9 @@ def test_timeline_is_valid_chrome_trace(tmp_path: Path) -> None:
     assert first["issued_at"] <= first["ended_at"]
     assert records[0][1]["batch"] == records[0][2]["batch"] == 2
     for rank in (0, 1):
-        assert not (tmp_path / f"rank{rank}.flight.json").exists()  # nothing went wrong
-        data = json.loads((tmp_path / f"rank{rank}.trace.json").read_text())
+        assert not list(tmp_path.glob(f"*.rank{rank}.flight.json"))  # nothing went wrong
+        (timeline_file,) = tmp_path.glob(f"*.rank{rank}.trace.json")
+        data = json.loads(timeline_file.read_text())
         events = data["traceEvents"]
         meta = {
             (e["name"], e["args"]["name"]) for e in events if e["ph"] == "M" and "name" in e["args"]

@@ -1,0 +1,140 @@
+"""Store keys of ranks that die and never close: the survivors' shrink retires them.
+
+A killed rank never runs ``close()``; whatever it wrote on the store (its liveness
+service's listing, its records under each communicator's namespace) must be
+deleted by the survivors, or a long-running job's store grows with every fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import asynccoll as ac
+from asynccoll._faults.service import Service, root_of
+from asynccoll.testing import RankContext, crash_later, run_ranks
+
+pytestmark = pytest.mark.timeout(150)
+
+
+async def _services_ended() -> None:
+    """This process's liveness services unlist themselves as they end."""
+    for _ in range(200):
+        if Service.threads() == 0:
+            return
+        await asyncio.sleep(0.025)
+
+
+async def _barrier(store: Any, name: str, n: int) -> None:
+    store.add(name, 1)
+    deadline = time.monotonic() + 30
+    while int(store.add(name, 0)) < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def kill_shrink_generations(ctx: RankContext) -> dict[str, Any]:
+    """5 ranks; in each of three generations the highest rank is SIGKILLed and the
+    survivors shrink. Rank 0 counts the whole store's keys at each generation start."""
+    store = ctx.store
+    root = root_of(store)
+    kw: dict[str, Any] = {"world_size": ctx.world_size, "store": store, "timeout": 30}
+    warm = await ac.init("gloo", rank=ctx.rank, **kw)  # once-per-store keys exist from here on
+    await warm.close()
+    await _services_ended()
+    for name in ("b/start", "b/end"):  # the barriers' own keys exist before the count
+        store.add(name, 0)
+    await _barrier(store, "b/warm", ctx.world_size)
+    before = root.num_keys()
+    before_keys = sorted(root.list_keys())
+    await _barrier(store, "b/start", ctx.world_size)  # everyone counted before any key is made
+    comm = await ac.init("gloo", rank=ctx.rank, heartbeat=0.2, **kw)
+    counts = []
+    while True:
+        await comm.all_reduce(torch.ones(4))
+        counts.append(root.num_keys())
+        if comm.world_size == 2:
+            break
+        if comm.rank == comm.world_size - 1:
+            crash_later(0.2, how="sigkill")
+            await asyncio.sleep(30)
+        with pytest.raises(ac.PeerFailure):
+            while True:
+                await comm.all_reduce(torch.ones(1024))
+        comm = await comm.shrink()  # the aborted one is dropped, as users do
+    await comm.close()
+    await _services_ended()
+    await _barrier(store, "b/end", 2)
+    return {
+        "before": before,
+        "counts": counts,
+        "after": root.num_keys(),
+        "left": sorted(set(root.list_keys()) - set(before_keys)),
+    }
+
+
+def test_killed_ranks_leave_no_keys_across_shrink_generations() -> None:
+    """Each killed process left its liveness service's listing (``asynccoll/services/<n>``)
+    on the store for good: 3 keys more after three kill-shrink generations (8 -> 12)."""
+    results = run_ranks(
+        kill_shrink_generations, world_size=5, backend=None, timeout=120, lost=(2, 3, 4)
+    )
+    for res in results[:2]:
+        assert res["left"] == [] and res["after"] == res["before"], res
+    counts = results[0]["counts"]  # keys at each generation start (5, 4, 3 and 2 ranks)
+    assert counts == sorted(counts, reverse=True), counts
+
+
+async def keys_around_a_grow_death(ctx: RankContext, member_dies: bool) -> dict[str, Any]:
+    """The keys a grow that a participant died in leaves on the store, once the others are
+    done (the group shrank, or grew again, and closed)."""
+    from tests.support import elastic_ranks as er
+
+    store = ctx.store
+    root = root_of(store)
+    for name in ("b/start", "b/end"):
+        store.add(name, 0)
+    await _barrier(store, "b/warm", ctx.world_size)
+    before = sorted(root.list_keys())
+    await _barrier(store, "b/start", ctx.world_size)
+    if member_dies:
+        res = await er.member_dies_in_grow(ctx)
+    else:
+        res = await er.joiner_dies_in_grow(ctx)
+    await _services_ended()
+    await _barrier(store, "b/end", ctx.world_size - 1)
+    return {"res": res, "left": sorted(set(root.list_keys()) - set(before))}
+
+
+#: What a grow that a participant died in may leave, once the others are done: the
+#: per-rank creation counters of the store (one per rank for good, as after any
+#: ``ac.init``), the group's waiting room (its counters and the tickets' ``admit`` marks,
+#: which its scan reads), the services counter, the scenario's own barrier keys, and the
+#: keys of the grown communicator whose creation the death broke (its creation counters
+#: and the options the live ranks stated): a failed creation's keys, not the dead rank's.
+_MAY_STAY = re.compile(
+    r"(^asynccoll/services$|(^|/)asynccoll/count/\d+$|/asynccoll/group/g/(admit/\d+|generations"
+    r"|resolved|tickets)$|/before-shrink/\d$|/asynccoll/group/g/gen/1/comm/asynccoll/1//opts/\d$)"
+)
+
+
+@pytest.mark.parametrize("member_dies", [False, True], ids=["joiner", "member"])
+def test_a_grow_that_a_participant_died_in_leaves_no_keys_of_it(member_dies: bool) -> None:
+    """The grow's plan, outcome, marks and watch, the old communicator's keys (after the
+    survivors' shrink) and the dead process's service listing: all stayed for good
+    (11 keys stayed for good when the joiner died, 40 when a member did)."""
+    results = run_ranks(
+        keys_around_a_grow_death,
+        world_size=4 if member_dies else 3,
+        backend=None,
+        timeout=120,
+        lost=(2,),
+        args=(member_dies,),
+    )
+    for res in results:
+        if res is not None:
+            assert [k for k in res["left"] if not _MAY_STAY.search(k)] == [], res["left"]
