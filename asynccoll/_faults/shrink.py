@@ -26,8 +26,9 @@ of a healthy communicator.
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, Iterable, cast
+from typing import Any, Awaitable, Callable, Iterable, cast
 
 import anyio
 import torch.distributed as dist
@@ -180,25 +181,38 @@ async def _build(
         if liveness is None:
             return cast("Communicator", await build_shrunk(*args, **kwargs)), (), ()
         others = [r for r in survivors if r != comm.rank]
-        built: list[Communicator] = []
-        lost: list[tuple[int, ...]] = []
-        async with anyio.create_task_group() as tg:
-
-            async def build() -> None:
-                built.append(await build_shrunk(*args, **kwargs))  # noqa: B023 - each closure runs and ends within this iteration (task group)
-                tg.cancel_scope.cancel()
-
-            async def watch() -> None:
-                lost.append(await _watch(store, f"shrink/retry/{suffix}", liveness, others))  # noqa: B023 - each closure runs and ends within this iteration (task group)
-                tg.cancel_scope.cancel()  # the build's thread ends at the backend's own timeout
-
-            tg.start_soon(build)
-            tg.start_soon(watch)
-        if built:
-            return built[0], tuple(sorted(dead)), tuple(records)
-        excluded |= set(lost[0])
-        dead |= set(lost[0])  # proven dead by a probe (``_watch``)
+        outcome = await _first(
+            functools.partial(build_shrunk, *args, **kwargs),
+            functools.partial(_watch, store, f"shrink/retry/{suffix}", liveness, others),
+        )
+        if not isinstance(outcome, tuple):
+            return outcome, tuple(sorted(dead)), tuple(records)
+        excluded |= set(outcome)
+        dead |= set(outcome)  # proven dead by a probe (``_watch``)
         records.append(f"shrink/retry/{suffix}")
+
+
+async def _first(build: Callable[[], Awaitable[Any]], watch: Callable[[], Awaitable[Any]]) -> Any:
+    """Run the build and the watch; the first to finish cancels the other (a build's
+    thread ends at the backend's own timeout). Its result, or its error as it is:
+    raised out of the task group it would come wrapped in an ExceptionGroup, which
+    no ``except`` of the contract's errors (a build's ``CollectiveTimeout``) catches."""
+    results: list[Any] = []
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def run(fn: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                results.append(await fn())
+            except Exception as exc:  # noqa: BLE001 - raised below, unwrapped
+                errors.append(exc)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run, build)
+        tg.start_soon(run, watch)
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 async def _watch(store: Any, key: str, liveness: Membership, others: list[int]) -> tuple[int, ...]:
