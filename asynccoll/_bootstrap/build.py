@@ -17,6 +17,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, Awaitable, Callable
 
+import anyio
 import torch
 import torch.distributed as dist
 
@@ -33,10 +34,11 @@ from .._faults.shrink import shrink
 from .args import check_args
 from .rendezvous import (
     Rendezvous,
+    abandon,
     agree_options,
     all_created,
     comm_prefix,
-    drop_count,
+    drop_generation,
     forget,
     off_loop,
     rendezvous,
@@ -186,6 +188,7 @@ async def build_communicator(
                 nccl_backend,
                 factories,
                 group,
+                sole,
             )
         finally:
             lock.release()
@@ -198,13 +201,6 @@ async def build_communicator(
         weakref.finalize(comm, STORES.release, rdv.key)
     elif group is not None and group.key is not None:
         STORES.hold(group.key, comm)  # a grown group's communicator uses the group's store
-    if sole:  # no other communicator is made on this namespace: its creation counter is done
-        try:
-            await off_loop(functools.partial(drop_count, rdv.store, rdv.rank), timeout, "store")
-        except (
-            AsyncCollError
-        ):  # the store failed meanwhile: the key stays (the communicator notices)
-            pass
     return comm
 
 
@@ -220,9 +216,15 @@ async def connect(
     nccl_backend: Backend | None = None,
     factories: Factories = REAL,
     group: Any = None,
+    sole: bool = False,
 ) -> Communicator:
-    """Build the backends and the Communicator on a met rendezvous."""
-    prefix = await comm_prefix(rdv, timeout)
+    """Build the backends and the Communicator on a met rendezvous.
+
+    ``sole``: the store is a namespace of this communicator alone (a shrink's, a
+    grow's, a split's): its group's generation counter is dropped once built.
+    """
+    ns = await comm_prefix(rdv, timeout, getattr(group, "name", None))
+    prefix = ns.prefix
     backends: dict[str | None, Backend] = {}
     try:
         await agree_options(
@@ -245,12 +247,22 @@ async def connect(
         diagnostics = await build_diagnostics(
             rdv, prefix, backends, backend, check, trace_dir, timeout
         )
-        await all_created(rdv, prefix, timeout)
+        await all_created(rdv, ns, timeout)
     except BaseException as exc:
         # A backend that failed ("auto": NCCL refused two ranks on one GPU) must not
         # leave the one built before it running (Gloo's threads and sockets).
         for be in set(backends.values()):
             be.release()
+        # Peers still waiting here stop at once, and a retry meets in a new namespace
+        # on every rank (shielded: a cancelled creation must say so too).
+        why = f"{type(exc).__name__}: {exc}".replace("|", "/")
+        with anyio.CancelScope(shield=True):
+            try:
+                await off_loop(
+                    functools.partial(abandon, rdv, ns, why), min(timeout, _FORGET_S), "store"
+                )
+            except AsyncCollError:
+                pass  # the store failed: the creation error is the one to report
         if isinstance(exc, _REFUSED):  # the store is fine: the last rank out deletes the keys
             try:
                 await off_loop(
@@ -259,6 +271,13 @@ async def connect(
             except AsyncCollError:
                 pass  # keys left behind: the creation error is the one to report
         raise
+    if sole:  # no other communicator is made on this namespace: its counter is done
+        try:
+            await off_loop(functools.partial(drop_generation, rdv.store, ns), timeout, "store")
+        except (
+            AsyncCollError
+        ):  # the store failed meanwhile: the key stays (the communicator notices)
+            pass
     cuda = backends.get("cuda")
     dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
