@@ -43,6 +43,7 @@ from .rendezvous import (
     off_loop,
     rendezvous,
 )
+from .split import Splitter
 from .stores import STORES, exclusive
 
 #: Seconds Gloo's connect timeout outlasts ours.
@@ -338,6 +339,31 @@ async def connect(
             STORES.hold(rdv.key, new)  # it uses the shared store too
         return new
 
+    async def build_split(
+        new_rank: int, new_size: int, store: Any, nccl_backend: Backend | None
+    ) -> Communicator:
+        # A subgroup (``split.py``): this communicator's options (not its name), on a
+        # namespace of its own.
+        new = await build_communicator(
+            backend,
+            rank=new_rank,
+            world_size=new_size,
+            master_addr=None,
+            master_port=None,
+            store=store,
+            device=device,
+            timeout=timeout,
+            check=check,
+            trace_dir=trace_dir,
+            heartbeat=heartbeat,
+            nccl_backend=nccl_backend,
+            factories=factories,
+            sole=True,
+        )
+        if rdv.key is not None:
+            STORES.hold(rdv.key, new)  # it uses the shared store too
+        return new
+
     return Communicator(
         rank=rdv.rank,
         world_size=rdv.world_size,
@@ -352,6 +378,7 @@ async def connect(
         diagnostics=diagnostics,
         group=group,
         forget=functools.partial(forget, rdv, prefix),
+        splitter=Splitter(rdv, prefix, cuda, build_split),
     )
 
 
