@@ -33,7 +33,13 @@ async def renumbered(comm: Any) -> Any:
     sub = await comm.split([[2, 0], [1]])  # list order, not rank order
     if sub is None:
         return None
-    out = (sub.rank, sub.world_size, sub.backend, sub.timeout == comm.timeout, await _sum(sub, comm.rank + 1.0))
+    out = (
+        sub.rank,
+        sub.world_size,
+        sub.backend,
+        sub.timeout == comm.timeout,
+        await _sum(sub, comm.rank + 1.0),
+    )
     gathered = await sub.all_gather_object(comm.rank)
     none = await comm.split([[0, 1]])  # rank 2 is in no list
     if none is not None:
