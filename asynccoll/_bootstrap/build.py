@@ -38,7 +38,6 @@ from .rendezvous import (
     agree_options,
     all_created,
     comm_prefix,
-    drop_generation,
     forget,
     off_loop,
     rendezvous,
@@ -142,10 +141,12 @@ async def build_communicator(
     factories: Factories = REAL,
     group: Any = None,
     sole: bool = False,
+    agreed: bool = False,
 ) -> Communicator:
     # nccl_backend: a ready NCCL backend (shrink's ncclCommShrink) used instead of a new init.
     # group: the named group (elastic.Group) this communicator belongs to, or None.
-    # sole: ``store`` is a namespace of this communicator alone (a shrink's, a grow's).
+    # sole: ``store`` is a namespace of this communicator alone (a shrink's, a grow's, a split's).
+    # agreed: the ranks agreed on its options already (a split's: the parent's).
     timeout = check_args(backend, store, master_addr, device, timeout, heartbeat)
     if check not in (None, "fingerprint"):
         raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
@@ -190,6 +191,7 @@ async def build_communicator(
                 factories,
                 group,
                 sole,
+                agreed,
             )
         finally:
             lock.release()
@@ -218,29 +220,32 @@ async def connect(
     factories: Factories = REAL,
     group: Any = None,
     sole: bool = False,
+    agreed: bool = False,
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous.
 
     ``sole``: the store is a namespace of this communicator alone (a shrink's, a
-    grow's, a split's): its group's generation counter is dropped once built.
+    grow's, a split's): no generations there. ``agreed``: the ranks already agreed on
+    the options (a split's subgroups have their parent's): no second round.
     """
-    ns = await comm_prefix(rdv, timeout, getattr(group, "name", None))
+    ns = await comm_prefix(rdv, timeout, getattr(group, "name", None), sole)
     prefix = ns.prefix
     backends: dict[str | None, Backend] = {}
     try:
-        await agree_options(
-            rdv,
-            prefix,
-            {
-                "backend": backend,
-                "nccl": use_nccl,
-                "check": check,
-                "heartbeat": heartbeat,
-                "world_size": rdv.world_size,
-                "name": getattr(group, "name", None),
-            },
-            timeout,
-        )
+        if not agreed:
+            await agree_options(
+                rdv,
+                prefix,
+                {
+                    "backend": backend,
+                    "nccl": use_nccl,
+                    "check": check,
+                    "heartbeat": heartbeat,
+                    "world_size": rdv.world_size,
+                    "name": getattr(group, "name", None),
+                },
+                timeout,
+            )
         if backend in ("gloo", "auto"):
             backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
         if use_nccl:
@@ -272,13 +277,6 @@ async def connect(
             except AsyncCollError:
                 pass  # keys left behind: the creation error is the one to report
         raise
-    if sole:  # no other communicator is made on this namespace: its counter is done
-        try:
-            await off_loop(functools.partial(drop_generation, rdv.store, ns), timeout, "store")
-        except (
-            AsyncCollError
-        ):  # the store failed meanwhile: the key stays (the communicator notices)
-            pass
     cuda = backends.get("cuda")
     dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
     # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
@@ -359,6 +357,7 @@ async def connect(
             nccl_backend=nccl_backend,
             factories=factories,
             sole=True,
+            agreed=True,
         )
         if rdv.key is not None:
             STORES.hold(rdv.key, new)  # it uses the shared store too

@@ -103,7 +103,8 @@ class Namespace:
     """
 
     prefix: str
-    gen_key: str
+    #: None: a namespace of one communicator only (``sole``): no generations.
+    gen_key: str | None
     gen: int
 
 
@@ -112,7 +113,9 @@ def group_of(world_size: int, name: str | None) -> str:
     return f"w{world_size}" if name is None else f"w{world_size}-{name}"
 
 
-async def comm_prefix(rdv: Rendezvous, timeout: float, name: str | None = None) -> Namespace:
+async def comm_prefix(
+    rdv: Rendezvous, timeout: float, name: str | None = None, sole: bool = False
+) -> Namespace:
     """The namespace of the communicator being created: its group's current generation.
 
     Every member reads the same generation: it moves only once every member has
@@ -121,6 +124,8 @@ async def comm_prefix(rdv: Rendezvous, timeout: float, name: str | None = None) 
     creation meets in the next generation on every rank, wherever each had got to.
     """
     group = group_of(rdv.world_size, name)
+    if sole:  # ``rdv.store`` is this communicator's alone (a shrink's, grow's, split's)
+        return Namespace(f"asynccoll/{group}/0/", None, 0)
     key = f"{_GEN}{group}"
 
     def read() -> int:
@@ -132,7 +137,8 @@ async def comm_prefix(rdv: Rendezvous, timeout: float, name: str | None = None) 
 
 def advance(store: Any, ns: Namespace) -> None:
     """Move ``ns``'s group to its next generation, unless someone already did (blocking)."""
-    store.compare_set(ns.gen_key, str(ns.gen) if ns.gen else "", str(ns.gen + 1))
+    if ns.gen_key is not None:
+        store.compare_set(ns.gen_key, str(ns.gen) if ns.gen else "", str(ns.gen + 1))
 
 
 def abandon(rdv: Rendezvous, ns: Namespace, why: str) -> None:
@@ -165,7 +171,7 @@ def _until(store: Any, keys: list[str], deadline: float, prefix: str) -> None:
         if time.monotonic() >= deadline:
             raise TimeoutError
         time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+        delay = min(delay * 2, 0.005)
 
 
 async def agree_options(
@@ -297,12 +303,6 @@ def drop_keys(store: Any, n: int) -> None:
     """Delete the keys a communicator's parts (or a liveness watch) of ``n`` ranks leave under ``store``."""
     for key in (*_SHARED_KEYS, *(f"{k}/{r}" for k in _RANK_KEYS for r in range(n))):
         store.delete_key(key)
-
-
-def drop_generation(store: Any, ns: Namespace) -> None:
-    """Delete the generation counter of ``ns``'s group: a namespace that holds one
-    communicator only (a shrink's, a grow's, a split's, once built) needs it no more."""
-    store.delete_key(ns.gen_key)
 
 
 def forget(

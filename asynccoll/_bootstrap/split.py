@@ -6,15 +6,17 @@ Every rank of the parent calls it with the same lists. The steps:
    outstanding on the parent: nccl4py's ``Communicator.split`` docs).
 2. The ranks agree through the parent's store (``split/<k>/``, the parent's k-th
    split): each states its lists, or what is wrong with them, and its parent's
-   state; rank 0 judges and publishes one verdict, so that lists that differ,
-   overlap or name a rank outside are ``InvalidArgument`` on every rank, and a
-   parent aborted on any rank is ``CommAborted`` on every rank. O(n) requests.
+   state; every rank judges them alike (rank 0 alone, publishing its verdict, above
+   16 ranks), so that lists that differ, overlap or name a rank outside are
+   ``InvalidArgument`` on every rank, and a parent aborted on any rank is
+   ``CommAborted`` on every rank.
 3. Where the parent has NCCL, every rank (those in no list too: it is a collective
    on the parent) calls ``ncclCommSplit`` once, color = the list's index, key = the
    position in it; ranks in no list pass no color.
 4. Each member builds its group's communicator in a namespace of that group alone
-   (``<parent prefix>split-<k>/<index>/``), with the parent's options, over the
-   split's NCCL child where there is one and a new Gloo group otherwise.
+   (``<parent prefix>split-<k>/<index>/``), with the parent's options (agreed when
+   the parent was made: no second round), over the split's NCCL child where there
+   is one and a new Gloo group otherwise.
 
 A subgroup shares nothing with its parent but the store: no abort flag (the NCCL
 child does not share the parent's resources: with ``splitShare`` NCCL would give
@@ -27,14 +29,16 @@ from __future__ import annotations
 import functools
 import json
 import time
+from datetime import timedelta
 from typing import Any, Awaitable, Callable, Sequence
+
+import torch.distributed as dist
 
 from .._base import aio
 from .._base.errors import CommAborted, CommClosed, InvalidArgument
 from .._core import validate
 from .._core.backend import Backend
 from .._core.communicator import Communicator
-from .._core.objects import poll_keys
 from .rendezvous import Rendezvous, off_loop
 
 #: ``make(new_rank, new_size, store, nccl_backend)``: a subgroup's communicator with the
@@ -91,32 +95,52 @@ def judge(statuses: list[dict[str, Any]]) -> dict[str, Any]:
     return {"groups": first}
 
 
-def agree(
-    store: Any, rank: int, world_size: int, k: int, status: dict[str, Any], timeout: float
-) -> dict[str, Any]:
-    """Step 2 (blocking): every rank's verdict on split ``k``, the same on every rank.
+#: Up to this many ranks every rank reads every status and judges alike (one round);
+#: above, rank 0 judges and publishes the verdict (two rounds, O(n) requests in all).
+_DIRECT = 16
 
-    The last rank to read it deletes the split's keys."""
+
+def _wait(store: Any, keys: list[str], deadline: float) -> None:
+    # A blocking wait: ``store`` is a connection of this split alone (nothing else waits
+    # behind it), and the server answers as soon as the keys are there.
+    store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+
+
+def _read(store: Any, keys: list[str]) -> list[dict[str, Any]]:
+    return [
+        json.loads(bytes(v))
+        for i in range(0, len(keys), 512)
+        for v in store.multi_get(keys[i : i + 512])
+    ]
+
+
+def agree(
+    parent: Any, rank: int, world_size: int, k: int, status: dict[str, Any], timeout: float
+) -> tuple[dict[str, Any], Any]:
+    """Step 2 (blocking): every rank's verdict on split ``k``, the same on every rank,
+    and the connection it used (``parent``'s store cloned), for the subgroup to keep.
+
+    The last rank to read the verdict deletes the split's keys."""
     deadline = time.monotonic() + timeout
+    store = parent.clone()
     base = f"split/{k}/"
     store.set(f"{base}{rank}", json.dumps(status))
     keys = [f"{base}{r}" for r in range(world_size)]
-    if rank == 0:
-        if not poll_keys(store, keys, deadline):
-            raise TimeoutError
-        statuses = [
-            json.loads(bytes(v))
-            for i in range(0, len(keys), 512)
-            for v in store.multi_get(keys[i : i + 512])
-        ]
-        store.set(f"{base}verdict", json.dumps(judge(statuses)))
-    elif not poll_keys(store, [f"{base}verdict"], deadline):
-        raise TimeoutError
-    verdict: dict[str, Any] = json.loads(bytes(store.get(f"{base}verdict")))
+    verdict_key = f"{base}verdict"
+    if world_size <= _DIRECT:
+        _wait(store, keys, deadline)
+        verdict = judge(_read(store, keys))
+    else:
+        if rank == 0:
+            _wait(store, keys, deadline)
+            store.set(verdict_key, json.dumps(judge(_read(store, keys))))
+        else:
+            _wait(store, [verdict_key], deadline)
+        verdict = json.loads(bytes(store.get(verdict_key)))
     if int(store.add(f"{base}read", 1)) == world_size:
-        for key in (*keys, f"{base}verdict", f"{base}read"):
+        for key in (*keys, verdict_key, f"{base}read"):
             store.delete_key(key)
-    return verdict
+    return verdict, store
 
 
 class Splitter:
@@ -144,9 +168,9 @@ class Splitter:
         if pending:  # step 1; an op past its own deadline aborts the parent (seen in step 2)
             await aio.settle_within(pending, limit)
         status = {"groups": lists, "problem": problem, "state": comm.state}
-        store = self.rdv.prefixed(self.prefix)
-        job = functools.partial(agree, store, comm.rank, comm.world_size, k, status, limit)
-        verdict = await off_loop(job, limit, "split")
+        parent = self.rdv.prefixed(self.prefix)
+        job = functools.partial(agree, parent, comm.rank, comm.world_size, k, status, limit)
+        verdict, own = await off_loop(job, limit, "split")
         if "invalid" in verdict:
             raise InvalidArgument(verdict["invalid"])
         if "aborted" in verdict:
@@ -161,10 +185,9 @@ class Splitter:
             child = await off_loop(native, limit, "nccl split")
         if index is None:
             return None
-        try:
-            sub = self.rdv.prefixed(f"{self.prefix}split-{k}/{index}/")
-            own = await off_loop(sub.clone, limit, "store")  # step 4
-            return await self.make(rank, len(agreed[index]), own, child)
+        try:  # step 4, on the agreement's connection
+            store = dist.PrefixStore(f"split-{k}/{index}/", own)
+            return await self.make(rank, len(agreed[index]), store, child)
         except BaseException:
             if child is not None:
                 child.release()  # bounded ncclCommAbort of the unused child
