@@ -48,8 +48,9 @@ async def renumbered(comm: Any) -> Any:
     return (*out, gathered, none is None, await _sum(comm, 1.0))
 
 
-def test_split_renumbers_in_list_order_and_keeps_the_options() -> None:
-    r0, r1, r2 = run_ranks(renumbered, world_size=3, timeout=90)
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_split_renumbers_in_list_order_and_keeps_the_options(loop: str) -> None:
+    r0, r1, r2 = run_ranks(renumbered, world_size=3, timeout=90, loop=loop)
     assert r0 == (1, 2, "gloo", True, 4.0, [2, 0], False, 3.0)
     assert r1 == (0, 1, "gloo", True, 2.0, [1], False, 3.0)
     assert r2 == (0, 2, "gloo", True, 4.0, [2, 0], True, 3.0)
