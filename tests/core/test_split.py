@@ -129,7 +129,12 @@ async def independence(comm: Any) -> dict[str, Any]:
     a.abort("the test aborts a")
     out["parent after sub abort"] = await _sum(comm, 1.0)
     out["sibling after sub abort"] = await _sum(b, 1.0)
+    rebuilt = await a.shrink(exclude=[])  # the aborted subgroup rebuilt: the parent goes on
+    out["parent after sub shrink"] = await _sum(comm, 1.0)
     await a.close()
+    out["parent after sub close"] = await _sum(comm, 1.0)
+    out["rebuilt sub"] = await _sum(rebuilt, 1.0)
+    await rebuilt.close()
     # The parent closed: its subgroups go on, and can split again.
     c = await b.split([list(range(b.world_size))])
     assert c is not None
@@ -149,7 +154,9 @@ async def independence(comm: Any) -> dict[str, Any]:
 def test_subgroups_and_their_parent_are_independent() -> None:
     r0, r1, r2 = run_ranks(independence, world_size=3, timeout=90)
     for r in (r0, r1, r2):
-        assert r["parent after sub abort"] == 3.0
+        assert r["parent after sub abort"] == r["parent after sub shrink"] == 3.0
+        assert r["parent after sub close"] == 3.0
+    assert [r["rebuilt sub"] for r in (r0, r1, r2)] == [2.0, 2.0, 1.0]
     assert r0["sibling after sub abort"] == 1.0 and r1["sibling after sub abort"] == 2.0
     assert r0["sub after parent close"] == 1.0 and r2["sub after parent close"] == 2.0
     assert r1["shrunk"] == (1, 1.0) and "shrunk" not in r2
