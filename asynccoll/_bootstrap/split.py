@@ -9,7 +9,8 @@ Every rank of the parent calls it with the same lists. The steps:
    state; every rank judges them alike (rank 0 alone, publishing its verdict, above
    16 ranks), so that lists that differ, overlap or name a rank outside are
    ``InvalidArgument`` on every rank, and a parent aborted on any rank is
-   ``CommAborted`` on every rank.
+   ``CommAborted`` on every rank. A peer proven dead meanwhile (the parent's
+   liveness) is a ``PeerFailure`` naming it, not a wait until the timeout.
 3. Where the parent has NCCL, every rank (those in no list too: it is a collective
    on the parent) calls ``ncclCommSplit`` once, color = the list's index, key = the
    position in it; ranks in no list pass no color.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-from datetime import timedelta
 from typing import Any, Awaitable, Callable, Sequence
 
 import torch.distributed as dist
@@ -100,10 +100,32 @@ def judge(statuses: list[dict[str, Any]]) -> dict[str, Any]:
 _DIRECT = 16
 
 
-def _wait(store: Any, keys: list[str], deadline: float) -> None:
-    # A blocking wait: ``store`` is a connection of this split alone (nothing else waits
-    # behind it), and the server answers as soon as the keys are there.
-    store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+#: How often a wait for the peers asks the parent's liveness whether one of them died.
+_WATCH_EVERY = 0.2
+
+#: ``watch(ranks)``: the error for a wait on ``ranks`` once one is proven dead, else None
+#: (the parent's ``Membership.failure_among``).
+Watch = Callable[[list[int]], BaseException | None]
+
+
+def _wait(
+    store: Any, keys: list[str], deadline: float, watch: Watch | None, ranks: list[int]
+) -> None:
+    # ``store`` is a connection of this split alone: short polls delay nobody (a blocking
+    # wait that times out makes torch print a warning per slice).
+    delay = 0.0002
+    look = time.monotonic() + _WATCH_EVERY
+    while not store.check(keys):
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError
+        if watch is not None and now >= look:
+            error = watch(ranks)
+            if error is not None:
+                raise error
+            look = now + _WATCH_EVERY
+        time.sleep(delay)
+        delay = min(delay * 2, 0.001)
 
 
 def _read(store: Any, keys: list[str]) -> list[dict[str, Any]]:
@@ -115,27 +137,35 @@ def _read(store: Any, keys: list[str]) -> list[dict[str, Any]]:
 
 
 def agree(
-    parent: Any, rank: int, world_size: int, k: int, status: dict[str, Any], timeout: float
+    parent: Any,
+    rank: int,
+    world_size: int,
+    k: int,
+    status: dict[str, Any],
+    timeout: float,
+    watch: Watch | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Step 2 (blocking): every rank's verdict on split ``k``, the same on every rank,
     and the connection it used (``parent``'s store cloned), for the subgroup to keep.
+    A peer proven dead meanwhile (``watch``) ends the wait with its error.
 
     The last rank to read the verdict deletes the split's keys."""
     deadline = time.monotonic() + timeout
     store = parent.clone()
+    others = [r for r in range(world_size) if r != rank]
     base = f"split/{k}/"
     store.set(f"{base}{rank}", json.dumps(status))
     keys = [f"{base}{r}" for r in range(world_size)]
     verdict_key = f"{base}verdict"
     if world_size <= _DIRECT:
-        _wait(store, keys, deadline)
+        _wait(store, keys, deadline, watch, others)
         verdict = judge(_read(store, keys))
     else:
         if rank == 0:
-            _wait(store, keys, deadline)
+            _wait(store, keys, deadline, watch, others)
             store.set(verdict_key, json.dumps(judge(_read(store, keys))))
         else:
-            _wait(store, [verdict_key], deadline)
+            _wait(store, [verdict_key], deadline, watch, [0])
         verdict = json.loads(bytes(store.get(verdict_key)))
     if int(store.add(f"{base}read", 1)) == world_size:
         for key in (*keys, verdict_key, f"{base}read"):
@@ -156,7 +186,7 @@ class Splitter:
         self.count = 0
 
     async def split(
-        self, comm: Communicator, groups: Any, timeout: float | None
+        self, comm: Communicator, groups: Any, timeout: float | None, watch: Watch | None = None
     ) -> Communicator | None:
         """See ``Communicator.split``."""
         if comm.state == "closed":
@@ -169,7 +199,7 @@ class Splitter:
             await aio.settle_within(pending, limit)
         status = {"groups": lists, "problem": problem, "state": comm.state}
         parent = self.rdv.prefixed(self.prefix)
-        job = functools.partial(agree, parent, comm.rank, comm.world_size, k, status, limit)
+        job = functools.partial(agree, parent, comm.rank, comm.world_size, k, status, limit, watch)
         verdict, own = await off_loop(job, limit, "split")
         if "invalid" in verdict:
             raise InvalidArgument(verdict["invalid"])

@@ -390,7 +390,8 @@ class Communicator:
             raise InvalidArgument(
                 f"split needs a communicator made by asynccoll.init(), not {self.backend!r}"
             )
-        new: Communicator | None = await self._splitter.split(self, groups, timeout)
+        watch = self._liveness.failure_among if self._liveness is not None else None
+        new: Communicator | None = await self._splitter.split(self, groups, timeout, watch)
         return new
 
     # ---------------------------------------------------------------- elastic

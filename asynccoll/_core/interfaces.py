@@ -143,5 +143,12 @@ class Elastic(Protocol):
 class Splitting(Protocol):
     """How a communicator made by ``init`` makes subgroups (``_bootstrap.split.Splitter``)."""
 
-    async def split(self, comm: Any, groups: Any, timeout: float | None) -> Any:
-        """``comm.split(groups)`` (``comm``: the Communicator): this rank's subgroup, or None."""
+    async def split(
+        self,
+        comm: Any,
+        groups: Any,
+        timeout: float | None,
+        watch: Callable[[list[int]], BaseException | None] | None,
+    ) -> Any:
+        """``comm.split(groups)`` (``comm``: the Communicator): this rank's subgroup, or None.
+        ``watch``: the communicator's ``Membership.failure_among`` (None without liveness)."""

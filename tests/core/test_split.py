@@ -9,6 +9,7 @@ reported by every group that contains it, each in its own numbering.
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -218,6 +219,23 @@ def test_a_dead_peer_is_reported_by_every_group_that_contains_it() -> None:
     r0, r1, _ = run_ranks(peer_dies, world_size=3, timeout=90, lost=(2,))
     assert r0 == {"world": (2,)}
     assert r1 == {"world": (2,), "sub": (1,)}  # rank 2 is rank 1 of the subgroup
+
+
+async def peer_dies_before_split(comm: Any) -> Any:
+    assert await _sum(comm, 1.0) == 3.0
+    if comm.rank == 2:
+        crash()
+    start = time.monotonic()
+    try:
+        await comm.split([[0, 1], [2]], timeout=30)
+        return "made"
+    except ac.PeerFailure as exc:
+        return exc.ranks, time.monotonic() - start < 10
+
+
+def test_a_peer_dead_before_a_split_is_a_peer_failure_not_a_wait() -> None:
+    r0, r1, _ = run_ranks(peer_dies_before_split, world_size=3, timeout=90, lost=(2,))
+    assert r0 == r1 == ((2,), True)  # was: CollectiveTimeout after 30 s
 
 
 def test_split_of_a_wrapped_group_is_invalid_argument() -> None:
