@@ -19,6 +19,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, Awaitable, Callable
 
+import anyio
 import torch
 import torch.distributed as dist
 
@@ -37,14 +38,15 @@ from .args import check_args
 from .rendezvous import (
     TRACE_KEY,
     Rendezvous,
+    abandon,
     agree_options,
     all_created,
     comm_prefix,
-    drop_count,
     forget,
     off_loop,
     rendezvous,
 )
+from .split import Splitter
 from .stores import STORES, exclusive
 
 #: Seconds Gloo's connect timeout outlasts ours.
@@ -143,10 +145,12 @@ async def build_communicator(
     factories: Factories = REAL,
     group: Any = None,
     sole: bool = False,
+    agreed: bool = False,
 ) -> Communicator:
     # nccl_backend: a ready NCCL backend (shrink's ncclCommShrink) used instead of a new init.
     # group: the named group (elastic.Group) this communicator belongs to, or None.
-    # sole: ``store`` is a namespace of this communicator alone (a shrink's, a grow's).
+    # sole: ``store`` is a namespace of this communicator alone (a shrink's, a grow's, a split's).
+    # agreed: the ranks agreed on its options already (a split's: the parent's).
     timeout = check_args(backend, store, master_addr, device, timeout, heartbeat)
     if check not in (None, "fingerprint"):
         raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
@@ -190,6 +194,8 @@ async def build_communicator(
                 nccl_backend,
                 factories,
                 group,
+                sole,
+                agreed,
             )
         finally:
             lock.release()
@@ -202,13 +208,6 @@ async def build_communicator(
         weakref.finalize(comm, STORES.release, rdv.key)
     elif group is not None and group.key is not None:
         STORES.hold(group.key, comm)  # a grown group's communicator uses the group's store
-    if sole:  # no other communicator is made on this namespace: its creation counter is done
-        try:
-            await off_loop(functools.partial(drop_count, rdv.store, rdv.rank), timeout, "store")
-        except (
-            AsyncCollError
-        ):  # the store failed meanwhile: the key stays (the communicator notices)
-            pass
     return comm
 
 
@@ -224,24 +223,33 @@ async def connect(
     nccl_backend: Backend | None = None,
     factories: Factories = REAL,
     group: Any = None,
+    sole: bool = False,
+    agreed: bool = False,
 ) -> Communicator:
-    """Build the backends and the Communicator on a met rendezvous."""
-    prefix = await comm_prefix(rdv, timeout)
+    """Build the backends and the Communicator on a met rendezvous.
+
+    ``sole``: the store is a namespace of this communicator alone (a shrink's, a
+    grow's, a split's): no generations there. ``agreed``: the ranks already agreed on
+    the options (a split's subgroups have their parent's): no second round.
+    """
+    ns = await comm_prefix(rdv, timeout, getattr(group, "name", None), sole)
+    prefix = ns.prefix
     backends: dict[str | None, Backend] = {}
     try:
-        await agree_options(
-            rdv,
-            prefix,
-            {
-                "backend": backend,
-                "nccl": use_nccl,
-                "check": check,
-                "heartbeat": heartbeat,
-                "world_size": rdv.world_size,
-                "name": getattr(group, "name", None),
-            },
-            timeout,
-        )
+        if not agreed:
+            await agree_options(
+                rdv,
+                prefix,
+                {
+                    "backend": backend,
+                    "nccl": use_nccl,
+                    "check": check,
+                    "heartbeat": heartbeat,
+                    "world_size": rdv.world_size,
+                    "name": getattr(group, "name", None),
+                },
+                timeout,
+            )
         if backend in ("gloo", "auto"):
             backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
         if use_nccl:
@@ -249,12 +257,22 @@ async def connect(
         diagnostics = await build_diagnostics(
             rdv, prefix, backends, backend, check, trace_dir, timeout, getattr(group, "name", None)
         )
-        await all_created(rdv, prefix, timeout)
+        await all_created(rdv, ns, timeout)
     except BaseException as exc:
         # A backend that failed ("auto": NCCL refused two ranks on one GPU) must not
         # leave the one built before it running (Gloo's threads and sockets).
         for be in set(backends.values()):
             be.release()
+        # Peers still waiting here stop at once, and a retry meets in a new namespace
+        # on every rank (shielded: a cancelled creation must say so too).
+        why = f"{type(exc).__name__}: {exc}".replace("|", "/")
+        with anyio.CancelScope(shield=True):
+            try:
+                await off_loop(
+                    functools.partial(abandon, rdv, ns, why), min(timeout, _FORGET_S), "store"
+                )
+            except AsyncCollError:
+                pass  # the store failed: the creation error is the one to report
         if isinstance(exc, _REFUSED):  # the store is fine: the last rank out deletes the keys
             try:
                 await off_loop(
@@ -323,6 +341,32 @@ async def connect(
             STORES.hold(rdv.key, new)  # it uses the shared store too
         return new
 
+    async def build_split(
+        new_rank: int, new_size: int, store: Any, nccl_backend: Backend | None
+    ) -> Communicator:
+        # A subgroup (``split.py``): this communicator's options (not its name), on a
+        # namespace of its own.
+        new = await build_communicator(
+            backend,
+            rank=new_rank,
+            world_size=new_size,
+            master_addr=None,
+            master_port=None,
+            store=store,
+            device=device,
+            timeout=timeout,
+            check=check,
+            trace_dir=trace_dir,
+            heartbeat=heartbeat,
+            nccl_backend=nccl_backend,
+            factories=factories,
+            sole=True,
+            agreed=True,
+        )
+        if rdv.key is not None:
+            STORES.hold(rdv.key, new)  # it uses the shared store too
+        return new
+
     return Communicator(
         rank=rdv.rank,
         world_size=rdv.world_size,
@@ -337,6 +381,7 @@ async def connect(
         diagnostics=diagnostics,
         group=group,
         forget=functools.partial(forget, rdv, prefix),
+        splitter=Splitter(rdv, prefix, cuda, build_split),
     )
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+import uuid
 from typing import Any, Callable, Iterable
 
 import torch.distributed as dist
@@ -17,7 +19,7 @@ from .._base.errors import (
     InvalidArgument,
 )
 from .._base.foreign import creation_error, kind_of
-from .._core.objects import drop_ops, poll_keys
+from .._core.objects import drop_ops
 from .._faults.census import decode_ranks
 from .._faults.service import unlist_ranks
 from .args import env_int
@@ -87,21 +89,90 @@ async def rendezvous(
     return Rendezvous(tcp, rank, world_size, key)
 
 
-#: The creation counter of each rank of a store (``comm_prefix``).
-_COUNT = "asynccoll/count/"
+#: Per group on a store: the generation its next communicator is created in (``comm_prefix``).
+_GEN = "asynccoll/gen/"
 
 
-async def comm_prefix(rdv: Rendezvous, timeout: float) -> str:
-    # The n-th communicator a rank creates on a store pairs with every other rank's
-    # n-th one (creation order must match across ranks, as in torch and NCCL).
-    key = f"{_COUNT}{rdv.rank}"
-    n = await off_loop(lambda: rdv.store.add(key, 1), timeout, "store")
-    return f"asynccoll/{n}/"
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """Where one communicator's keys live: ``prefix``, generation ``gen`` of its group.
+
+    A group is what every member of a creation states alike: its world size and
+    name (``ac.init(..., name=)``). Its generation counter (``gen_key``) is shared
+    by the members, never counted per rank number: a 2-rank group made on the
+    world's store moves the 2-rank group's counter only.
+    """
+
+    prefix: str
+    #: None: a namespace of one communicator only (``sole``): no generations.
+    gen_key: str | None
+    gen: int
 
 
-def _until(store: Any, keys: list[str], deadline: float) -> None:
-    if not poll_keys(store, keys, deadline):
-        raise TimeoutError
+def group_of(world_size: int, name: str | None) -> str:
+    """The group a creation belongs to on its store (names hold no ``/``)."""
+    return f"w{world_size}" if name is None else f"w{world_size}-{name}"
+
+
+async def comm_prefix(
+    rdv: Rendezvous, timeout: float, name: str | None = None, sole: bool = False
+) -> Namespace:
+    """The namespace of the communicator being created: its group's current generation.
+
+    Every member reads the same generation: it moves only once every member has
+    read it (:func:`all_created`, the last to arrive), or when a member gives
+    the creation up (:func:`abandon`), so a retry after a failed or cancelled
+    creation meets in the next generation on every rank, wherever each had got to.
+    """
+    group = group_of(rdv.world_size, name)
+    if sole:  # ``rdv.store`` is this communicator's alone (a shrink's, grow's, split's)
+        return Namespace(f"asynccoll/{group}/0/", None, 0)
+    key = f"{_GEN}{group}"
+
+    def read() -> int:
+        return int(bytes(rdv.store.get(key))) if rdv.store.check([key]) else 0
+
+    gen = await off_loop(read, timeout, "store")
+    return Namespace(f"asynccoll/{group}/{gen}/", key, gen)
+
+
+def advance(store: Any, ns: Namespace) -> None:
+    """Move ``ns``'s group to its next generation, unless someone already did (blocking)."""
+    if ns.gen_key is not None:
+        store.compare_set(ns.gen_key, str(ns.gen) if ns.gen else "", str(ns.gen + 1))
+
+
+def abandon(rdv: Rendezvous, ns: Namespace, why: str) -> None:
+    """This rank gave the creation in ``ns`` up (it failed or was cancelled; blocking).
+
+    Its peers still waiting there raise ``CollectiveMismatch`` naming this rank
+    (the first to give up is the one named), and the group moves on: a retry on
+    every rank meets in the next generation.
+    """
+    rdv.prefixed(ns.prefix).compare_set("abandoned", "", f"{rdv.rank}|{why}")
+    advance(rdv.store, ns)
+
+
+def _abandoned(store: Any, prefix: str) -> CollectiveMismatch:
+    rank, why = bytes(store.get("abandoned")).decode().split("|", 1)
+    return CollectiveMismatch(
+        f"communicator {prefix!r}: rank {rank} gave its creation up ({why}); the other ranks "
+        "stop waiting for it (retry on every rank: the retry meets in a new namespace)",
+        details={int(rank): why},
+        fields=("creation",),
+    )
+
+
+def _until(store: Any, keys: list[str], deadline: float, prefix: str) -> None:
+    """Wait for ``keys``; a peer that gave the creation up ends the wait at once."""
+    delay = 0.0005
+    while not store.check(keys):
+        if store.check(["abandoned"]):
+            raise _abandoned(store, prefix)
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
 
 
 async def agree_options(
@@ -110,27 +181,40 @@ async def agree_options(
     """Every rank states the options of the communicator it is creating; where they
     differ, every rank raises ``CollectiveMismatch`` (before any backend is built).
 
-    The n-th communicator a rank creates on a store pairs with every other rank's
-    n-th: communicators created at the same time by several tasks pair up in the
-    order each rank happened to create them, which may differ between ranks. Where
-    their options differ, this says so instead of pairing them silently. Rank 0
-    reads every rank's options and publishes the verdict: O(n) requests in all.
+    Each rank claims its rank number in the namespace (first writer wins, with a
+    token of its own): a second process claiming the same rank there (two groups
+    of one world size and name created on one store at the same time) raises
+    ``CollectiveMismatch`` naming the rank instead of pairing silently.
+
+    Communicators of one group created at the same time by several tasks pair up in
+    the order each rank happened to create them, which may differ between ranks.
+    Where their options differ, this says so instead of pairing them silently. Rank
+    0 reads every rank's options and publishes the verdict: O(n) requests in all.
     """
     if rdv.world_size == 1:
         return
     store = rdv.prefixed(prefix)
     mine = json.dumps(options, sort_keys=True)
+    claim = json.dumps({"options": options, "token": uuid.uuid4().hex}, sort_keys=True)
 
     def exchange() -> str:
         deadline = time.monotonic() + timeout
-        store.set(f"opts/{rdv.rank}", mine)
+        held = bytes(store.compare_set(f"opts/{rdv.rank}", "", claim)).decode()
+        if held != claim:
+            raise CollectiveMismatch(
+                f"communicator {prefix!r}: rank {rdv.rank} is claimed by another process: two "
+                f"groups of {rdv.world_size} ranks are being created on one store at once "
+                "(give them different names, or stores)",
+                details={rdv.rank: "claimed twice"},
+                fields=("rank",),
+            )
         if rdv.rank != 0:
-            _until(store, ["opts/verdict"], deadline)
+            _until(store, ["opts/verdict"], deadline, prefix)
             return bytes(store.get("opts/verdict")).decode()
         keys = [f"opts/{r}" for r in range(rdv.world_size)]
-        _until(store, keys, deadline)
+        _until(store, keys, deadline, prefix)
         values = [
-            bytes(v).decode()
+            json.dumps(json.loads(bytes(v))["options"], sort_keys=True)
             for i in range(0, len(keys), 512)
             for v in store.multi_get(keys[i : i + 512])
         ]
@@ -175,8 +259,9 @@ async def agree_options(
     )
 
 
-async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
-    """Wait until every rank has built its backends (the end of creation).
+async def all_created(rdv: Rendezvous, ns: Namespace, timeout: float) -> None:
+    """Wait until every rank has built its backends (the end of creation); the last
+    to arrive moves the group to its next generation (every member has read this one).
 
     Without it a rank whose Gloo mesh is up returns first and may close its
     communicator at once, while a peer is still inside Gloo's connectFullMesh,
@@ -184,16 +269,17 @@ async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
     torch's ``init_process_group`` ends the same way (``_store_based_barrier``).
     The last rank to arrive says so: each rank sends one request and waits for one key.
     """
-    if rdv.world_size == 1:
-        return
+    prefix = ns.prefix
     store = rdv.prefixed(prefix)
 
     def arrive() -> None:
         deadline = time.monotonic() + timeout
-        if int(store.add("created", 1)) >= rdv.world_size:
-            store.set("created/all", "1")
+        if rdv.world_size == 1 or int(store.add("created", 1)) >= rdv.world_size:
+            advance(rdv.store, ns)  # before anyone leaves: a next creation reads the next one
+            if rdv.world_size > 1:
+                store.set("created/all", "1")
             return
-        _until(store, ["created/all"], deadline)
+        _until(store, ["created/all"], deadline, prefix)
 
     await off_loop(arrive, timeout, "creation")
 
@@ -207,6 +293,7 @@ _SHARED_KEYS = (
     "host",
     "failure",
     "census/owner",
+    "abandoned",
     "opts/verdict",
     "created",
     "created/all",
@@ -220,12 +307,6 @@ def drop_keys(store: Any, n: int) -> None:
     """Delete the keys a communicator's parts (or a liveness watch) of ``n`` ranks leave under ``store``."""
     for key in (*_SHARED_KEYS, *(f"{k}/{r}" for k in _RANK_KEYS for r in range(n))):
         store.delete_key(key)
-
-
-def drop_count(store: Any, rank: int) -> None:
-    """Delete ``rank``'s creation counter of ``store``: a namespace that holds one
-    communicator only (a shrink's, once built) needs it no more."""
-    store.delete_key(f"{_COUNT}{rank}")
 
 
 def forget(

@@ -142,6 +142,8 @@ async def exclusive(store: Any, rank: int, timeout: float) -> threading.Lock:
     tests, each have their own: only one rank's creations may not interleave.)"""
     with _CREATION_GUARD:
         lock = _CREATION_LOCKS.setdefault(store, {}).setdefault(rank, threading.Lock())
+    if lock.acquire(blocking=False):  # the common case: no other creation; no thread needed
+        return lock
 
     def late(got: bool) -> None:  # cancelled while waiting: give it back once taken
         if got:

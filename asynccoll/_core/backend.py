@@ -179,6 +179,14 @@ class Backend(abc.ABC):
         fresh one. Blocking; runs off the loop. Default: None (no native shrink)."""
         return None
 
+    def split(self, color: int | None, rank: int, size: int, timeout: float) -> Backend | None:
+        """Every rank of a split calls it once the ranks agreed on the lists: the backend
+        of this rank's group (``color``: the group's index, None for a rank in none; this
+        rank is ``rank`` of ``size`` there) made from this one by a native split (NCCL's
+        ``ncclCommSplit``, a collective of every rank), else None: the bootstrap builds a
+        fresh one. Blocking; runs off the loop. Default: None (no native split)."""
+        return None
+
     def grow_agreed(self, store: Any, new_size: int, timeout: float) -> Backend | None:
         """Every member of a grow calls it: the grown group's backend of ``new_size`` ranks
         made from this one by a native grow (NCCL's ``ncclCommGrow``; this rank keeps its

@@ -16,7 +16,14 @@ from .._base.ops import OpKind, OpSpec, ReduceOp
 from . import validate
 from .backend import Backend
 from .coalescing import Batch, CoalescingGroup
-from .interfaces import DiagnosticHooks, Elastic, Membership, MembershipFactory, ShrinkRequest
+from .interfaces import (
+    DiagnosticHooks,
+    Elastic,
+    Membership,
+    MembershipFactory,
+    ShrinkRequest,
+    Splitting,
+)
 from .ledger import Ledger
 from .objects import ObjectChannel, dumps
 from .resources import Resources, weak_callback
@@ -51,6 +58,7 @@ class Communicator:
         diagnostics: DiagnosticHooks | None = None,
         group: Elastic | None = None,
         forget: Callable[[], None] | None = None,
+        splitter: Splitting | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -66,6 +74,7 @@ class Communicator:
         self._shrink_fn = shrink
         self._shrunk = False
         self._group = group  # elastic membership (bootstrap's Group): waiting() and grow()
+        self._splitter = splitter  # subgroups (bootstrap's Splitter): split()
         self._diag = diagnostics if diagnostics is not None else DiagnosticHooks()
         self._ledger = ledger = Ledger(
             rank,
@@ -359,6 +368,31 @@ class Communicator:
 
     def _claim_shrink(self) -> None:
         self._shrunk = True
+
+    async def split(self, groups: Any, *, timeout: float | None = None) -> Communicator | None:
+        """This rank's subgroup: ``await comm.split([[0, 1], [2, 3]])``.
+
+        A collective: every rank calls it with the same disjoint lists of ranks. Returns
+        the group that holds this rank as a communicator of its own (ranks renumbered in
+        list order), or None if no list holds it. The subgroups keep this communicator's
+        options (backend, timeout, check, trace_dir, heartbeat; not its name). NCCL builds
+        them with one ``ncclCommSplit``, Gloo with a new group. Lists that differ across
+        ranks, overlap, or name a rank outside raise ``InvalidArgument`` on every rank; a
+        communicator aborted on any rank, ``CommAborted`` on every rank. This rank's
+        pending operations finish first (``timeout``: how long to wait for them and for
+        the others, default the communicator's timeout).
+
+        A subgroup is independent: closing, aborting or shrinking it leaves this
+        communicator and its siblings alone, and the reverse; a peer's death is reported
+        by every group that contains it (each by its own ranks).
+        """
+        if self._splitter is None:
+            raise InvalidArgument(
+                f"split needs a communicator made by asynccoll.init(), not {self.backend!r}"
+            )
+        watch = self._liveness.failure_among if self._liveness is not None else None
+        new: Communicator | None = await self._splitter.split(self, groups, timeout, watch)
+        return new
 
     # ---------------------------------------------------------------- elastic
     def _named(self, what: str) -> Elastic:

@@ -13,6 +13,7 @@ and ``_bootstrap`` hands the implementations to the :class:`Communicator`:
 * :class:`ShrinkRequest`: what ``shrink`` (``_faults.shrink``) needs of a communicator.
 * :class:`Elastic`: a named group's membership changes (``_bootstrap.elastic.Group``):
   ``waiting()`` and ``grow()``.
+* :class:`Splitting`: how a communicator makes subgroups (``_bootstrap.split.Splitter``).
 """
 
 from __future__ import annotations
@@ -137,3 +138,17 @@ class Elastic(Protocol):
 
     async def grow(self, comm: Any, world_size: Any, timeout: float | None) -> Any:
         """``comm.grow(world_size)``: the Communicator of the members and the admitted joiners."""
+
+
+class Splitting(Protocol):
+    """How a communicator made by ``init`` makes subgroups (``_bootstrap.split.Splitter``)."""
+
+    async def split(
+        self,
+        comm: Any,
+        groups: Any,
+        timeout: float | None,
+        watch: Callable[[list[int]], BaseException | None] | None,
+    ) -> Any:
+        """``comm.split(groups)`` (``comm``: the Communicator): this rank's subgroup, or None.
+        ``watch``: the communicator's ``Membership.failure_among`` (None without liveness)."""

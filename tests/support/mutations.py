@@ -255,6 +255,24 @@ MUTATIONS = [
         "if False else None",
         ("tests/faults/test_elastic.py::test_grow_on_nccl_on_the_simulated_gpu",),
     ),
+    M(
+        "split by a fresh init instead of ncclCommSplit",
+        NCCL + "renew.py",
+        "return None if child is None else self._successor(child, rank, size)",
+        "return None",
+        (
+            "tests/nccl/test_simgpu_split.py::test_split_makes_one_ncclcommsplit_per_rank_and_no_fresh_init",
+        ),
+    ),
+    M(
+        "a split child used before the parent's split job ended",
+        NCCL + "handle.py",
+        'self._child_ready(parent, None if color is None else child, deadline, "NCCL split")',
+        "pass",
+        (
+            "tests/nccl/test_simgpu_split.py::test_split_makes_one_ncclcommsplit_per_rank_and_no_fresh_init",
+        ),
+    ),
 ]
 
 

@@ -311,6 +311,17 @@ class CommHandle:
                 abort_quietly(old)
         return child
 
+    def split(self, color: int | None, key: int, deadline: float) -> Any:
+        """The ready child of ``ncclCommSplit`` (blocking, bounded); None for ``color`` None
+        (NCCL_SPLIT_NOCOLOR: no child, but the parent's split job must still end)."""
+        with self._lock:
+            parent = None if self.stopping or self.closed else self._comm
+            if parent is None:
+                raise CommAborted("the NCCL communicator was aborted; it cannot split")
+            child = self.lib.split(parent, color, key)
+        self._child_ready(parent, None if color is None else child, deadline, "NCCL split")
+        return None if color is None else child
+
     def grow_id(self) -> bytes:
         """``ncclCommGetUniqueId`` (the grow root only)."""
         with self._lock:
@@ -330,8 +341,9 @@ class CommHandle:
         return child
 
     def _child_ready(self, parent: Any, child: Any, deadline: float, what: str) -> None:
-        """A non-blocking shrink/grow: the parent's job must end (its state leaves InProgress;
-        only then is the child's handle filled), then the child must reach Success."""
+        """A non-blocking shrink/grow/split: the parent's job must end (its state leaves
+        InProgress; only then is the child's handle filled), then the child (None: a split
+        that made none here) must reach Success."""
         status = poll_async_error(
             self._lock,
             lambda: (
@@ -342,12 +354,16 @@ class CommHandle:
             deadline,
         )
         if status is None:
-            abort_quietly(child)
+            if child is not None:
+                abort_quietly(child)
             raise CommAborted(f"{what}: the communicator was aborted meanwhile")
         if status == IN_PROGRESS:
-            abort_quietly(child)
+            if child is not None:
+                abort_quietly(child)
             raise CollectiveTimeout(f"{what}: peers did not arrive in time (still ncclInProgress)")
         if status != SUCCESS:
-            abort_quietly(child)
+            if child is not None:
+                abort_quietly(child)
             raise self.failure(status)
-        wait_ready(child, self.lib, deadline, what)
+        if child is not None:
+            wait_ready(child, self.lib, deadline, what)

@@ -164,6 +164,14 @@ class NcclLib:
         flag = nc.CommShrinkFlag.ABORT if abort_pending else nc.CommShrinkFlag.DEFAULT
         return comm.shrink(list(exclude), self.config(), flag)
 
+    def split(self, comm: Any, color: int | None, key: int) -> Any:
+        """``ncclCommSplit``: ranks of one ``color`` form a child, ordered by ``key``; ``color``
+        None is NCCL_SPLIT_NOCOLOR (nccl4py then returns a null communicator). The child
+        does not share the parent's resources (no ``splitShare``): with it NCCL gives the
+        child the parent's abort flag (init.cc ``ncclCommInitChildComm``), and aborting
+        the parent would abort its subgroups."""
+        return comm.split(color, key, self.config())
+
     def grow_id(self, comm: Any) -> bytes:
         """``ncclCommGetUniqueId`` (the grow root only; consumed by one grow)."""
         return bytes(comm.get_unique_id())

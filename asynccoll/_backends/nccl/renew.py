@@ -83,6 +83,14 @@ class Renewal:
         )
         return new
 
+    def split(self, color: int | None, rank: int, size: int, timeout: float = 60.0) -> Any | None:
+        """A new backend over ``ncclCommSplit`` (blocking, off the loop): the ranks of one
+        ``color`` form it, this one as ``rank`` of ``size`` (NCCL's key: the order in the
+        group). Every rank of this communicator calls it; ``color`` None: this rank is in
+        no group (NCCL_SPLIT_NOCOLOR) and gets None. The parent stays as it was."""
+        child = self._handle.split(color, rank, time.monotonic() + timeout)
+        return None if child is None else self._successor(child, rank, size)
+
     @property
     def can_grow(self) -> bool:
         """Whether :meth:`grow` can use ``ncclCommGrow`` (healthy, and NCCL has it)."""

@@ -40,6 +40,13 @@ The NCCL rules, each with the line of the NCCL 2.30 source (NVIDIA/nccl) it foll
   is in it, is ``ncclInvalidArgument``; ``*newcomm`` is NULL "until comm split fully
   complete" — the child handle is filled when the parent's async job ends, and
   nccl4py's getters raise ``NcclInvalid`` on it before.
+* ``ncclCommSplit`` (init.cc:3391 → ``ncclCommInitChildComm`` 3067-3130, ``commGetSplitInfo``
+  1768-1800): a collective of every rank of the parent (the job all-gathers each rank's
+  color and key over the parent's bootstrap); the ranks of one color form a child,
+  ordered by key, equal keys by parent rank; ``NCCL_SPLIT_NOCOLOR`` (nccl4py: ``color``
+  None) makes no child (3100) and nccl4py returns a null communicator. As for a shrink,
+  ``*newcomm`` is NULL until the split completes: the parent's job ends once every
+  parent rank called it.
 * ``ncclCommGetUniqueId``/``ncclCommGrow`` (init.cc:3204-3370, nccl.h): one existing
   rank (the root) gets the id and passes it, the others pass none; new ranks call it
   on a null ``Communicator()`` with their rank (< nRanks); nRanks must exceed the
@@ -119,7 +126,8 @@ class CommState:
         self.revoke_polls = 0  # polls left before a revoke reads Success
         self.revoke_stalled = False  # stall_revoke(): never quiescent
         self.shrink_flags: list[Any] = []  # the flag of every shrink on this communicator
-        self.child: CommState | None = None  # the child of a shrink/grow job still running
+        self.child: CommState | None = None  # the child of a shrink/grow/split job still running
+        self.split_of: Any = None  # the split (SimNccl.split) that makes this child
         m = sim.new_mock()
         for name in SIG:
             if not hasattr(m, name):
@@ -361,8 +369,10 @@ class CommState:
             return Result(self.error)
         if not self.world.complete():
             return Result.InProgress
-        if self.child is not None:  # a shrink/grow job: ends when the child's world is complete
-            if not self.child.world.complete():
+        if (
+            self.child is not None
+        ):  # a shrink/grow/split job: ends when the child's world is complete
+            if not self.sim.child_done(self.child):
                 return Result.InProgress
             self.child.filled = True
             self.child = None
@@ -452,6 +462,21 @@ class CommState:
         )
         if busy and flag != _nc.CommShrinkFlag.ABORT:
             child.error = int(Result.InvalidUsage)
+        return self._adopt(child)
+
+    def _split(self, color: Any, key: Any, config: Any) -> Any:
+        if config is not None and not isinstance(config, _nc.NCCLConfig):
+            raise TypeError(f"config must be an NCCLConfig, got {config!r}")
+        for what, v in (("color", color), ("key", key)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"{what} must be an int, got {v!r}")
+        busy = any(not la.finished() for la in self.launches)
+        if busy:
+            self.sim.gpu.errors.append(
+                f"{self!r}: split with operations in flight (NCCL would hang)"
+            )
+        blocking = self.blocking if config is None else config.blocking is not False
+        child = self.sim.split(self, -1 if color is None else int(color), int(key), blocking)
         return self._adopt(child)
 
     def _adopt(self, child: CommState) -> Any:

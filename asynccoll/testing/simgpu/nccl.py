@@ -90,6 +90,9 @@ class SimNccl:
         self._by_mock: dict[int, CommState] = {}
         self._tls = threading.local()
         self._rounds: collections.Counter[Any] = collections.Counter()
+        self._splits: dict[
+            Any, dict[int, Any]
+        ] = {}  # (parent world, n) -> rank -> color, key, child
         gpu.push_checks.append(self._check_push)
         m = types.ModuleType("nccl.core(simulated)")
         for name in (
@@ -236,6 +239,46 @@ class SimNccl:
                     parent.grow_uid = None
             self.gpu.cv.notify_all()
             return st
+
+    def split(self, parent: CommState, color: int, key: int, blocking: bool) -> CommState:
+        """``parent``'s rank calls ``ncclCommSplit`` (see ``comm.py``): its child, filled
+        once every rank of the parent called it (a null communicator for color -1)."""
+        with self.gpu.cv:
+            n = self.round(parent.world, "split", parent.rank)
+            gather = self._splits.setdefault((parent.world.key, n), {})
+            child = CommState(self, None, -1, blocking, parent.device)
+            child.split_of = (parent.world, gather)
+            self._by_mock[id(child.mock)] = child
+            gather[parent.rank] = (color, key, child)
+            if len(gather) < parent.world.nranks:
+                return child
+            colors: dict[int, list[tuple[int, int, CommState]]] = {}
+            for r in sorted(gather):  # commGetSplitInfo: by key, then by parent rank
+                c, k, st = gather[r]
+                if c != -1:  # NCCL_SPLIT_NOCOLOR: no child
+                    colors.setdefault(c, []).append((k, r, st))
+            for c, members in colors.items():
+                members.sort(key=lambda m: (m[0], m[1]))
+                wkey = (parent.world.key, "split", n, c)
+                world = self._worlds[wkey] = World(len(members), wkey)
+                for i, (_, _, st) in enumerate(members):
+                    if st.aborted:  # the parent aborted the child's init (setCommAbortFlags)
+                        continue
+                    st.world, st.rank, st.valid = world, i, True
+                    world.comms[i] = st
+                    self.device.hosts.setdefault(wkey, set()).add(st.device)
+                    self.comms.append(st)
+            self.gpu.cv.notify_all()
+            return child
+
+    def child_done(self, child: CommState) -> bool:
+        """Whether the job that makes ``child`` (a shrink's, grow's or split's) has ended."""
+        if child.split_of is not None:
+            world, gather = child.split_of
+            if len(gather) < world.nranks:
+                return False
+            return child.world is None or child.world.complete()
+        return bool(child.world.complete())
 
     def grow_owner(self, uid: bytes) -> World | None:
         """The world whose root took ``uid`` (for a new rank's grow), if still unconsumed."""

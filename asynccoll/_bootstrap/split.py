@@ -1,0 +1,224 @@
+"""``comm.split(groups)``: subgroups of a communicator, each a communicator of its own.
+
+Every rank of the parent calls it with the same lists. The steps:
+
+1. This rank's pending operations finish (NCCL's ``ncclCommSplit`` wants none
+   outstanding on the parent: nccl4py's ``Communicator.split`` docs).
+2. The ranks agree through the parent's store (``split/<k>/``, the parent's k-th
+   split): each states its lists, or what is wrong with them, and its parent's
+   state; every rank judges them alike (rank 0 alone, publishing its verdict, above
+   16 ranks), so that lists that differ, overlap or name a rank outside are
+   ``InvalidArgument`` on every rank, and a parent aborted on any rank is
+   ``CommAborted`` on every rank. A peer proven dead meanwhile (the parent's
+   liveness) is a ``PeerFailure`` naming it, not a wait until the timeout.
+3. Where the parent has NCCL, every rank (those in no list too: it is a collective
+   on the parent) calls ``ncclCommSplit`` once, color = the list's index, key = the
+   position in it; ranks in no list pass no color.
+4. Each member builds its group's communicator in a namespace of that group alone
+   (``<parent prefix>split-<k>/<index>/``), with the parent's options (agreed when
+   the parent was made: no second round), over the split's NCCL child where there
+   is one and a new Gloo group otherwise.
+
+A subgroup shares nothing with its parent but the store: no abort flag (the NCCL
+child does not share the parent's resources: with ``splitShare`` NCCL would give
+it the parent's abort flag, init.cc ``ncclCommInitChildComm``), no liveness member,
+no ledger. So aborting, closing or shrinking one never touches the other.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any, Awaitable, Callable, Sequence
+
+import torch.distributed as dist
+
+from .._base import aio
+from .._base.errors import CommAborted, CommClosed, InvalidArgument
+from .._core import validate
+from .._core.backend import Backend
+from .._core.communicator import Communicator
+from .rendezvous import Rendezvous, off_loop
+
+#: ``make(new_rank, new_size, store, nccl_backend)``: a subgroup's communicator with the
+#: parent's options, on ``store`` (its own namespace), over ``nccl_backend`` if not None.
+Make = Callable[[int, int, Any, Backend | None], Awaitable[Communicator]]
+
+
+def normalize(groups: Any, world_size: int) -> tuple[list[list[int]] | None, str | None]:
+    """The lists as plain ints, or None and what is wrong with them (never raises:
+    every rank must still take part in the agreement)."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+        return None, f"groups must be a list of lists of ranks, got {type(groups).__name__}"
+    lists: list[list[int]] = []
+    seen: dict[int, int] = {}
+    for i, group in enumerate(groups):
+        if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+            return None, f"groups[{i}] must be a list of ranks, got {type(group).__name__}"
+        if not group:
+            return None, f"groups[{i}] is empty"
+        ranks: list[int] = []
+        for r in group:
+            if isinstance(r, bool) or not isinstance(r, int):
+                return None, f"groups[{i}] holds {r!r}, not a rank (int)"
+            r = int(r)
+            if not 0 <= r < world_size:
+                return None, f"groups[{i}] names rank {r}, outside a communicator of {world_size}"
+            if r in seen:
+                where = "twice" if seen[r] == i else f"in groups[{seen[r]}] and groups[{i}]"
+                return None, f"rank {r} is {where} (the lists must be disjoint)"
+            seen[r] = i
+            ranks.append(r)
+        lists.append(ranks)
+    return lists, None
+
+
+def judge(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's verdict on every rank's status: ``{"groups": ...}``, ``{"invalid": why}``
+    or ``{"aborted": why}``."""
+    problems = {r: s["problem"] for r, s in enumerate(statuses) if s["problem"]}
+    if problems:
+        text = "; ".join(f"rank {r}: {why}" for r, why in problems.items())
+        return {"invalid": f"split: {text}"}
+    first = statuses[0]["groups"]
+    differ = [r for r, s in enumerate(statuses) if s["groups"] != first]
+    if differ:
+        other = statuses[differ[0]]["groups"]
+        return {
+            "invalid": f"split: the lists differ across ranks: rank 0 passed {first}, "
+            f"rank(s) {differ} passed others (rank {differ[0]}: {other})"
+        }
+    broken = {r: s["state"] for r, s in enumerate(statuses) if s["state"] != "ok"}
+    if broken:
+        return {"aborted": f"split: the communicator is not usable on rank(s) {broken}"}
+    return {"groups": first}
+
+
+#: Up to this many ranks every rank reads every status and judges alike (one round);
+#: above, rank 0 judges and publishes the verdict (two rounds, O(n) requests in all).
+_DIRECT = 16
+
+
+#: How often a wait for the peers asks the parent's liveness whether one of them died.
+_WATCH_EVERY = 0.2
+
+#: ``watch(ranks)``: the error for a wait on ``ranks`` once one is proven dead, else None
+#: (the parent's ``Membership.failure_among``).
+Watch = Callable[[list[int]], BaseException | None]
+
+
+def _wait(
+    store: Any, keys: list[str], deadline: float, watch: Watch | None, ranks: list[int]
+) -> None:
+    # ``store`` is a connection of this split alone: short polls delay nobody (a blocking
+    # wait that times out makes torch print a warning per slice).
+    delay = 0.0002
+    look = time.monotonic() + _WATCH_EVERY
+    while not store.check(keys):
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError
+        if watch is not None and now >= look:
+            error = watch(ranks)
+            if error is not None:
+                raise error
+            look = now + _WATCH_EVERY
+        time.sleep(delay)
+        delay = min(delay * 2, 0.001)
+
+
+def _read(store: Any, keys: list[str]) -> list[dict[str, Any]]:
+    return [
+        json.loads(bytes(v))
+        for i in range(0, len(keys), 512)
+        for v in store.multi_get(keys[i : i + 512])
+    ]
+
+
+def agree(
+    parent: Any,
+    rank: int,
+    world_size: int,
+    k: int,
+    status: dict[str, Any],
+    timeout: float,
+    watch: Watch | None = None,
+) -> tuple[dict[str, Any], Any]:
+    """Step 2 (blocking): every rank's verdict on split ``k``, the same on every rank,
+    and the connection it used (``parent``'s store cloned), for the subgroup to keep.
+    A peer proven dead meanwhile (``watch``) ends the wait with its error.
+
+    The last rank to read the verdict deletes the split's keys."""
+    deadline = time.monotonic() + timeout
+    store = parent.clone()
+    others = [r for r in range(world_size) if r != rank]
+    base = f"split/{k}/"
+    store.set(f"{base}{rank}", json.dumps(status))
+    keys = [f"{base}{r}" for r in range(world_size)]
+    verdict_key = f"{base}verdict"
+    if world_size <= _DIRECT:
+        _wait(store, keys, deadline, watch, others)
+        verdict = judge(_read(store, keys))
+    else:
+        if rank == 0:
+            _wait(store, keys, deadline, watch, others)
+            store.set(verdict_key, json.dumps(judge(_read(store, keys))))
+        else:
+            _wait(store, [verdict_key], deadline, watch, [0])
+        verdict = json.loads(bytes(store.get(verdict_key)))
+    if int(store.add(f"{base}read", 1)) == world_size:
+        for key in (*keys, verdict_key, f"{base}read"):
+            store.delete_key(key)
+    return verdict, store
+
+
+class Splitter:
+    """What a communicator made by ``init`` needs to split (``interfaces.Splitting``):
+    its rendezvous and namespace, its NCCL backend (or None) and ``make``. Owns the
+    count of its communicator's splits (the same on every rank: split is a collective)."""
+
+    def __init__(self, rdv: Rendezvous, prefix: str, cuda: Backend | None, make: Make) -> None:
+        self.rdv = rdv
+        self.prefix = prefix
+        self.cuda = cuda
+        self.make = make
+        self.count = 0
+
+    async def split(
+        self, comm: Communicator, groups: Any, timeout: float | None, watch: Watch | None = None
+    ) -> Communicator | None:
+        """See ``Communicator.split``."""
+        if comm.state == "closed":
+            raise CommClosed("cannot split a closed communicator")
+        limit = comm.timeout if timeout is None else validate.timeout(timeout, comm.timeout)
+        k, self.count = self.count, self.count + 1
+        lists, problem = normalize(groups, comm.world_size)
+        pending = list(comm.ledger.pending.values())
+        if pending:  # step 1; an op past its own deadline aborts the parent (seen in step 2)
+            await aio.settle_within(pending, limit)
+        status = {"groups": lists, "problem": problem, "state": comm.state}
+        parent = self.rdv.prefixed(self.prefix)
+        job = functools.partial(agree, parent, comm.rank, comm.world_size, k, status, limit, watch)
+        verdict, own = await off_loop(job, limit, "split")
+        if "invalid" in verdict:
+            raise InvalidArgument(verdict["invalid"])
+        if "aborted" in verdict:
+            raise CommAborted(verdict["aborted"])
+        agreed: list[list[int]] = verdict["groups"]
+        index = next((i for i, g in enumerate(agreed) if comm.rank in g), None)
+        rank = agreed[index].index(comm.rank) if index is not None else 0
+        child = None
+        if self.cuda is not None:  # step 3: every rank, in a list or not
+            size = len(agreed[index]) if index is not None else 0
+            native = functools.partial(self.cuda.split, index, rank, size, limit)
+            child = await off_loop(native, limit, "nccl split")
+        if index is None:
+            return None
+        try:  # step 4, on the agreement's connection
+            store = dist.PrefixStore(f"split-{k}/{index}/", own)
+            return await self.make(rank, len(agreed[index]), store, child)
+        except BaseException:
+            if child is not None:
+                child.release()  # bounded ncclCommAbort of the unused child
+            raise
