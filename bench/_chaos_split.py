@@ -20,7 +20,7 @@ from bench._chaos_ops import value
 
 #: Every this many steps of the op stream (offset by 2 from the training steps) is a
 #: subgroup op.
-SPLIT_EVERY = 4
+SPLIT_EVERY = 5
 
 
 def pairs(world_size: int) -> list[list[int]]:

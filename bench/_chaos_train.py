@@ -19,7 +19,7 @@ import hashlib
 from typing import Any
 
 #: Every this many steps of the op stream is a training step.
-TRAIN_EVERY = 4
+TRAIN_EVERY = 5
 #: The global batch: divisible by every world size up to 4.
 BATCH = 24
 FEATURES = 16
