@@ -304,7 +304,12 @@ async def _rank(
             failed_at = time.time()
             trainer.detach()
             send(
-                "failed", idx, type(exc).__name__, list(getattr(exc, "ranks", ()) or ()), failed_at
+                "failed",
+                idx,
+                type(exc).__name__,
+                list(getattr(exc, "ranks", ()) or ()),
+                failed_at,
+                f"{type(exc).__name__} after {waited:.2f} s in {phase[0]}: {str(exc)[:160]}",
             )
             try:
                 new = await comm.shrink()

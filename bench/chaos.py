@@ -1,15 +1,22 @@
-"""Chaos soak: ranks run random op streams while a driver kills, freezes and aborts them,
-and starts replacements that join the group.
+"""Chaos soak: ranks run random op streams and train a model while a driver kills,
+freezes and aborts them, and starts replacements that join the group and grow it back.
 
-    python -m bench.chaos --minutes 10 [--world 4] [--seed 1] [--json bench/results/chaos.json]
+    python -m bench.chaos --minutes 10 [--world 4] [--seed 1] [--no-split]
+                          [--json bench/results/chaos.json]
 
 This process hosts the TCPStore (as torchrun's agent or ``python -m asynccoll.store``
 would), so the store outlives any rank. A *generation* is one elastic group
 (``ac.init(..., name="chaos")``) started with ``--world`` ranks (forkserver: torch
-is imported once). Every member runs the same random stream of operations (every
-collective, coalesced batches, p2p in a ring, object collectives), each result
-checked against what it must be for the world size of the moment, each op
-bounded by ``--deadline``. Meanwhile the driver injects one fault at a time:
+and what its optimizers import are loaded once). Every member runs the same stream
+of steps, each bounded by ``--deadline`` (a training step, a split or a grow by the
+longer creation bound): random operations (``bench/_chaos_ops.py``: every
+collective, coalesced batches of one kind and of several, p2p in a ring, object
+collectives small and of 300 kB), each result checked against what it must be for
+the world size of the moment; every 5th step a training step of a small model with
+``GradSync`` (``bench/_chaos_train.py``); and, where the Communicator has ``split``,
+every 5th step an all-reduce on this rank's pair of a subgroup split off the world
+group (``bench/_chaos_split.py``: a second communicator alive beside it, made again
+after every membership change). Meanwhile the driver injects one fault at a time:
 
 * ``kill``: SIGKILL of a member. The survivors get ``PeerFailure``, ``shrink()``
   and go on.
@@ -29,28 +36,39 @@ The driver keeps ``--world`` processes: each one that ended (killed, or left out
 by a shrink) is replaced within a second by a new process that calls
 ``ac.join``, as a per-rank launcher would restart it. Every ``WAIT_EVERY`` steps
 (every step when alone) the members call ``waiting()``, ``grow()`` back towards
-``--world`` and send the state (a stand-in for a model and its optimizer, a
-function of the membership epoch) with ``broadcast_state``; after every shrink
-too, so that all members hold the same state. A failed grow (a participant died
-or froze in it) is followed as the faults guide says: shrink if the old
-communicator aborted, else go on with it. A generation ends when no member is
-left (its waiting replacements are stopped); the next one starts fresh.
+``--world`` and send the state with ``broadcast_state``, as ``examples/elastic.py``
+does: the model, the optimizer's state and the training step, with a stand-in
+state of 0.5 MB that is a function of the membership epoch; after every shrink
+too, so that all members hold the same state. The sender is the member furthest on
+in training (a step that failed on some ranks and completed on others leaves them
+one step apart). A failed grow (a participant died or froze in it) is followed as
+the faults guide says: shrink if the old communicator aborted, else go on with it.
+A generation ends when no member is left (its waiting replacements are stopped);
+the next one starts fresh.
 
 After each recovery and each grow the ranks check the invariants and report
 violations: every result correct (at the new world size too), the state a
-joiner receives exactly the members' (and the members agree on it), no wait
-longer than its bound + 1 s (an op's deadline; a grow's two phases within its
-timeout each), the flight record bounded, no growth of threads or open files
-beyond what the communicators alive at the time explain, and no replacement
-left waiting in ``ac.join`` for 60 s.
+joiner receives exactly the members' (and the members agree on it: at the same
+training step, bit-equal parameters and momentum; never more than one step
+apart), every rank's parameters and momentum bit-equal after the state sync and
+again after the first training step on the new communicator, no wait longer than
+its bound + 1 s (an op's deadline; a grow's two phases within its timeout each),
+the flight record bounded, no growth of threads or open files beyond what the
+communicators alive at the time explain, no replacement left waiting in
+``ac.join`` for 60 s, and every replacement admitted in step (its first training
+step on the grown group checked bit-equal) within ``in_step_bound`` unless it
+failed or was frozen meanwhile.
 
-Reported: ops, faults injected (by kind), recoveries, the worst and median
-recovery time (first failure seen to the slowest survivor's first op on the new
-communicator, the state sync included), replacements, joins, grows (and failed
-grows), the time from a replacement's start to its first op in the group
-(median and worst: all, and those with no fault meanwhile), violations (must be
-0), store keys at each generation start and before each fault, and the load
-average. A figure taken at load > 1.5 is not a verdict.
+Reported (``bench/_chaos_report.py``): ops, faults injected (by kind), recoveries,
+the worst and median recovery time (first failure seen to the slowest survivor's
+first op on the new communicator, the state sync included), replacements, joins,
+grow-backs (and failed grows), rank 0's ``grow()`` call and the grow to every rank
+of the grown group checked in step (median and worst), the time from a
+replacement's start to its first op in the group and from its admission to its
+first checked training step, training steps and in-step checks, subgroups made and
+their ops, violations (must be 0), store keys at each generation start, before each
+fault and every 10 s, and the load average. A figure taken at load > 1.5 is not a
+verdict.
 """
 
 from __future__ import annotations
@@ -526,9 +544,13 @@ def _soak(
                     last_event = time.monotonic()
                 if msg[0] == "failed":
                     failed.add(msg[1])
+                    entry.setdefault("why", []).append(
+                        (round(msg[4] - res["started"], 3), msg[1], msg[5])
+                    )
                     first_failed = msg[4] if first_failed is None else min(first_failed, msg[4])
                 elif msg[0] == "recovered":
                     recovered[msg[1]] = msg[2]
+                    entry.setdefault("back", []).append((round(msg[2] - res["started"], 3), msg[1]))
             pending = [r for r in failed if r in g.alive and r not in recovered]
             joining = g.pending or g.restarts
             if not pending and not joining and time.monotonic() - last_event > quiet:
