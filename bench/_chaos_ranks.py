@@ -311,8 +311,14 @@ async def _rank(
                 failed_at,
                 f"{type(exc).__name__} after {waited:.2f} s in {phase[0]}: {str(exc)[:160]}",
             )
+            # A pair partner may wait in a subgroup op for this rank, which has left the op
+            # order: abort the pair, so that it hears (as news) rather than at its deadline.
+            # A peer that died in the pair is excluded from the world by name: the world may
+            # not know yet, and a shrink without it waits out the grace for its proposal.
+            lost = sub.world_ranks(exc) if phase[0].startswith("subgroup") else []
+            sub.abort(f"chaos: {type(exc).__name__} in {phase[0]}")
             try:
-                new = await comm.shrink()
+                new = await comm.shrink(lost or None)
             except (
                 ac.AsyncCollError
             ) as exc2:  # left out by the others (frozen too long), or all gone

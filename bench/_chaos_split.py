@@ -4,9 +4,11 @@ After every membership change (the first members' start, a shrink, a grow) the r
 the world communicator into pairs of consecutive ranks (``[[0, 1], [2, 3]]`` at 4 ranks,
 ``[[0, 1], [2]]`` at 3) and every ``SPLIT_EVERY``-th step runs an all-reduce on this rank's
 pair, checked against the pair's values. A failure there (a pair member killed or frozen)
-is a failure like any other: the world shrinks, and the pairs are made again on the new
-communicator; the old pair is closed. API.md §1: subgroups are communicators of their own,
-and a peer's death is reported in every group that contains it.
+is a failure like any other: the world shrinks (without the pair member that died, by
+name), and the pairs are made again on the new communicator; the old pair is closed. A
+failure of the world aborts this rank's pair first: API.md §1 makes subgroups
+communicators of their own (aborting the world leaves them alone), so a partner waiting
+in a pair op for a rank that left the op order would otherwise wait out its deadline.
 
 Only where the communicator has ``split`` (and ``--no-split`` is not given): the soak runs
 without it on a build that has none.
@@ -73,6 +75,17 @@ class Subgroup:
             check.append(f"step {k}: subgroup {self.group} all_reduce {t[0].item()} != {want}")
         self.ops += 1
         return True
+
+    def abort(self, reason: str) -> None:
+        """Abort the pair (its other member hears it as news), after a failure elsewhere."""
+        if self.sub is not None:
+            self.sub.abort(reason)
+
+    def world_ranks(self, exc: BaseException) -> list[int]:
+        """The world ranks of the pair members that a subgroup failure names."""
+        return [
+            self.group[q] for q in getattr(exc, "ranks", None) or () if 0 <= q < len(self.group)
+        ]
 
     async def close(self) -> None:
         import asynccoll as ac
