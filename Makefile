@@ -52,7 +52,8 @@ N ?= 5
 flake-hunt: venv
 	$(BIN)/python tools/flake_hunt.py --runs $(N) -- $(PYTEST_ARGS)
 
-# Ranks run random op streams while they are killed, frozen and aborted (bench/chaos.py).
+# Ranks run random op streams and train in step while they are killed, frozen and aborted,
+# and replacements join and grow the group back (bench/chaos.py).
 MINUTES ?= 10
 chaos: venv
 	$(BIN)/python -m bench.chaos --minutes $(MINUTES)

@@ -11,123 +11,16 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from bench._chaos_ops import run_op
+from bench._chaos_split import SPLIT_EVERY, Subgroup
+from bench._chaos_train import TRAIN_EVERY, Trainer, in_step, pick_source
+
 HOST = "127.0.0.1"
 #: Threads and open files a rank may hold above its first steady state: one
 #: communicator's worth (its backend threads, a reaper parked in an aborted Gloo
 #: group until Gloo's own timeout, sockets), since a shrink replaces one.
 THREAD_SLACK = 8
 FD_SLACK = 24
-
-
-def _value(k: int, r: int) -> float:
-    return float((k * 7 + r) % 97 + 1)
-
-
-async def _op(comm: Any, k: int, rng: random.Random, deadline: float, check: list[str]) -> None:
-    """One random operation of step ``k`` (the same on every rank), checked."""
-    import torch
-
-    import asynccoll as ac
-
-    ws, r = comm.world_size, comm.rank
-    vals = [_value(k, q) for q in range(ws)]
-    kind = rng.choice(
-        [
-            "all_reduce",
-            "all_reduce_max",
-            "broadcast",
-            "reduce",
-            "all_gather",
-            "reduce_scatter",
-            "all_to_all",
-            "gather",
-            "scatter",
-            "barrier",
-            "ring",
-            "batch",
-            "object",
-            "bcast_object",
-            "big",
-        ]
-    )
-    root = rng.randrange(ws)
-    dtype = rng.choice([torch.float32, torch.float64, torch.int64])
-    n = rng.choice([1, 7, 256])
-
-    def full(size: int, v: float) -> Any:
-        return torch.full((size,), v, dtype=dtype)
-
-    def expect(ok: bool, what: str) -> None:
-        if not ok:
-            check.append(f"step {k} {kind} on rank {r} of {ws}: {what}")
-
-    if kind == "all_reduce":
-        t = full(n, vals[r])
-        await comm.all_reduce(t, timeout=deadline)
-        expect(bool((t == sum(vals)).all()), f"sum {t[0].item()} != {sum(vals)}")
-    elif kind == "all_reduce_max":
-        t = full(n, vals[r])
-        await comm.all_reduce(t, ac.ReduceOp.MAX, timeout=deadline)
-        expect(bool((t == max(vals)).all()), "max")
-    elif kind == "broadcast":
-        t = full(n, vals[r])
-        await comm.broadcast(t, root, timeout=deadline)
-        expect(bool((t == vals[root]).all()), "broadcast")
-    elif kind == "reduce":
-        t = full(n, vals[r])
-        await comm.reduce(t, root, timeout=deadline)
-        if r == root:
-            expect(bool((t == sum(vals)).all()), "reduce")
-    elif kind == "all_gather":
-        out = torch.zeros(n * ws, dtype=dtype)
-        await comm.all_gather(out, full(n, vals[r]), timeout=deadline)
-        expect(out.tolist() == [v for v in vals for _ in range(n)], "all_gather")
-    elif kind == "reduce_scatter":
-        out = torch.zeros(n, dtype=dtype)
-        await comm.reduce_scatter(out, full(n * ws, vals[r]), timeout=deadline)
-        expect(bool((out == sum(vals)).all()), "reduce_scatter")
-    elif kind == "all_to_all":
-        inp = torch.tensor([vals[r] * 100 + i for i in range(ws)], dtype=torch.float64)
-        out = torch.zeros(ws, dtype=torch.float64)
-        await comm.all_to_all(out, inp, timeout=deadline)
-        expect(out.tolist() == [vals[q] * 100 + r for q in range(ws)], "all_to_all")
-    elif kind == "gather":
-        out = torch.zeros(n * ws, dtype=dtype) if r == root else None
-        await comm.gather(full(n, vals[r]), root, out, timeout=deadline)
-        if out is not None:
-            expect(out.tolist() == [v for v in vals for _ in range(n)], "gather")
-    elif kind == "scatter":
-        out = torch.zeros(n, dtype=dtype)
-        inp = torch.cat([full(n, v) for v in vals]) if r == root else None
-        await comm.scatter(out, root, inp, timeout=deadline)
-        expect(bool((out == vals[r]).all()), "scatter")
-    elif kind == "barrier":
-        await comm.barrier(timeout=deadline)
-    elif kind == "ring":
-        got = torch.zeros(3, dtype=dtype)
-        send = comm.send(full(3, vals[r]), (r + 1) % ws, timeout=deadline)
-        recv = comm.recv(got, (r - 1) % ws, timeout=deadline)
-        await send
-        await recv
-        expect(bool((got == vals[(r - 1) % ws]).all()), "ring")
-    elif kind == "batch":
-        ts = [full(n, vals[r]), torch.full((5,), vals[r], dtype=torch.float64), full(2, vals[r])]
-        async with comm.coalescing():
-            for t in ts:
-                comm.all_reduce(t, timeout=deadline)
-        expect(all(bool((t == sum(vals)).all()) for t in ts), "coalesced batch")
-    elif kind == "object":
-        got = await comm.all_gather_object({"r": r, "k": k}, timeout=deadline)
-        expect(got == [{"r": q, "k": k} for q in range(ws)], "all_gather_object")
-    elif kind == "bcast_object":
-        got = await comm.broadcast_object(
-            ("x", k, root) if r == root else None, root, timeout=deadline
-        )
-        expect(got == ("x", k, root), "broadcast_object")
-    elif kind == "big":
-        t = torch.full((1 << 18,), vals[r])
-        await comm.all_reduce(t, timeout=deadline)
-        expect(bool((t == sum(vals)).all()), "1 MB all_reduce")
 
 
 def _resources() -> tuple[int, int]:
@@ -181,23 +74,33 @@ def _state_errors(got: Any, seed: int, gen: int) -> list[str]:
 
 
 async def _sync(
-    comm: Any, state: dict[str, Any] | None, seed: int, gen: int, deadline: float, check: list[str]
+    comm: Any,
+    state: dict[str, Any] | None,
+    trainer: Trainer,
+    seed: int,
+    gen: int,
+    deadline: float,
+    check: list[str],
 ) -> dict[str, Any]:
     """After every membership change: the members that hold the state must agree on it,
-    and the lowest such rank sends it to everyone (joiners included) with ``broadcast_state``."""
-    mine = state["epoch"] if state is not None else None
-    epochs = await comm.all_gather_object(mine, timeout=deadline)
-    held = [q for q, e in enumerate(epochs) if e is not None]
-    if len({epochs[q] for q in held}) > 1:
-        check.append(f"members disagree on the state after a membership change: epochs {epochs}")
-    if not held:  # every holder died before a joiner got it: start over (not a violation)
+    and the one furthest on in training (the lowest such rank) sends it, with the model and
+    the optimizer's state, to everyone (joiners included) with ``broadcast_state``; then
+    every rank's parameters must be bit-equal."""
+    mine = (state["epoch"], *trainer.held()) if state is not None else None
+    everyone = await comm.all_gather_object(mine, timeout=deadline)
+    held = [q for q, e in enumerate(everyone) if e is not None]
+    if len({everyone[q][0] for q in held}) > 1:
+        check.append(f"members disagree on the state after a membership change: {everyone}")
+    src = pick_source([None if e is None else (e[1], e[2]) for e in everyone], check)
+    if src is None:  # every holder died before a joiner got it: start over (not a violation)
+        trainer.load(Trainer(seed, gen).snapshot())
         return _state(seed, gen, 0, [comm.world_size])
-    src = held[0]
-    got = await comm.broadcast_state(
-        state if comm.rank == src else None, src=src, timeout=2 * deadline
-    )
+    outgoing = {**state, "train": trainer.snapshot()} if comm.rank == src and state else None
+    got = dict(await comm.broadcast_state(outgoing, src=src, timeout=2 * deadline))
+    trainer.load(got.pop("train"))
     check += _state_errors(got, seed, gen)
-    return dict(got)
+    await in_step(comm, trainer, deadline, check, "after the state sync")
+    return got
 
 
 def _next(state: dict[str, Any], seed: int, gen: int, world_size: int) -> dict[str, Any]:
@@ -222,8 +125,29 @@ async def _until(coro: Any, stop: asyncio.Event) -> Any:
     return task.result()
 
 
+def in_step_bound(deadline: float) -> float:
+    """How long a replacement may take from its admission to its first training step in
+    step with the members, checked: the state sync, the split, one training step and the
+    check, each within its own bound."""
+    return 4 * deadline + 2 * _long(deadline) + deadline + 1.0
+
+
+def _long(deadline: float) -> float:
+    """Creation, shrink's agreement, rebuilds, grows, splits and training steps (on
+    ``GradSync``'s all-reduces, which take the communicator's timeout): more than one op."""
+    return max(15.0, 3 * deadline)
+
+
 async def _rank(
-    gen: int, idx: int, world: int, port: int, seed: int, deadline: float, joiner: bool, conn: Any
+    gen: int,
+    idx: int,
+    world: int,
+    port: int,
+    seed: int,
+    deadline: float,
+    joiner: bool,
+    split: bool,
+    conn: Any,
 ) -> None:
     """Process ``idx`` of generation ``gen``: one of its ``world`` first members, or a
     replacement (``joiner``) that joins the group with ``ac.join`` and gets the state."""
@@ -249,12 +173,14 @@ async def _rank(
             holder[0].abort("chaos: aborted by the driver")
 
     loop.add_signal_handler(signal.SIGUSR1, abort)
-    long = max(
-        15.0, 3 * deadline
-    )  # creation, shrink's agreement, rebuilds and grows: more than one op
+    long = _long(deadline)
     client = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60))
     store = dist.PrefixStore(f"chaos/{gen}", client)
     state: dict[str, Any] | None
+    errors: list[str] = []
+    trainer = Trainer(seed, gen)
+    sub = Subgroup(split)
+    slack = 2 if split else 1  # a membership change replaces two communicators with the pair
     if joiner:
         send("started", idx, os.getpid())
         t0 = time.monotonic()
@@ -270,19 +196,22 @@ async def _rank(
             return
         state, need_sync = None, True
         send("joined", idx, time.time(), comm.rank, comm.world_size)
+        holder[0] = comm
     else:
         comm = await ac.init(
             "gloo", rank=idx, world_size=world, store=store, timeout=long, name=GROUP
         )
         state, need_sync = _state(seed, gen, 0, [world]), False
+        holder[0] = comm
+        trainer.attach(comm)
+        await sub.remake(comm, errors)
         send("ready", idx, os.getpid())
-    holder[0] = comm
     ops, k = 0, 0
     baseline: tuple[int, int] | None = None
-    errors: list[str] = []
     failed_at: float | None = None  # set by a failure, cleared by the first op after the recovery
     joint = joiner  # report the first op after joining
     grew = False  # the first op after a grow
+    need_split = False  # after a state sync: split the new communicator into pairs
     # Compare the threads and fds with the baseline 50 ops into a recovered or grown
     # communicator, as the baseline itself was taken: at the first op, the replaced
     # group's threads may still be on their way out (a Gloo wait stranded by the abort
@@ -301,14 +230,19 @@ async def _rank(
     async def step() -> str:
         """One step: the state sync after a membership change, a look for joiners (and a
         grow), or one random op; what it was."""
-        nonlocal comm, state, need_sync, k, grew
+        nonlocal comm, state, need_sync, need_split, k, grew
         if need_sync:
-            begin(
-                "sync", 3 * deadline
-            )  # an all_gather_object, then broadcast_state within 2 x deadline
-            state = await _sync(comm, state, seed, gen, deadline, errors)
-            need_sync, k = False, 0
+            # two all_gather_objects, and broadcast_state within 2 x deadline
+            begin("sync", 4 * deadline)
+            state = await _sync(comm, state, trainer, seed, gen, deadline, errors)
+            trainer.attach(comm)
+            need_sync, need_split, k = False, True, 0
             return "sync"
+        if need_split:
+            begin("split", long)
+            await sub.remake(comm, errors)
+            need_split = False
+            return "split"
         assert state is not None
         # (not at k == 0: the first step after a membership change is an op, which ends a recovery)
         if comm.world_size == 1 or k % WAIT_EVERY == WAIT_EVERY - 1:
@@ -316,7 +250,7 @@ async def _rank(
             waiting = await comm.waiting(timeout=deadline)
             size = min(world, comm.world_size + waiting)
             if size > comm.world_size:
-                old, leader = comm.world_size, comm.rank == 0
+                old, leader, grow_at = comm.world_size, comm.rank == 0, time.time()
                 begin("grow", 2 * long)  # the admission and the assembly, each within the timeout
                 try:
                     comm = holder[0] = await comm.grow(size, timeout=long)
@@ -327,16 +261,29 @@ async def _rank(
                         raise
                     k += 1  # (every member saw the same outcome) go on with the old communicator
                     return "grow"
-                if comm.rank == 0:
-                    send("grew", idx, time.time(), old, size)
                 state, need_sync, grew = _next(state, seed, gen, size), True, True
+                if comm.rank == 0:
+                    send("grew", idx, time.time(), old, size, grow_at, state["epoch"])
                 return "grow"
             if comm.world_size == 1:  # a lone survivor: nobody to talk to until a joiner comes
                 await asyncio.sleep(0.05)
                 return "idle"
+        if k % TRAIN_EVERY == 0:  # (the first step on a new communicator is one)
+            begin(f"training step {trainer.step}", long)
+            await trainer.train(comm)
+            if k == 0:  # every rank's parameters bit-equal after a membership change
+                begin("in-step check", deadline)
+                when = "after the first training step on a new communicator"
+                if await in_step(comm, trainer, deadline, errors, when):
+                    send("in_step", idx, time.time(), state["epoch"], comm.world_size, trainer.step)
+            return "op"
+        if k % SPLIT_EVERY == 2 and sub.sub is not None:
+            begin(f"subgroup op {k}", deadline)
+            await sub.exercise(k, deadline, errors)
+            return "op"
         rng = random.Random(hash((seed, gen, state["epoch"], k, comm.world_size)))
         begin(f"op {k}", deadline)
-        await _op(comm, k, rng, deadline, errors)
+        await run_op(comm, k, rng, deadline, errors)
         return "op"
 
     while not stop.is_set():
@@ -355,11 +302,23 @@ async def _rank(
                     f"{waited:.2f} s in {phase[0]}, bound {phase[2]:g} s ({type(exc).__name__})",
                 )
             failed_at = time.time()
+            trainer.detach()
             send(
-                "failed", idx, type(exc).__name__, list(getattr(exc, "ranks", ()) or ()), failed_at
+                "failed",
+                idx,
+                type(exc).__name__,
+                list(getattr(exc, "ranks", ()) or ()),
+                failed_at,
+                f"{type(exc).__name__} after {waited:.2f} s in {phase[0]}: {str(exc)[:160]}",
             )
+            # A pair partner may wait in a subgroup op for this rank, which has left the op
+            # order: abort the pair, so that it hears (as news) rather than at its deadline.
+            # A peer that died in the pair is excluded from the world by name: the world may
+            # not know yet, and a shrink without it waits out the grace for its proposal.
+            lost = sub.world_ranks(exc) if phase[0].startswith("subgroup") else []
+            sub.abort(f"chaos: {type(exc).__name__} in {phase[0]}")
             try:
-                new = await comm.shrink()
+                new = await comm.shrink(lost or None)
             except (
                 ac.AsyncCollError
             ) as exc2:  # left out by the others (frozen too long), or all gone
@@ -401,7 +360,7 @@ async def _rank(
             check_at = None
             threads, fds = _resources()
             if baseline is not None and (
-                threads > baseline[0] + THREAD_SLACK or fds > baseline[1] + FD_SLACK
+                threads > baseline[0] + slack * THREAD_SLACK or fds > baseline[1] + slack * FD_SLACK
             ):
                 errors.append(
                     f"resources grew: threads {baseline[0]} -> {threads}, fds {baseline[1]} -> {fds}"
@@ -412,21 +371,31 @@ async def _rank(
             send("violation", idx, errors[:])
             errors.clear()
         if time.monotonic() - last_report > 0.5:
-            send("ops", idx, ops)
+            send("ops", idx, ops, trainer.step, sub.ops, sub.made)
             last_report = time.monotonic()
         await asyncio.sleep(0)
     if errors:
         send("violation", idx, errors[:])
-    send("ops", idx, ops)
+    send("ops", idx, ops, trainer.step, sub.ops, sub.made)
+    trainer.close()
+    await sub.close()
     await comm.close()
     send("done", idx, ops)
 
 
 def _rank_main(
-    gen: int, idx: int, world: int, port: int, seed: int, deadline: float, joiner: bool, conn: Any
+    gen: int,
+    idx: int,
+    world: int,
+    port: int,
+    seed: int,
+    deadline: float,
+    joiner: bool,
+    split: bool,
+    conn: Any,
 ) -> None:
     try:
-        asyncio.run(_rank(gen, idx, world, port, seed, deadline, joiner, conn))
+        asyncio.run(_rank(gen, idx, world, port, seed, deadline, joiner, split, conn))
     except BaseException as exc:  # noqa: BLE001 - reported to the driver whatever it is, then exit non-zero
         import traceback
 

@@ -1,15 +1,22 @@
-"""Chaos soak: ranks run random op streams while a driver kills, freezes and aborts them,
-and starts replacements that join the group.
+"""Chaos soak: ranks run random op streams and train a model while a driver kills,
+freezes and aborts them, and starts replacements that join the group and grow it back.
 
-    python -m bench.chaos --minutes 10 [--world 4] [--seed 1] [--json bench/results/chaos.json]
+    python -m bench.chaos --minutes 10 [--world 4] [--seed 1] [--no-split]
+                          [--json bench/results/chaos.json]
 
 This process hosts the TCPStore (as torchrun's agent or ``python -m asynccoll.store``
 would), so the store outlives any rank. A *generation* is one elastic group
 (``ac.init(..., name="chaos")``) started with ``--world`` ranks (forkserver: torch
-is imported once). Every member runs the same random stream of operations (every
-collective, coalesced batches, p2p in a ring, object collectives), each result
-checked against what it must be for the world size of the moment, each op
-bounded by ``--deadline``. Meanwhile the driver injects one fault at a time:
+and what its optimizers import are loaded once). Every member runs the same stream
+of steps, each bounded by ``--deadline`` (a training step, a split or a grow by the
+longer creation bound): random operations (``bench/_chaos_ops.py``: every
+collective, coalesced batches of one kind and of several, p2p in a ring, object
+collectives small and of 300 kB), each result checked against what it must be for
+the world size of the moment; every 5th step a training step of a small model with
+``GradSync`` (``bench/_chaos_train.py``); and, where the Communicator has ``split``,
+every 5th step an all-reduce on this rank's pair of a subgroup split off the world
+group (``bench/_chaos_split.py``: a second communicator alive beside it, made again
+after every membership change). Meanwhile the driver injects one fault at a time:
 
 * ``kill``: SIGKILL of a member. The survivors get ``PeerFailure``, ``shrink()``
   and go on.
@@ -29,28 +36,39 @@ The driver keeps ``--world`` processes: each one that ended (killed, or left out
 by a shrink) is replaced within a second by a new process that calls
 ``ac.join``, as a per-rank launcher would restart it. Every ``WAIT_EVERY`` steps
 (every step when alone) the members call ``waiting()``, ``grow()`` back towards
-``--world`` and send the state (a stand-in for a model and its optimizer, a
-function of the membership epoch) with ``broadcast_state``; after every shrink
-too, so that all members hold the same state. A failed grow (a participant died
-or froze in it) is followed as the faults guide says: shrink if the old
-communicator aborted, else go on with it. A generation ends when no member is
-left (its waiting replacements are stopped); the next one starts fresh.
+``--world`` and send the state with ``broadcast_state``, as ``examples/elastic.py``
+does: the model, the optimizer's state and the training step, with a stand-in
+state of 0.5 MB that is a function of the membership epoch; after every shrink
+too, so that all members hold the same state. The sender is the member furthest on
+in training (a step that failed on some ranks and completed on others leaves them
+one step apart). A failed grow (a participant died or froze in it) is followed as
+the faults guide says: shrink if the old communicator aborted, else go on with it.
+A generation ends when no member is left (its waiting replacements are stopped);
+the next one starts fresh.
 
 After each recovery and each grow the ranks check the invariants and report
 violations: every result correct (at the new world size too), the state a
-joiner receives exactly the members' (and the members agree on it), no wait
-longer than its bound + 1 s (an op's deadline; a grow's two phases within its
-timeout each), the flight record bounded, no growth of threads or open files
-beyond what the communicators alive at the time explain, and no replacement
-left waiting in ``ac.join`` for 60 s.
+joiner receives exactly the members' (and the members agree on it: at the same
+training step, bit-equal parameters and momentum; never more than one step
+apart), every rank's parameters and momentum bit-equal after the state sync and
+again after the first training step on the new communicator, no wait longer than
+its bound + 1 s (an op's deadline; a grow's two phases within its timeout each),
+the flight record bounded, no growth of threads or open files beyond what the
+communicators alive at the time explain, no replacement left waiting in
+``ac.join`` for 60 s, and every replacement admitted in step (its first training
+step on the grown group checked bit-equal) within ``in_step_bound`` unless it
+failed or was frozen meanwhile.
 
-Reported: ops, faults injected (by kind), recoveries, the worst and median
-recovery time (first failure seen to the slowest survivor's first op on the new
-communicator, the state sync included), replacements, joins, grows (and failed
-grows), the time from a replacement's start to its first op in the group
-(median and worst: all, and those with no fault meanwhile), violations (must be
-0), store keys at each generation start and before each fault, and the load
-average. A figure taken at load > 1.5 is not a verdict.
+Reported (``bench/_chaos_report.py``): ops, faults injected (by kind), recoveries,
+the worst and median recovery time (first failure seen to the slowest survivor's
+first op on the new communicator, the state sync included), replacements, joins,
+grow-backs (and failed grows), rank 0's ``grow()`` call and the grow to every rank
+of the grown group checked in step (median and worst), the time from a
+replacement's start to its first op in the group and from its admission to its
+first checked training step, training steps and in-step checks, subgroups made and
+their ops, violations (must be 0), store keys at each generation start, before each
+fault and every 10 s, and the load average. A figure taken at load > 1.5 is not a
+verdict.
 """
 
 from __future__ import annotations
@@ -62,7 +80,6 @@ import multiprocessing.connection
 import os
 import random
 import signal
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -71,9 +88,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench._chaos_ranks import HOST, _rank_main  # noqa: E402 - after the path
+from bench._chaos_ranks import HOST, _rank_main, in_step_bound  # noqa: E402 - after the path
+from bench._chaos_report import FAULTS, figures, summary  # noqa: E402
 
-FAULTS = {"kill": 3, "stop": 3, "abort": 2, "joiner": 2}
 #: A replacement starts within this many seconds after a process ended (as its launcher restarts it).
 RESTART_DELAY = 1.0
 
@@ -92,6 +109,8 @@ class Generation:
         seed: int,
         deadline: float,
         rng: random.Random,
+        split: bool = True,
+        tick: Any = None,
     ) -> None:
         self.ctx, self.gen, self.world, self.port, self.seed, self.deadline = (
             ctx,
@@ -101,6 +120,7 @@ class Generation:
             seed,
             deadline,
         )
+        self.split, self.tick = split, tick  # tick(): called at every poll (the key sampler)
         self.rng = rng  # restart delays only (faults draw from their own)
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
@@ -117,6 +137,18 @@ class Generation:
         self.started_at: dict[int, float] = {}  # replacements: wall clock at their start
         self.joint_at: dict[int, float] = {}  # ...and at their first op in the group
         self.joins = self.grows = 0
+        #: Training: the furthest training step any rank reported, the subgroup ops and
+        #: splits by process, and every passed in-step check (idx, when, epoch, size, step).
+        self.train_steps = 0
+        self.sub_ops: dict[int, int] = {}
+        self.sub_made: dict[int, int] = {}
+        self.in_step: list[tuple[int, float, int, int, int]] = []
+        #: Rank 0's grows: (done at, old size, new size, called at, the new epoch).
+        self.grown: list[tuple[float, int, int, float, int]] = []
+        #: Replacements admitted and not yet in step (nor failed since): idx -> admitted at.
+        self.admitted: dict[int, float] = {}
+        self.join_in_step: list[float] = []  # admission -> first checked training step
+        self.start_in_step: list[float] = []  # process start -> the same
         self.grow_failures: list[str] = []
         self.restarts: list[float] = []  # monotonic times at which replacements are due
         self.fault_times: list[float] = []  # wall clock
@@ -126,7 +158,17 @@ class Generation:
 
     def spawn(self, idx: int, joiner: bool) -> None:
         parent, child = self.ctx.Pipe()
-        args = (self.gen, idx, self.world, self.port, self.seed, self.deadline, joiner, child)
+        args = (
+            self.gen,
+            idx,
+            self.world,
+            self.port,
+            self.seed,
+            self.deadline,
+            joiner,
+            self.split,
+            child,
+        )
         p = self.ctx.Process(target=_rank_main, args=args, daemon=True)
         if joiner:
             self.started_at[idx] = time.time()
@@ -181,16 +223,27 @@ class Generation:
                 self.members.add(r)
                 self.pending.discard(r)
                 self.joins += 1
+                self.admitted[r] = msg[2]
+            elif kind == "in_step":
+                self.in_step.append((r, *msg[2:]))
+                if r in self.admitted:
+                    self.join_in_step.append(msg[2] - self.admitted.pop(r))
+                    self.start_in_step.append(msg[2] - self.started_at[r])
+            elif kind == "failed":  # (a replacement that fails before it is in step recovers)
+                self.admitted.pop(r, None)
             elif kind == "joint":
                 self.joint_at[r] = msg[2]
             elif kind == "grew":
                 self.grows += 1
+                self.grown.append(msg[2:])
             elif kind == "grow_failed":  # (reported by rank 0 of the members)
                 self.grow_failures.append(f"gen {self.gen}: {msg[2]}")
             elif kind == "join_timeout":
                 self.violations.append(f"gen {self.gen} process {r}: not admitted: {msg[2]}")
             elif kind == "ops":
                 self.ops[r] = msg[2]
+                self.train_steps = max(self.train_steps, msg[3])
+                self.sub_ops[r], self.sub_made[r] = msg[4], msg[5]
             elif kind == "violation":
                 self.violations += [f"gen {self.gen} process {r}: {v}" for v in msg[2]]
             elif kind == "long_wait":
@@ -210,12 +263,31 @@ class Generation:
         for r in list(self.alive):
             if not self.procs[r].is_alive():
                 self._gone(r)
+        self._late_in_step()
+        if self.tick is not None:
+            self.tick()
         self.messages += out
         if not self.closing:
             self._tend()
         return out
 
+    def _late_in_step(self) -> None:
+        """A replacement admitted must train in step within ``in_step_bound``, unless it
+        was frozen meanwhile (its clock ran while it could not) or failed (and recovers)."""
+        now, bound = time.time(), in_step_bound(self.deadline)
+        for r, at in list(self.admitted.items()):
+            if now - at <= bound:
+                continue
+            del self.admitted[r]
+            if any(fr == r and f0 < now and at < f1 for fr, f0, f1 in self.frozen):
+                self.excused += 1
+                continue
+            self.violations.append(
+                f"gen {self.gen} process {r}: admitted, and not in step after {bound:g} s"
+            )
+
     def _gone(self, r: int) -> None:
+        self.admitted.pop(r, None)
         self.alive.discard(r)
         self.members.discard(r)
         self.pending.discard(r)
@@ -309,11 +381,19 @@ def _inject(
     return f"member {victim}"
 
 
-def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any]:
+#: Store keys are sampled this often (seconds) for the keys-over-time figure.
+KEYS_EVERY = 10.0
+
+
+def run(
+    minutes: float, world: int, seed: int, deadline: float, split: bool = True
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["asynccoll", "torch"])
+    # torch, and what its optimizers import when the first one is made (torch._dynamo,
+    # 2-5 s here): a rank starts as a trained process would, with its libraries loaded.
+    ctx.set_forkserver_preload(["asynccoll", "torch", "torch._dynamo"])
     server = dist.TCPStore(
         HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
@@ -328,6 +408,7 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
         "world": world,
         "seed": seed,
         "deadline_s": deadline,
+        "split": split,
         "cpus": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
         "faults": {k: 0 for k in FAULTS},
@@ -341,20 +422,36 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
         "recovery_s": [],
         "keys": [],
         "keys_at_faults": [],
+        "keys_series": [],  # (seconds after the start, store keys), every KEYS_EVERY s
         "joins": 0,
         "grows": 0,
         "grow_failures": [],
+        "grow_call_s": [],  # rank 0's grow() call
+        "grow_s": [],  # grow() called -> the slowest rank of the grown group checked in step
         "replacements": 0,
         "join_s": [],
         "join_undisturbed_s": [],
+        "join_in_step_s": [],  # a replacement's admission -> its first checked training step
+        "start_in_step_s": [],  # its start -> the same
+        "train_steps": 0,
+        "in_step_checks": 0,  # membership epochs whose ranks all checked bit-equal after training
+        "subgroup_splits": 0,
+        "subgroup_ops": 0,
         "started": time.time(),
         "fault_log": [],  # every fault: when (s after the start), kind, what it hit, who failed, how long
     }
+    next_sample = [0.0]
+
+    def tick() -> None:
+        if time.monotonic() >= next_sample[0]:
+            next_sample[0] = time.monotonic() + KEYS_EVERY
+            res["keys_series"].append((round(time.time() - res["started"], 1), server.num_keys()))
+
     gen = 0
     while time.monotonic() < end:
         gen += 1
         res["keys"].append(server.num_keys())
-        g = Generation(ctx, gen, world, server.port, seed, deadline, timing)
+        g = Generation(ctx, gen, world, server.port, seed, deadline, timing, split, tick)
         res["generations"] = gen
         try:
             _soak(g, res, end, world, deadline, kinds, victims, timing, server)
@@ -362,25 +459,41 @@ def run(minutes: float, world: int, seed: int, deadline: float) -> dict[str, Any
             g.kill()
             raise
         g.finish()
-        res["ops"] += sum(g.ops.values())
-        res["violations"] += g.violations
-        res["excused_waits"] += g.excused
-        res["joins"] += g.joins
-        res["grows"] += g.grows
-        res["grow_failures"] += g.grow_failures
-        res["replacements"] += len(g.started_at)
-        for r, t in g.joint_at.items():
-            took = t - g.started_at[r]
-            res["join_s"].append(took)
-            if not any(g.started_at[r] <= f <= t for f in g.fault_times):
-                res["join_undisturbed_s"].append(took)
+        _collect(g, res)
     res["keys"].append(server.num_keys())
+    res["keys_series"].append((round(time.time() - res["started"], 1), server.num_keys()))
     res["loadavg_end"] = os.getloadavg()
-    rec, det = res["recovery_s"], res["detect_s"]
-    res["recovery_worst_s"] = max(rec) if rec else None
-    res["recovery_median_s"] = statistics.median(rec) if rec else None
-    res["detect_worst_s"] = max(det) if det else None
+    res.update(figures(res))
     return res
+
+
+def _collect(g: Generation, res: dict[str, Any]) -> None:
+    """Generation ``g``'s counts and times, into ``res``."""
+    res["ops"] += sum(g.ops.values())
+    res["violations"] += g.violations
+    res["excused_waits"] += g.excused
+    res["joins"] += g.joins
+    res["grows"] += g.grows
+    res["grow_failures"] += g.grow_failures
+    res["replacements"] += len(g.started_at)
+    res["train_steps"] += g.train_steps
+    res["subgroup_ops"] += sum(g.sub_ops.values())
+    res["subgroup_splits"] += sum(g.sub_made.values())
+    res["join_in_step_s"] += g.join_in_step
+    res["start_in_step_s"] += g.start_in_step
+    for r, t in g.joint_at.items():
+        took = t - g.started_at[r]
+        res["join_s"].append(took)
+        if not any(g.started_at[r] <= f <= t for f in g.fault_times):
+            res["join_undisturbed_s"].append(took)
+    checked: dict[int, list[float]] = {}  # epoch -> when each rank was checked in step
+    for _, at, epoch, _size, _step in g.in_step:
+        checked.setdefault(epoch, []).append(at)
+    res["in_step_checks"] += len(checked)
+    for done_at, _old, size, called_at, epoch in g.grown:
+        res["grow_call_s"].append(done_at - called_at)
+        if len(checked.get(epoch, ())) == size:  # (no fault cut the grown group's first step)
+            res["grow_s"].append(max(checked[epoch]) - called_at)
 
 
 def _soak(
@@ -431,9 +544,13 @@ def _soak(
                     last_event = time.monotonic()
                 if msg[0] == "failed":
                     failed.add(msg[1])
+                    entry.setdefault("why", []).append(
+                        (round(msg[4] - res["started"], 3), msg[1], msg[5])
+                    )
                     first_failed = msg[4] if first_failed is None else min(first_failed, msg[4])
                 elif msg[0] == "recovered":
                     recovered[msg[1]] = msg[2]
+                    entry.setdefault("back", []).append((round(msg[2] - res["started"], 3), msg[1]))
             pending = [r for r in failed if r in g.alive and r not in recovered]
             joining = g.pending or g.restarts
             if not pending and not joining and time.monotonic() - last_event > quiet:
@@ -456,48 +573,6 @@ def _soak(
             )
 
 
-def _spread(what: str, xs: list[float]) -> str:
-    if not xs:
-        return f"{what}: none"
-    return f"{what}: median {statistics.median(xs):.3f} s, worst {max(xs):.3f} s ({len(xs)})"
-
-
-def _summary(res: dict[str, Any]) -> str:
-    rec = res["recovery_s"]
-    lines = [
-        f"chaos soak: {res['minutes']:g} min, {res['world']} ranks per generation, deadline {res['deadline_s']:g} s, "
-        f"{res['cpus']} CPUs, load {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}",
-        f"ops {res['ops']}, generations {res['generations']}, faults {sum(res['faults'].values())} {res['faults']}",
-        f"recoveries {res['recoveries']} (+ {res['absorbed']} faults absorbed without one), "
-        + (
-            f"recovery (first failure seen -> slowest survivor's first op on the new communicator) median "
-            f"{statistics.median(rec):.3f} s, worst {max(rec):.3f} s; fault -> first failure seen worst "
-            f"{max(res['detect_s']):.3f} s"
-            if rec
-            else "no recovery"
-        ),
-        "recovery worst by fault kind: "
-        + ", ".join(
-            f"{kind} {max(e['recovery_s'] for e in res['fault_log'] if e['kind'] == kind and 'recovery_s' in e):.3f} s"
-            for kind in FAULTS
-            if any(e["kind"] == kind and "recovery_s" in e for e in res["fault_log"])
-        )
-        + " (a joiner fault that first kills a member counts from that kill to the last recovery, the hit"
-        " replacement's included when it had joined before the hit)",
-        f"replacements started {res['replacements']}, joins {res['joins']}, grows {res['grows']} "
-        f"(+ {len(res['grow_failures'])} failed: a participant died or froze in it, as rank 0 saw it), "
-        + _spread("replacement start -> its first op in the group", res["join_s"])
-        + "; "
-        + _spread("with no fault meanwhile", res["join_undisturbed_s"]),
-        f"store keys at each generation start: {res['keys']}; before each fault: "
-        f"{res['keys_at_faults'][:3]} ... {res['keys_at_faults'][-3:]}",
-        f"long waits of a rank that was itself frozen meanwhile (not violations): {res['excused_waits']}",
-        f"violations: {len(res['violations'])}",
-    ]
-    lines += [f"  {v}" for v in res["violations"][:20]]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -507,9 +582,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--deadline", type=float, default=3.0, help="every op's timeout, seconds")
     ap.add_argument("--json", default="bench/results/chaos.json")
+    ap.add_argument(
+        "--no-split",
+        action="store_true",
+        help="no subgroup beside the world group (it is made only where comm.split exists)",
+    )
     args = ap.parse_args(argv)
-    res = run(args.minutes, args.world, args.seed, args.deadline)
-    print(_summary(res))
+    res = run(args.minutes, args.world, args.seed, args.deadline, split=not args.no_split)
+    print(summary(res))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=2))
