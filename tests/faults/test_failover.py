@@ -317,3 +317,34 @@ def test_aborted_and_shrunk_communicators_leave_no_keys() -> None:
     )
     for res in results[:2]:
         assert res["after"] == res["before"], sorted(set(res["after"]) - set(res["before"]))
+
+
+async def _shrink_while_a_survivor_stays_away(comm: ac.Communicator) -> str:
+    """Rank 2 dies; rank 0 shrinks at once (the census recorded rank 2: no agreement round)
+    and builds the 2-rank group; rank 1 is alive but never shrinks, so the build times out."""
+    if comm.rank == 2:
+        os._exit(0)
+    try:
+        await comm.all_reduce(torch.ones(1))
+    except ac.CommAborted:
+        pass
+    if comm.rank == 1:
+        await asyncio.sleep(8)
+        return "away"
+    try:
+        await comm.shrink()
+    except ac.AsyncCollError as exc:
+        return f"typed {type(exc).__name__}"
+    except BaseException as exc:  # noqa: BLE001 - what leaks is the finding
+        return f"untyped {type(exc).__name__}: {exc!r}"
+    return "shrank"
+
+
+@pytest.mark.timeout(90)
+def test_a_shrink_whose_build_times_out_raises_collective_timeout() -> None:
+    """Typed, not wrapped in the ExceptionGroup of the task group that races the build
+    against the watch for dead survivors (found by the chaos soak)."""
+    results = run_ranks(
+        _shrink_while_a_survivor_stays_away, world_size=3, timeout=60, init_timeout=5, lost=(2,)
+    )
+    assert results[0] == "typed CollectiveTimeout", results
