@@ -200,6 +200,7 @@ async def all_created(rdv: Rendezvous, prefix: str, timeout: float) -> None:
 #: Keys a communicator leaves under its prefix (see ``forget``).
 _SHARED_KEYS = (
     "aborted",
+    "ns",
     "host",
     "failure",
     "census/owner",
