@@ -26,8 +26,11 @@ What is compared (``mismatch.FIELDS``), per matching unit:
 A difference fails the op with :class:`CollectiveMismatch` on every rank (each rank
 sees every fingerprint of the units it takes part in, so each reaches the same
 verdict), which aborts the communicator; later ops raise ``CommAborted`` caused by
-it. A peer whose channel closes before sending a fingerprint that an op waits for
-fails that op with ``PeerFailure`` naming it. The op's deadline still bounds the
+it. A rank whose own verdict is late (a peer's fingerprint still on its way, or its
+verdict taken and not yet applied) may hear the news of the peer that decided first:
+the news carries the mismatch whole, and :meth:`FingerprintChecker.settle` raises it
+as this rank's own. A peer whose channel closes before sending a fingerprint that an
+op waits for fails that op with ``PeerFailure`` naming it. The op's deadline still bounds the
 wait for a peer that is alive but never issues the op.
 
 Scope: backends that submit from any thread (Gloo, wrapped torch groups) and object

@@ -5,7 +5,7 @@ rank publishes its listening address and a token, connects to every peer, and
 accepts every peer's connection). Then one reader thread per mesh polls the
 peers' sockets. Sending never blocks: what a socket does not take at once spills
 into that peer's outbox, which the reader thread drains as the socket becomes
-writable.
+writable, and sends out before the sockets close (bounded: ``_LINGER``).
 
 A frame is ``(tag, k, seq, text)``. Received frames wait in :attr:`Mesh.inbox`
 under ``(peer, tag, k)`` until the user takes them; a peer whose connection closed
