@@ -290,6 +290,7 @@ TRACE_KEY = "trace"
 _SHARED_KEYS = (
     TRACE_KEY,
     "aborted",
+    "ns",
     "host",
     "failure",
     "census/owner",

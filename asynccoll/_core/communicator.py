@@ -283,7 +283,7 @@ class Communicator:
         signals.call(self._ledger.abort, CommAborted(reason or "aborted by the user"))
 
     def _abort(self, cause: BaseException) -> None:  # a peer's failure or abort news (liveness)
-        self._diag.settle()  # a verdict already in reach is what the held ops raise
+        self._diag.settle(cause)  # a verdict in reach (the news's own too) is what held ops raise
         self._ledger.abort(cause)
 
     def _after_abort(self, error: BaseException) -> None:

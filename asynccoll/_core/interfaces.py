@@ -36,10 +36,10 @@ class DiagnosticHooks:
         """Start an object collective: ``run()`` now (a checker holds it until the peers agree)."""
         run()
 
-    def settle(self) -> None:
-        """A peer's failure or abort news is about to abort the communicator (any thread):
-        decide now whatever is already decidable, so that an op a peer's verdict was about
-        raises that verdict rather than the news."""
+    def settle(self, cause: BaseException | None = None) -> None:
+        """A peer's failure or abort news ``cause`` is about to abort the communicator (any
+        thread): decide now whatever it and what arrived already decide, so that an op a
+        verdict was about raises that verdict rather than the news."""
 
     def aborted(self, error: BaseException) -> None:
         """The communicator aborted (its Works have failed); any thread, must not raise."""

@@ -66,12 +66,13 @@ class Diagnostics(DiagnosticHooks):
         else:
             self.checker.gate_object(op, root, work, run)
 
-    def settle(self) -> None:
-        """Before a peer's news aborts the communicator: the checker decides what the
-        fingerprints already sent to this rank decide (a mismatch then raises
-        ``CollectiveMismatch`` here too, not the news of the peer that found it first)."""
+    def settle(self, cause: BaseException | None = None) -> None:
+        """Before a peer's news ``cause`` aborts the communicator: the checker decides what
+        the news and the fingerprints already sent to this rank decide (a mismatch then
+        raises ``CollectiveMismatch`` here too, not the news of the peer that found it
+        first), and applies every verdict taken so far (``FingerprintChecker.settle``)."""
         if self.checker is not None:
-            self.checker.settle()
+            self.checker.settle(cause)
 
     def aborted(self, error: BaseException) -> None:
         """The communicator aborted: write this rank's flight record (``trace_dir``)."""

@@ -26,8 +26,11 @@ What is compared (``mismatch.FIELDS``), per matching unit:
 A difference fails the op with :class:`CollectiveMismatch` on every rank (each rank
 sees every fingerprint of the units it takes part in, so each reaches the same
 verdict), which aborts the communicator; later ops raise ``CommAborted`` caused by
-it. A peer whose channel closes before sending a fingerprint that an op waits for
-fails that op with ``PeerFailure`` naming it. The op's deadline still bounds the
+it. A rank whose own verdict is late (a peer's fingerprint still on its way, or its
+verdict taken and not yet applied) may hear the news of the peer that decided first:
+the news carries the mismatch whole, and :meth:`FingerprintChecker.settle` raises it
+as this rank's own. A peer whose channel closes before sending a fingerprint that an
+op waits for fails that op with ``PeerFailure`` naming it. The op's deadline still bounds the
 wait for a peer that is alive but never issues the op.
 
 Scope: backends that submit from any thread (Gloo, wrapped torch groups) and object
@@ -40,16 +43,21 @@ from __future__ import annotations
 
 import collections
 import socket
+import threading
 from typing import Any, Callable, Literal, Sequence
 
-from .._base.errors import CommAborted, PeerFailure
+from .._base.errors import CollectiveMismatch, CommAborted, PeerFailure
 from .._base.ops import OpKind, OpSpec
 from .._core.backend import Backend, Sink
 from .._core.work import Bundle, Work
 from . import mesh
 from .mismatch import MEMBERS as _MEM
 from .mismatch import P2P as _P2P
-from .mismatch import fingerprint, mismatch, object_fingerprint
+from .mismatch import fingerprint, for_rank, mismatch, object_fingerprint
+
+#: How long ``settle`` waits for verdicts another thread is applying (they take
+#: milliseconds; the bound only keeps a bug from hanging the liveness service).
+_APPLY_WAIT = 10.0
 
 
 # ---------------------------------------------------------------- the checker
@@ -108,6 +116,10 @@ class FingerprintChecker:
         self._lock = channel.lock
         self._inbox = channel.inbox
         self._gone = channel.gone
+        # Verdicts taken under the lock and being applied outside it (``_fail``), and
+        # the threads applying them: ``settle`` waits until they are out.
+        self._applied = threading.Condition(self._lock)
+        self._applying: collections.Counter[int] = collections.Counter()
         channel.start()
 
     # ------------------------------------------------------------ setup
@@ -125,13 +137,27 @@ class FingerprintChecker:
     #: Where failures go: the communicator's ledger (set when the wrapped backend is bound).
     sink: Sink | None = None
 
+    def _taking(self, failures: list[tuple[Sequence[Work], BaseException]]) -> None:
+        """``failures`` were taken (lock held): this thread applies them with ``_fail``."""
+        if failures:
+            self._applying[threading.get_ident()] += 1
+
     def _fail(self, failures: list[tuple[Sequence[Work], BaseException]]) -> None:
-        """Fail each unit's Works (outside every lock: failing aborts the communicator)."""
-        sink = self.sink
-        if sink is None:
+        """Fail each unit's Works (outside every lock: failing aborts the communicator);
+        then they are applied (see ``settle``)."""
+        if not failures:
             return
-        for works, exc in failures:
-            sink.fail(works[0] if len(works) == 1 else Bundle(list(works), works[0].op), exc)
+        try:
+            sink = self.sink
+            if sink is not None:
+                for works, exc in failures:
+                    sink.fail(
+                        works[0] if len(works) == 1 else Bundle(list(works), works[0].op), exc
+                    )
+        finally:
+            with self._applied:
+                self._applying -= collections.Counter({threading.get_ident(): 1})
+                self._applied.notify_all()
 
     # ------------------------------------------------------------ issue side
     def gate_op(self, spec: OpSpec, work: Work, submit: Callable[[], None]) -> None:
@@ -305,20 +331,59 @@ class FingerprintChecker:
             return
         with self._lock:
             failures = self._drain()
+            self._taking(failures)
         self._fail(failures)
 
-    def settle(self) -> None:
-        """Decide now what the peers' fingerprints decide, reading what the kernel already
-        holds (any thread; see ``Diagnostics.settle``). A peer that reached a verdict sent
-        its fingerprint before it aborted, so its abort news finds that fingerprint here."""
+    def settle(self, cause: BaseException | None = None) -> None:
+        """A peer's failure or abort news ``cause`` is about to abort the communicator (any
+        thread; see ``Diagnostics.settle``): decide now what it and the fingerprints decide,
+        and return once every verdict taken so far has failed its Works.
+
+        * A peer's :class:`CollectiveMismatch` (its news carries it whole) fails the unit it
+          names on this rank with the same mismatch, this rank's seq: this rank's own
+          verdict may never come (the peer's fingerprint still sat in its outbox when it
+          aborted, or its channel closed first).
+        * Otherwise, what the kernel already holds is read and decided: a peer that reached
+          a verdict sent its fingerprint before it aborted.
+        * A verdict another thread took and is still applying (the reader thread, between
+          ``_drain`` and ``_fail``) is waited for: the news must not fail its Works first.
+        """
         with self._lock:
             if self._closed:
                 return
-            for p in self._peers:
-                if p not in self._gone:
-                    self._mesh.pull(p)
-            failures = self._drain()
+            failures: list[tuple[Sequence[Work], BaseException]] = []
+            if isinstance(cause, CollectiveMismatch) and not self._broken:
+                entry = self._named(cause)
+                if entry is not None:
+                    self._broken = True
+                    failures.append((entry.works, for_rank(cause, self.rank)))
+            if not self._broken:
+                for p in self._peers:
+                    if p not in self._gone:
+                        self._mesh.pull(p, everything=True)
+            failures += self._drain()
+            self._taking(failures)
         self._fail(failures)
+        me = threading.get_ident()
+        with self._applied:
+            self._applied.wait_for(
+                lambda: not +self._applying or self._applying[me] > 0, _APPLY_WAIT
+            )
+
+    def _named(self, peer: CollectiveMismatch) -> _Entry | None:
+        """The held unit of this rank that a peer's mismatch names, taken off its queue
+        (lock held). It names this rank's seq of the unit: a batch's first seq, or the seq
+        of the batch's member that its p2p fingerprint carried."""
+        detail = peer.details.get(self.rank)
+        if not isinstance(detail, dict) or "seq" not in detail:
+            return None
+        seq = detail["seq"]
+        for queue in self._queues.values():
+            for entry in queue:
+                if entry.seq == seq or any(w.seq == seq for w in entry.works):
+                    queue.remove(entry)
+                    return entry
+        return None
 
     def crashed(self, exc: Exception) -> None:
         """The reader thread failed: held ops must not hang silently."""
@@ -326,9 +391,11 @@ class FingerprintChecker:
             self._broken = True
             held = [e for q in self._queues.values() for e in q]
             self._queues.clear()
-        err = CommAborted(f"fingerprint channel failed: {exc!r}")
-        err.__cause__ = exc
-        self._fail([(e.works, err) for e in held])
+            err = CommAborted(f"fingerprint channel failed: {exc!r}")
+            err.__cause__ = exc
+            failures: list[tuple[Sequence[Work], BaseException]] = [(e.works, err) for e in held]
+            self._taking(failures)
+        self._fail(failures)
 
     def close(self) -> None:
         """Stop the side channel and drop held ops (their Works were failed by the

@@ -5,7 +5,7 @@ rank publishes its listening address and a token, connects to every peer, and
 accepts every peer's connection). Then one reader thread per mesh polls the
 peers' sockets. Sending never blocks: what a socket does not take at once spills
 into that peer's outbox, which the reader thread drains as the socket becomes
-writable.
+writable, and sends out before the sockets close (bounded: ``_LINGER``).
 
 A frame is ``(tag, k, seq, text)``. Received frames wait in :attr:`Mesh.inbox`
 under ``(peer, tag, k)`` until the user takes them; a peer whose connection closed
@@ -35,6 +35,8 @@ from .._core.objects import poll_keys
 _FRAME = "\x1d"
 _LEN = struct.Struct("!I")
 _HELLO = struct.Struct("!16sI")  # the listener's token, the connecting rank
+#: How long a closing mesh goes on sending what its outboxes hold (``Mesh._linger``).
+_LINGER = 1.0
 
 
 class MeshUser(Protocol):
@@ -117,32 +119,35 @@ class Mesh:
                 self._spill = True
                 self.wake()
 
-    def pull(self, peer: int) -> bool:
-        """Move what the kernel holds from ``peer`` into the inbox (lock held, never blocks).
+    def pull(self, peer: int, everything: bool = False) -> bool:
+        """Move what the kernel holds from ``peer`` into the inbox (lock held, never blocks):
+        one read, or with ``everything`` until the kernel holds no more.
 
         Both the reader thread and an issuing thread call it; the lock keeps the
         byte stream whole. True when the peer's channel closed.
         """
-        try:
-            data = self._in[peer].recv(1 << 16)
-        except BlockingIOError:
-            return False
-        except OSError:
-            data = b""
-        if not data:
-            self.gone.add(peer)
-            return True
-        buf = self._bufs[peer]
-        buf += data
-        inbox = self.inbox
-        while len(buf) >= 4:
-            (n,) = _LEN.unpack_from(buf)
-            if len(buf) < 4 + n:
-                break
-            tag, k, seq, text = bytes(buf[4 : 4 + n]).decode().split(_FRAME, 3)
-            del buf[: 4 + n]
-            inbox[(peer, tag, int(k))] = (int(seq), text)
-        return False
+        while True:
+            try:
+                data = self._in[peer].recv(1 << 16)
+            except BlockingIOError:
+                return False
+            except OSError:
+                data = b""
+            if not data:
+                self.gone.add(peer)
+                return True
+            buf = self._bufs[peer]
+            buf += data
+            inbox = self.inbox
+            while len(buf) >= 4:
+                (n,) = _LEN.unpack_from(buf)
+                if len(buf) < 4 + n:
+                    break
+                tag, k, seq, text = bytes(buf[4 : 4 + n]).decode().split(_FRAME, 3)
+                del buf[: 4 + n]
+                inbox[(peer, tag, int(k))] = (int(seq), text)
+            if not everything:
+                return False
 
     def wake(self) -> None:
         """Wake the reader thread (any thread)."""
@@ -218,6 +223,28 @@ class Mesh:
                     return
                 pending.popleft()
 
+    def _linger(self) -> None:
+        """Closing (reader thread): send what the outboxes still hold, for at most
+        ``_LINGER`` seconds, before the sockets close. A peer then reads every fingerprint
+        this rank sent before it sees the channel close: a rank that aborts on a mismatch
+        has sent its fingerprint of that op, and the peers decide the same mismatch from
+        it (without it they would name this rank as failed: ``PeerFailure``)."""
+        end = time.monotonic() + _LINGER
+        with self.lock:
+            left = {q for q, pending in self._outbox.items() if pending and q not in self.gone}
+        while left:
+            wait = end - time.monotonic()
+            if wait <= 0:
+                return
+            poller = select.poll()
+            for q in left:
+                poller.register(self._out[q], select.POLLOUT)
+            for fd, _mask in poller.poll(wait * 1000):
+                q = next(q for q in left if self._out[q].fileno() == fd)
+                self._flush(q)
+            with self.lock:
+                left = {q for q in left if self._outbox[q] and q not in self.gone}
+
     def _crashed(self, exc: Exception) -> None:
         """A bug in the reader thread must not leave the user waiting silently."""
         threading.excepthook(threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, None)))
@@ -254,7 +281,10 @@ def _reader(ref: weakref.ReferenceType[Mesh], sockets: list[socket.socket]) -> N
         while True:
             events = poller.poll()
             me = ref()
-            if me is None or me.closed:
+            if me is None:
+                return
+            if me.closed:
+                me._linger()
                 return
             try:
                 writing = me._round(poller, events, by_fd, out_fds, writing)

@@ -123,3 +123,15 @@ def mismatch(
         for r, d in sorted(decoded.items())
     }
     return CollectiveMismatch(message, seq=seq, details=details, fields=tuple(fields))
+
+
+def for_rank(peer: CollectiveMismatch, rank: int) -> CollectiveMismatch:
+    """A peer's verdict (from its abort news) as ``rank`` states it: ``rank``'s own seq;
+    the rest of the text, the fields and the details are the same on every rank
+    (:func:`mismatch` writes ``seq <seq> <the same text>``)."""
+    seq = peer.details[rank]["seq"]
+    text, head = str(peer), f"seq {peer.seq} "
+    body = text[len(head) :] if text.startswith(head) else text
+    return CollectiveMismatch(
+        f"seq {seq} {body}", seq=seq, details=peer.details, fields=peer.fields
+    )

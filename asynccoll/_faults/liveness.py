@@ -14,6 +14,7 @@ How the census, heartbeat detection and abort news work: ``docs/design.md``.
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 import weakref
@@ -21,7 +22,7 @@ from typing import Any, Callable
 
 from .._base import shutdown
 from .._base.errors import CommAborted, PeerFailure
-from . import procs
+from . import news, procs
 from .census import Roster, decode_ranks, encode_ranks, watched
 from .service import Service, StoreHost, root_of
 
@@ -63,6 +64,8 @@ class Liveness:
         self._misses = misses
         self._on_failure = on_failure
         self.id = next(_COUNT)
+        #: The communicator's token, agreed through its namespace at start (``news``).
+        self.namespace = ""
         self._closed = False  # close(): say goodbye, leave the service
         self._aborted = False  # no more news or detection; still beats until closed
         self.urgent = False
@@ -113,6 +116,8 @@ class Liveness:
             for r in self._watch:
                 store.add(f"hb/{r}", 0)  # exists from now on: a beat reads them in one request
         store.compare_set("aborted", "", "")  # empty: no news; read at every beat
+        token = store.compare_set(news.NAMESPACE_KEY, "", secrets.token_hex(8))
+        self.namespace = bytes(token).decode(errors="replace")
         store.compare_set("host", "", "")
         machine, pid, started = procs.this_process()
         host, port = svc.pulse.address if svc.pulse is not None else ("", 0)
@@ -174,13 +179,14 @@ class Liveness:
         """Tell the other ranks this communicator aborted (done by the service, not the caller).
 
         A ``PeerFailure`` travels as one, with its ranks, so every survivor knows
-        which ranks to leave out when it shrinks. ``wake=False``: the news is
+        which ranks to leave out when it shrinks; a ``CollectiveMismatch`` (the error
+        or its cause) travels whole, so every rank raises it (``news``). ``wake=False``: the news is
         recorded and the service not woken yet (:meth:`wake` does it); its next
         beat sends the news at the latest.
         """
-        ranks = ",".join(map(str, error.ranks)) if isinstance(error, PeerFailure) else "-"
+        reason = news.encode(self._rank, error)
         with self._lock:
-            self._abort_reason = f"{self._rank}|{ranks}|{error}"
+            self._abort_reason = reason
             self._aborted = True
         self._keep(wake)
 
@@ -300,8 +306,7 @@ class Liveness:
         """A peer's abort news (service thread)."""
         if self._aborted:
             return
-        news = _abort_news(raw)
-        self._declare(news)
+        self._declare(news.decode(raw))
 
     def _publish(self, reason: str, store_gone: bool) -> None:
         if not store_gone:
@@ -312,8 +317,10 @@ class Liveness:
         for p in peers.values():
             if p.address is not None and not (p.local and p.state() == "gone"):
                 by_process.setdefault(p.address, []).append(p.mid)
+        svc = self._service
+        store = svc.identity if svc is not None else ""
         targets = {
-            i: (address, f"a|{','.join(map(str, mids))}|{reason}")
+            i: (address, news.abort_message(store, self.namespace, mids, reason))
             for i, (address, mids) in enumerate(by_process.items())
         }
         procs.deliver_all(targets, 1.0, ack=False)
@@ -485,12 +492,3 @@ class Liveness:
             self._dead.update(dead)
         named = self._census_once() or tuple(dead)
         return PeerFailure(f"rank(s) {list(named)} failed", named)
-
-
-def _abort_news(raw: str) -> CommAborted:
-    """The local error for a peer's published abort (see ``publish_abort``)."""
-    origin, ranks, message = raw.split("|", 2)
-    if ranks != "-":
-        failed = [int(r) for r in ranks.split(",") if r]
-        return PeerFailure(f"peer failure reported by rank {origin}: {message}", failed)
-    return CommAborted(f"aborted by rank {origin}: {message}")

@@ -33,13 +33,15 @@ from datetime import timedelta
 from typing import Any, Iterable, Protocol
 
 from .._base import shutdown
-from . import procs
+from . import news, procs
 
 
 class Member(Protocol):
     """What the service needs of a member (``liveness.Liveness``)."""
 
     id: int
+    #: The communicator's namespace token (``news``): news for another one is dropped.
+    namespace: str
     root: Any
     interval: float
     due: float
@@ -225,7 +227,7 @@ class Service:
         self._holds = 0
         self._closing = False
         self._wake = threading.Event()
-        self._news: collections.deque[tuple[int, str]] = collections.deque()
+        self._news: collections.deque[tuple[int, str, str]] = collections.deque()
         #: Why the store can no longer be used (its host died or left), or None.
         self.store_gone: str | None = gone
         self.host_left = False
@@ -234,6 +236,13 @@ class Service:
         self._slot: int | None = None
         self._listing: str | None = None
         self.host = StoreHost(root, read=gone is None)
+        #: The store server's identity in pulse messages (``news.store_identity``).
+        self.identity = ""
+        if gone is None:
+            try:
+                self.identity = news.store_identity(root)
+            except RuntimeError:  # the store failed already: the first round notices
+                pass
         try:
             self.pulse: procs.Pulse | None = procs.Pulse(
                 self._message, getattr(root, "host", None), "asynccoll-liveness-pulse"
@@ -321,24 +330,22 @@ class Service:
 
     # ------------------------------------------------------------- messages
     def _message(self, text: str) -> bool:
-        """A message on the pulse (pulse thread); True: acknowledge it."""
-        kind, _, rest = text.partition("|")
-        if kind == "a":  # abort news for members of this process: the beater delivers it
-            mids, _, raw = rest.partition("|")
-            try:
-                self._news.extend((int(mid), raw) for mid in mids.split(","))
-            except ValueError:  # not one of ours
-                return False
+        """A message on the pulse (pulse thread); True: acknowledge it. A message for
+        another store (a reused port: ``news``) is dropped."""
+        message = news.parse(text)
+        if message is None or not news.same_store(message.store, self.identity):
+            return False
+        if message.kind == "a":  # abort news for members of this process: the beater delivers it
+            self._news.extend((mid, message.namespace, message.news) for mid in message.mids)
             self._wake.set()
             return False
-        if kind == "h":  # the store host is closing its server
-            self.host_left = True
-            self.lose_store("the rendezvous store's host closed it", died=False)
-            with self._round_lock:  # no request of ours is in flight after this
-                pass
-            self._wake.set()
-            return True
-        return False
+        # "h": the store host is closing its server
+        self.host_left = True
+        self.lose_store("the rendezvous store's host closed it", died=False)
+        with self._round_lock:  # no request of ours is in flight after this
+            pass
+        self._wake.set()
+        return True
 
     # --------------------------------------------------------------- beater
     def _beat_loop(self) -> None:
@@ -366,9 +373,9 @@ class Service:
                 Service._running.discard(self)
                 return False
         while self._news:
-            mid, raw = self._news.popleft()
+            mid, namespace, raw = self._news.popleft()
             target = self.member(mid)
-            if target is not None:
+            if target is not None and target.namespace == namespace:
                 target.deliver(raw)
         self.check_host()
         now = time.monotonic()
@@ -431,6 +438,7 @@ class Service:
             store = store.clone()
             store.set_timeout(timedelta(seconds=wait))
             count = int(store.add(SERVICES_KEY, 0))
+            message = news.leaving_message(news.store_identity(store))
             keys = [f"{SERVICES_KEY}/{i}" for i in range(1, count + 1)]
             values = [
                 store.get(k) if store.check([k]) else b"-" for k in keys
@@ -445,7 +453,7 @@ class Service:
             text = raw.decode(errors="replace")
             if text != "-" and "|" in text:
                 host, port = text.rsplit("|", 1)
-                targets[i] = ((host, int(port)), "h|")
+                targets[i] = ((host, int(port)), message)
         if targets:
             procs.deliver_all(targets, wait, ack=True)
 
