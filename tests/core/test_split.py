@@ -88,8 +88,10 @@ def test_a_subgroup_keeps_the_fingerprint_check_and_trace_dir(tmp_path: Any) -> 
     )
     assert results == ["mismatch", "mismatch"]
     # The subgroup's flight records, written at its mismatch (the parent writes only a
-    # timeline at close). Named by rank: a later issue makes names per communicator.
-    assert {"rank0.flight.json", "rank1.flight.json"} <= set(os.listdir(tmp_path))
+    # timeline at close): ``<comm>.rank<R>.flight.json``, one communicator's.
+    flights = [n for n in os.listdir(tmp_path) if n.endswith(".flight.json")]
+    assert sorted(n.split(".", 1)[1] for n in flights) == ["rank0.flight.json", "rank1.flight.json"]
+    assert len({n.split(".", 1)[0] for n in flights}) == 1
 
 
 BAD = [

@@ -111,14 +111,16 @@ async def keys_around_a_grow_death(ctx: RankContext, member_dies: bool) -> dict[
 
 
 #: What a grow that a participant died in may leave, once the others are done: the
-#: per-rank creation counters of the store (one per rank for good, as after any
+#: store's own keys (the services counter, the server's identity), the generation of each
+#: group (world size and name) created on it (one key per group for good, as after any
 #: ``ac.init``), the group's waiting room (its counters and the tickets' ``admit`` marks,
-#: which its scan reads), the services counter, the scenario's own barrier keys, and the
-#: keys of the grown communicator whose creation the death broke (its creation counters
-#: and the options the live ranks stated): a failed creation's keys, not the dead rank's.
+#: which its scan reads), the scenario's own barrier keys, and the keys of the grown
+#: communicator whose creation the death broke (the options the live ranks stated, the
+#: count of those that left it and the mark that it was given up): a failed creation's keys, not the dead rank's.
 _MAY_STAY = re.compile(
-    r"(^asynccoll/services$|(^|/)asynccoll/count/\d+$|/asynccoll/group/g/(admit/\d+|generations"
-    r"|resolved|tickets)$|/before-shrink/\d$|/asynccoll/group/g/gen/1/comm/asynccoll/1//opts/\d$)"
+    r"(^asynccoll/(services|store)$|(^|/)asynccoll/gen/w\d+-g$"
+    r"|/asynccoll/group/g/(admit/\d+|generations|resolved|tickets)$|/before-shrink/\d$"
+    r"|/asynccoll/group/g/gen/1/comm/asynccoll/w\d+-g/0//(opts/\d|abandoned|left)$)"
 )
 
 
