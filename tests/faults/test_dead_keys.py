@@ -116,7 +116,8 @@ async def keys_around_a_grow_death(ctx: RankContext, member_dies: bool) -> dict[
 #: ``ac.init``), the group's waiting room (its counters and the tickets' ``admit`` marks,
 #: which its scan reads), the scenario's own barrier keys, and the keys of the grown
 #: communicator whose creation the death broke (the options the live ranks stated, the
-#: count of those that left it and the mark that it was given up): a failed creation's keys, not the dead rank's.
+#: count of those that left it and the mark that it was given up): a failed creation's
+#: keys, not the dead rank's.
 _MAY_STAY = re.compile(
     r"(^asynccoll/(services|store)$|(^|/)asynccoll/gen/w\d+-g$"
     r"|/asynccoll/group/g/(admit/\d+|generations|resolved|tickets)$|/before-shrink/\d$"
