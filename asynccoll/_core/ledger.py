@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .._base.deadlines import DeadlineClient, DeadlineService
 from .._base.errors import (
     AsyncCollError,
+    CollectiveMismatch,
     CollectiveTimeout,
     CommAborted,
     CommClosed,
@@ -68,6 +69,8 @@ def clone_error(error: BaseException) -> BaseException:
         exc = PeerFailure(str(error), error.ranks)
     elif isinstance(error, CollectiveTimeout):
         exc = CollectiveTimeout(str(error), error.seq, error.op)
+    elif isinstance(error, CollectiveMismatch):  # each member: what the ranks issued
+        exc = CollectiveMismatch(str(error), error.seq, error.details, error.fields)
     else:
         try:
             exc = type(error)(*error.args)

@@ -21,10 +21,29 @@ import torch
 
 import asynccoll as ac
 from asynccoll._base.deadlines import DeadlineService
-from asynccoll._core.ledger import Ledger
+from asynccoll._core.ledger import Ledger, clone_error
 from asynccoll.testing import RankContext, run_ranks, skip_collective
 from tests.support.backends import LOOPS
 from tests.support.spies import Sets
+
+
+def test_a_cloned_error_keeps_what_the_contract_names() -> None:
+    """Each Work of a failed batch gets its own copy of the error: the copies keep the
+    fields the contract documents (``ranks``; ``seq``, ``op``; ``seq``, ``details``,
+    ``fields``), not just the type and message."""
+    mismatch = ac.CollectiveMismatch(
+        "m", 7, {0: {"op": "all_reduce"}, 1: {"op": "broadcast"}}, ("op",)
+    )
+    cases = [
+        (ac.PeerFailure("p", (2,)), ("ranks",)),
+        (ac.CollectiveTimeout("t", 3, "all_reduce"), ("seq", "op")),
+        (mismatch, ("seq", "details", "fields")),
+    ]
+    for error, names in cases:
+        copy = clone_error(error)
+        assert copy is not error and type(copy) is type(error) and str(copy) == str(error)
+        for name in names:
+            assert getattr(copy, name) == getattr(error, name), name
 
 
 # ------------------------------------------------------------ deadline service
