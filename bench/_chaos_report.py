@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import statistics
+from collections import Counter
 from typing import Any
 
 #: The fault kinds and their weights (of 10).
@@ -100,8 +102,16 @@ def summary(res: dict[str, Any]) -> str:
         f"store keys at each generation start: {res['keys']}; before each fault: "
         f"{res['keys_at_faults'][:3]} ... {res['keys_at_faults'][-3:]}",
         f"store keys over time: {_keys(res['keys_series'])}",
+        "store keys left at the end, by shape (digits as N): "
+        + ", ".join(f"{n} {shape}" for shape, n in list(res.get("keys_at_end", {}).items())[:12]),
         f"long waits of a rank that was itself frozen meanwhile (not violations): {res['excused_waits']}",
         f"violations: {len(res['violations'])}",
     ]
     lines += [f"  {v}" for v in res["violations"][:20]]
     return "\n".join(lines)
+
+
+def key_shapes(keys: list[str]) -> dict[str, int]:
+    """The store's keys counted by shape (every run of digits as ``N``), most first: which
+    kind of key a soak leaves behind."""
+    return dict(Counter(re.sub(r"\d+", "N", k) for k in keys).most_common())

@@ -89,7 +89,7 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench._chaos_ranks import HOST, _rank_main, in_step_bound  # noqa: E402 - after the path
-from bench._chaos_report import FAULTS, figures, summary  # noqa: E402
+from bench._chaos_report import FAULTS, figures, key_shapes, summary  # noqa: E402
 
 #: A replacement starts within this many seconds after a process ended (as its launcher restarts it).
 RESTART_DELAY = 1.0
@@ -462,6 +462,7 @@ def run(
         _collect(g, res)
     res["keys"].append(server.num_keys())
     res["keys_series"].append((round(time.time() - res["started"], 1), server.num_keys()))
+    res["keys_at_end"] = key_shapes(server.list_keys())
     res["loadavg_end"] = os.getloadavg()
     res.update(figures(res))
     return res
