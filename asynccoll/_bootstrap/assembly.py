@@ -80,30 +80,45 @@ class _Assembly:
         return None
 
     def leave(self, outcome: str) -> None:
-        """This participant is done with the grow's keys: the last of them deletes them.
+        """This participant is done with the grow's keys (see :func:`leave_grow`)."""
+        leave_grow(
+            self.room, self.gen, self.rank, self.size, self.joiners, outcome, self.watch.probe
+        )
 
-        Its plan, outcome and ``built/`` marks, the watch's keys, the joiners' ticket
-        records. Every participant has read the outcome and said goodbye on its
-        watch before it counts itself here. The ranks the outcome names failed
-        whose processes are gone (``Liveness.probe``; a stopped one may resume and
-        read the keys: it counts itself then) never count themselves: the last of
-        the others deletes the keys, and unlists their processes' liveness services
-        (``unlist_ranks``). The tickets' ``admit``
-        marks stay: the room's scan reads them until its ``resolved`` passes them.
-        """
-        gen = self.gen
-        _, ranks, _ = (outcome.split("|", 2) + ["", ""])[:3]
-        named = [r for r in decode_ranks(ranks) if r != self.rank] if ranks not in ("", "-") else []
-        dead = list(self.watch.probe(named)) if named else []
-        if int(gen.add("left", 1)) < self.size - len(dead):
-            return
-        for key in ("plan", "outcome", "left", *(f"built/{r}" for r in range(self.size))):
-            gen.delete_key(key)
-        watch = dist.PrefixStore("watch", gen)
-        unlist_ranks(watch, dead)  # (before drop_keys: it reads proc/<r>)
-        drop_keys(watch, self.size)
-        for ticket in self.joiners.values():
-            self.room.store.delete_key(f"ticket/{ticket}")
+
+def leave_grow(
+    room: Room,
+    gen: Any,
+    rank: int,
+    size: int,
+    joiners: dict[int, int],
+    outcome: str,
+    probe: Callable[[list[int]], Any],
+) -> None:
+    """Participant ``rank`` of a grow (its generation's store ``gen``) is done with the
+    grow's keys: the last of the participants deletes them.
+
+    Its plan, outcome and ``built/`` marks, the watch's keys, the joiners' ticket
+    records. Every participant has read the outcome (rank 0 that called the grow off
+    wrote it) and said goodbye on its watch before it counts itself here. The ranks
+    the outcome names failed whose processes are gone (``probe``; a stopped one may
+    resume and read the keys: it counts itself then) never count themselves: the last
+    of the others deletes the keys, and unlists their processes' liveness services
+    (``unlist_ranks``). The tickets' ``admit`` marks stay: the room's scan reads them
+    until its ``resolved`` passes them.
+    """
+    _, ranks, _ = (outcome.split("|", 2) + ["", ""])[:3]
+    named = [r for r in decode_ranks(ranks) if r != rank] if ranks not in ("", "-") else []
+    dead = list(probe(named)) if named else []
+    if int(gen.add("left", 1)) < size - len(dead):
+        return
+    for key in ("plan", "outcome", "left", *(f"built/{r}" for r in range(size))):
+        gen.delete_key(key)
+    watch = dist.PrefixStore("watch", gen)
+    unlist_ranks(watch, dead)  # (before drop_keys: it reads proc/<r>)
+    drop_keys(watch, size)
+    for ticket in joiners.values():
+        room.store.delete_key(f"ticket/{ticket}")
 
 
 async def assemble(

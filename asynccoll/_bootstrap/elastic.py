@@ -60,7 +60,7 @@ from .._core import validate
 from .._core.backend import Backend
 from .._core.communicator import Communicator
 from .args import check_args, env_int
-from .assembly import assemble
+from .assembly import assemble, leave_grow
 from .build import REAL, Factories, build_communicator
 from .rendezvous import off_loop
 from .room import REFUSED, WITHDRAWN, Room
@@ -212,7 +212,7 @@ class Group:
                 if mine > 0:  # joiners were admitted to grow `mine`: tell them it is off
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(
-                            self.room.call_off, mine, exc, abandon_on_cancel=True
+                            self._call_off, mine, size, exc, abandon_on_cancel=True
                         )
                 raise
             if status > 0:
@@ -225,6 +225,14 @@ class Group:
                 raise CommAborted(
                     f"grow to {size} ranks: rank 0 could not admit joiners"
                 ) from error
+
+    def _call_off(self, g: int, size: int, error: BaseException) -> None:
+        """Rank 0: grow ``g`` is off; it counts itself out of the grow's keys, as the
+        participants that read the outcome do (it never reads them again). The ranks
+        ``error`` names (a PeerFailure names them on proof of death) count as gone."""
+        outcome = self.room.call_off(g, error)
+        joiners = self.room.joiners(g)
+        leave_grow(self.room, self.room.generation(g), 0, size, joiners, outcome, list)
 
     async def _admit_round(
         self, k: int, plan: dict[str, Any], left: float

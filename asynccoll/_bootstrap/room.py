@@ -109,12 +109,15 @@ class Room:
         return {int(plan["old_size"]) + i: int(t) for i, t in enumerate(plan["tickets"])}
 
     # ------------------------------------------------------------ leader side
-    def call_off(self, g: int, error: BaseException) -> None:
-        """Grow ``g`` will not happen (the members' admission failed): its outcome says so."""
+    def call_off(self, g: int, error: BaseException) -> str:
+        """Grow ``g`` will not happen (the members' admission failed): its outcome says
+        so. The outcome (this one, or one a participant wrote first)."""
         ranks = encode_ranks(getattr(error, "ranks", ()))
-        self.generation(g).compare_set(
-            "outcome", "", f"failed|{ranks}|the members' admission failed: {error}"
-        )
+        return bytes(
+            self.generation(g).compare_set(
+                "outcome", "", f"failed|{ranks}|the members' admission failed: {error}"
+            )
+        ).decode()
 
     def scan(self, backend: str) -> list[int]:
         """The live tickets waiting for admission, in order.
