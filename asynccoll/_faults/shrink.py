@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from .._base.aio import run_in_thread
 from .._base.errors import (
+    AsyncCollError,
     CollectiveMismatch,
     CollectiveTimeout,
     CommAborted,
@@ -181,10 +182,22 @@ async def _build(
         if liveness is None:
             return cast("Communicator", await build_shrunk(*args, **kwargs)), (), ()
         others = [r for r in survivors if r != comm.rank]
-        outcome = await _first(
-            functools.partial(build_shrunk, *args, **kwargs),
-            functools.partial(_watch, store, f"shrink/retry/{suffix}", liveness, others),
-        )
+        key = f"shrink/retry/{suffix}"
+        try:
+            outcome = await _first(
+                functools.partial(build_shrunk, *args, **kwargs),
+                functools.partial(_watch, store, key, liveness, others),
+            )
+        except AsyncCollError:
+            # A survivor whose watch saw a death first records it under ``key``, then
+            # gives its build up, which ends this rank's build at once (a creation a
+            # peer gave up is a CollectiveMismatch): the same retry as our own watch's.
+            recorded = await run_in_thread(
+                functools.partial(_recorded, store, key), None, name="asynccoll-shrink"
+            )
+            if recorded is None:
+                raise
+            outcome = recorded
         if not isinstance(outcome, tuple):
             return outcome, tuple(sorted(dead)), tuple(records)
         excluded |= set(outcome)
@@ -240,6 +253,13 @@ async def _watch(store: Any, key: str, liveness: Membership, others: list[int]) 
                 )
                 return decode_ranks(raw)
             next_probe = anyio.current_time() + _WATCH_EVERY
+
+
+def _recorded(store: Any, key: str) -> tuple[int, ...] | None:
+    """The survivors recorded dead under ``key`` (``_watch``), or None if none were."""
+    if not store.check([key]):
+        return None
+    return decode_ranks(store.get(key))
 
 
 def _probe(liveness: Membership, ranks: list[int]) -> tuple[int, ...]:
