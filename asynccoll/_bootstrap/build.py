@@ -294,6 +294,25 @@ async def connect(
             store, rdv.rank, rdv.world_size, interval=interval, detect=detect, on_failure=on_failure
         )
 
+    def rebuild(new_rank: int, new_size: int, store: Any, **kwargs: Any) -> Awaitable[Communicator]:
+        """A communicator of this one's options (not its name) on ``store``: a shrunk
+        one or a subgroup, rank ``new_rank`` of ``new_size``."""
+        return build_communicator(
+            backend,
+            rank=new_rank,
+            world_size=new_size,
+            master_addr=None,
+            master_port=None,
+            store=store,
+            device=device,
+            timeout=timeout,
+            check=check,
+            trace_dir=trace_dir,
+            heartbeat=heartbeat,
+            factories=factories,
+            **kwargs,
+        )
+
     async def build_shrunk(
         new_rank: int,
         new_size: int,
@@ -316,22 +335,8 @@ async def connect(
             )
             shrunk = await off_loop(job, timeout, "nccl shrink")
         try:
-            new = await build_communicator(
-                backend,
-                rank=new_rank,
-                world_size=new_size,
-                master_addr=None,
-                master_port=None,
-                store=store,
-                device=device,
-                timeout=timeout,
-                check=check,
-                trace_dir=trace_dir,
-                heartbeat=heartbeat,
-                nccl_backend=shrunk,
-                factories=factories,
-                group=group,
-                sole=True,
+            new = await rebuild(
+                new_rank, new_size, store, nccl_backend=shrunk, group=group, sole=True
             )
         except BaseException:
             if shrunk is not None:
@@ -346,22 +351,8 @@ async def connect(
     ) -> Communicator:
         # A subgroup (``split.py``): this communicator's options (not its name), on a
         # namespace of its own.
-        new = await build_communicator(
-            backend,
-            rank=new_rank,
-            world_size=new_size,
-            master_addr=None,
-            master_port=None,
-            store=store,
-            device=device,
-            timeout=timeout,
-            check=check,
-            trace_dir=trace_dir,
-            heartbeat=heartbeat,
-            nccl_backend=nccl_backend,
-            factories=factories,
-            sole=True,
-            agreed=True,
+        new = await rebuild(
+            new_rank, new_size, store, nccl_backend=nccl_backend, sole=True, agreed=True
         )
         if rdv.key is not None:
             STORES.hold(rdv.key, new)  # it uses the shared store too
