@@ -23,7 +23,7 @@ from .._core.communicator import Communicator
 from .._core.work import Work
 from .backward import BackwardCheck
 from .errors import as_c10d
-from .works import C10dWork
+from .works import C10dWork, RecvAnyWork
 
 # torch's stubs lack the options classes and describe the Python conveniences of
 # ProcessGroup's methods; c10d calls the overrides below as (tensors..., opts).
@@ -144,8 +144,9 @@ class CommProcessGroup(dist.ProcessGroup):
         works: Sequence[Work],
         result: list[Any],
         finish: Callable[[], None] | None = None,
+        kind: type[C10dWork] = C10dWork,
     ) -> C10dWork:
-        c10d = C10dWork(works, result, finish, self._relay_executor)
+        c10d = kind(works, result, finish, self._relay_executor)
         self._backward.issued(c10d)
         return c10d
 
@@ -365,6 +366,12 @@ class CommProcessGroup(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> C10dWork:
         t = _one(tensors, "recv")
         return self._work((self.comm.recv(t, src),), tensors)
+
+    @_typed
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> C10dWork:
+        """``dist.recv(t)`` without a source: ``work._source_rank()`` names the sender."""
+        t = _one(tensors, "recv")
+        return self._work((self.comm.recv_any(t),), tensors, kind=RecvAnyWork)
 
     @_typed
     def barrier(self, opts: Any = None) -> C10dWork:
