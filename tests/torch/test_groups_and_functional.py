@@ -32,7 +32,7 @@ async def subgroup_ranks(ctx: Any) -> dict[str, Any] | None:
             "group_rank": dist.get_rank(sub),
             "global_of_0": dist.get_global_rank(sub, 0),
             "group_of_2": dist.get_group_rank(sub, 2),
-            "comm_rank": sub.comm.rank,  # type: ignore[attr-defined]
+            "comm_rank": sub.comm.rank,
             "broadcast": t.tolist(),
         }
         if ctx.rank == 1:
@@ -65,7 +65,8 @@ async def functional(ctx: Any) -> dict[str, Any]:
     try:
         r, n = ctx.rank, ctx.world_size
         pg = dist.group.WORLD
-        comm = pg.comm  # type: ignore[union-attr]
+        assert pg is not None
+        comm = pg.comm  # type: ignore[attr-defined]
         before = len(comm.flight_record())
         got: dict[str, Any] = {
             "all_reduce": funcol.all_reduce(torch.full((4,), r + 1.0), "sum", pg).tolist(),
