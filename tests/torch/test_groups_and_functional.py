@@ -106,3 +106,29 @@ def test_functional_collectives_run_through_the_group() -> None:
             "broadcast",
         ]
         assert got["full_tensor"]
+
+
+async def unequal_splits(ctx: Any) -> dict[str, Any]:
+    """Rank r sends (r + j) % 3 rows of ``100 r + j`` to rank j (none between ranks 1 and 2)."""
+    import torch.distributed._functional_collectives as funcol
+
+    dist.init_process_group("asynccoll", store=ctx.store, rank=ctx.rank, world_size=ctx.world_size)
+    try:
+        r, n = ctx.rank, ctx.world_size
+        sizes = [(r + j) % n for j in range(n)]  # in: to j; out: from j (the same count)
+        inp = torch.cat([torch.full((size, 2), 100.0 * r + j) for j, size in enumerate(sizes)])
+        out = torch.full((sum(sizes), 2), -1.0)
+        dist.all_to_all_single(out, inp, output_split_sizes=sizes, input_split_sizes=sizes)
+        pg = dist.group.WORLD
+        assert pg is not None
+        functional = funcol.all_to_all_single(inp, sizes, sizes, pg)
+        return {"dist": out[:, 0].tolist(), "funcol": functional[:, 1].tolist()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_single_with_unequal_splits() -> None:
+    res = run_ranks(unequal_splits, world_size=3, backend=None, timeout=90)
+    for r, got in enumerate(res):
+        want = [100.0 * j + r for j in range(3) for _ in range((j + r) % 3)]
+        assert got["dist"] == got["funcol"] == want
