@@ -217,11 +217,11 @@ class Communicator:
         """Receive into ``tensor`` from whichever peer's send reaches it first.
         Work result: the sender's rank.
 
-        Issued in call order like any op (it takes the next ``seq``); a send matches the
-        earliest receive of this rank that can take it, except that Gloo (the one backend
-        that has it) gives a message to a pending ``recv`` naming its sender before a
-        ``recv_any``. Not in a coalescing batch, nor under ``check="fingerprint"`` (whose
-        check pairs each receive with its named peer's send)."""
+        Issued in call order like any op (it takes the next ``seq``). Gloo (the one
+        backend that has it) matches it to the sends: which of two pending receives a
+        message fills, when one names its sender and one does not, is Gloo's choice.
+        Not in a coalescing batch, nor under ``check="fingerprint"`` (whose check pairs
+        each receive with its named peer's send)."""
         if self._ledger.batch.get() is not None:
             raise InvalidArgument(
                 "recv_any cannot be coalescing: its sender is known only at the end"
