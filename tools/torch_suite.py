@@ -2,6 +2,9 @@
 
     BACKEND=asynccoll WORLD_SIZE=2 python tools/torch_suite.py [-k PATTERN ...] [-v]
 
+The ``_group`` variants need ``WORLD_SIZE=8`` (torch's ``skip_if_small_worldsize``
+skips them below 8 ranks for every backend but MPI).
+
 torch ships the suite in its wheel (``torch.testing._internal.distributed.
 distributed_test``, needs ``expecttest``); its harness builds the default group with
 ``dist.init_process_group(BACKEND, init_method="file://...")`` in one process per

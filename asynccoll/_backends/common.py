@@ -110,10 +110,17 @@ class Completer(Completion):
         return self._thread
 
     def watch(
-        self, waitable: Any, target: Target, fixup: Callable[[], object] | None = None
+        self,
+        waitable: Any,
+        target: Target,
+        fixup: Callable[[], object] | None = None,
+        result: Callable[[], Any] | None = None,
     ) -> None:
+        """Queue ``waitable`` for ``target``. ``result``: the target's result, known only
+        once the op has finished (a receive from any source: its sender), read after
+        ``fixup``; without it, the result known at issue stays."""
         fifo = self._fifo
-        fifo.append([waitable, target, fixup])
+        fifo.append([waitable, target, fixup, result])
         target.attach(self)
         if self._eager:
             self._ring(True)
@@ -180,11 +187,32 @@ class Completer(Completion):
         """Collect a popped op's outcome (its wait returns at once): None on success."""
         try:
             self._wait(item[0])
+        except Exception as exc:  # noqa: BLE001 - any failure of the wait fails this op
+            return exc
+        return self._after(item)
+
+    @staticmethod
+    def _after(item: list[Any]) -> BaseException | None:
+        """Run a finished op's fix-up and read its late result (into ``item[3]``, boxed)."""
+        try:
             if item[2] is not None:
                 item[2]()
-        except Exception as exc:  # noqa: BLE001 - any failure of the wait or fix-up fails this op
+            if item[3] is not None:
+                item[3] = (item[3](),)
+        except Exception as exc:  # noqa: BLE001 - a failed fix-up fails this op
             return exc
         return None
+
+    def _succeeded(self, item: list[Any], ready: list[Target]) -> list[Target]:
+        """``item`` succeeded: add its target to ``ready``; one with a late result is
+        reported at once, with it, after ``ready``. Returns what is still to report."""
+        if item[3] is None:
+            ready.append(item[1])
+            return ready
+        if ready:
+            self._sink().succeed_all(ready)
+        self._sink().succeed(item[1], item[3][0])
+        return []
 
     def _reap(self) -> None:
         """Settle, on the calling thread, the finished ops at the head of the FIFO.
@@ -204,8 +232,9 @@ class Completer(Completion):
                         self._sink().succeed_all(ready)
                     self._ring(True)
                     return
-                ready.append(item[1])
-            self._sink().succeed_all(ready)
+                ready = self._succeeded(item, ready)
+            if ready:
+                self._sink().succeed_all(ready)
 
     def _run(self) -> None:
         get, bell = self._bell.get, self._bell
@@ -267,18 +296,15 @@ class Completer(Completion):
                     if not fifo or fifo[0] is not item:
                         continue  # an asking thread settled it meanwhile
                     fifo.popleft()
-                if error is None and item[2] is not None:
-                    try:
-                        item[2]()
-                    except Exception as exc:  # noqa: BLE001 - a failed fix-up fails this op
-                        error = exc
+                if error is None:
+                    error = self._after(item)
             if error is not None:
                 if ready:
                     sink().succeed_all(ready)
                     ready = []
                 sink().fail(item[1], self._on_error(error, item[1]))
             else:
-                ready.append(item[1])
+                ready = self._succeeded(item, ready)
                 if len(ready) >= self.batch:
                     sink().succeed_all(ready)
                     ready = []

@@ -34,4 +34,5 @@ CAPS = Caps(
         ReduceOp.MAX: _BASIC,
         ReduceOp.AVG: (_BASIC - {torch.bool}) | dtypes("complex64", "complex128"),
     },
+    any_source=True,  # ProcessGroupGloo.recv_anysource
 )

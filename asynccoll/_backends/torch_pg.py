@@ -30,7 +30,7 @@ from torch._C import _distributed_c10d as c10d
 from .._base import shutdown
 from .._base.errors import InvalidArgument, PeerFailure
 from .._base.foreign import Kind, kind_of, op_error
-from .._base.ops import OpKind, OpSpec, ReduceOp
+from .._base.ops import ANY_SOURCE, OpKind, OpSpec, ReduceOp
 from .._core.backend import ANY, Backend, Capabilities, Sink
 from .._core.work import Bundle, Work
 from . import flatten
@@ -179,7 +179,7 @@ class TorchGroupBackend(Backend):
                 tw = _rejected("all_reduce", self.name, exc)
             self._waiter.watch(tw, work, None)
             return
-        fixup = None
+        fixup = result = None
         try:
             if kind is OpKind.ALL_REDUCE:
                 op, fixup = self._reduce(spec, t)
@@ -216,6 +216,9 @@ class TorchGroupBackend(Backend):
                 )
             elif kind is OpKind.SEND:
                 tw = pg.send([t], spec.peer, 0)
+            elif kind is OpKind.RECV and spec.peer == ANY_SOURCE:
+                tw = pg.recv_anysource([t], 0)
+                result = tw._source_rank  # the sender, once the receive has finished
             elif kind is OpKind.RECV:
                 tw = pg.recv([t], spec.peer, 0)
             elif kind is OpKind.BARRIER:
@@ -223,9 +226,9 @@ class TorchGroupBackend(Backend):
             else:  # pragma: no cover - OpKind is closed
                 raise InvalidArgument(f"unsupported op {kind}")
         except (RuntimeError, TypeError, ValueError) as exc:
-            tw, fixup = _rejected(kind.value, self.name, exc), None
+            tw, fixup, result = _rejected(kind.value, self.name, exc), None, None
         waiter = self._p2p_waiter if kind is OpKind.SEND or kind is OpKind.RECV else self._waiter
-        waiter.watch(tw, work, fixup)
+        waiter.watch(tw, work, fixup, result)
 
     def abort(self) -> None:
         self._aborted = True

@@ -32,12 +32,17 @@ class OpKind(str, enum.Enum):
     BARRIER = "barrier"
 
 
+#: ``OpSpec.peer`` of a receive from any source (``Communicator.recv_any``).
+ANY_SOURCE = -1
+
+
 class OpSpec:
     """What to run: filled by the communicator after validation, read by a backend.
 
     ``tensor`` is the in/out tensor for in-place ops and the input otherwise;
     ``output`` is the separate output (all_gather, reduce_scatter, all_to_all, gather
-    on the root, scatter). ``peer`` is the root (src/dst) or the p2p peer.
+    on the root, scatter). ``peer`` is the root (src/dst) or the p2p peer
+    (:data:`ANY_SOURCE` for a receive from any peer).
     ``timeout`` is the op's deadline in seconds, for backends with their own timers.
     """
 

@@ -69,6 +69,9 @@ class Capabilities(Protocol):
     def sum(self) -> frozenset[torch.dtype] | None: ...
 
     @property
+    def any_source(self) -> bool: ...
+
+    @property
     def text(self) -> Mapping[ReduceOp, str]: ...
 
 
@@ -80,10 +83,11 @@ class Caps:
     travel as their bytes (a flat ``uint8`` view) when ``as_bytes`` is set.
     ``reduce``: per reduce op, the dtypes that reductions accept; ``None`` means
     any (a wrapped group of unknown kind: torch checks at the call).
-    ``name`` is the backend's, for messages.
+    ``name`` is the backend's, for messages. ``any_source``: it can receive from
+    whichever peer sends first (``Communicator.recv_any``).
     """
 
-    __slots__ = ("as_bytes", "move", "name", "reduce", "sum", "text")
+    __slots__ = ("any_source", "as_bytes", "move", "name", "reduce", "sum", "text")
 
     def __init__(
         self,
@@ -91,8 +95,11 @@ class Caps:
         move: frozenset[torch.dtype] | None,
         as_bytes: bool,
         reduce: Mapping[ReduceOp, frozenset[torch.dtype]] | None,
+        *,
+        any_source: bool = False,
     ) -> None:
         self.name = name
+        self.any_source = any_source
         self.move = move
         self.as_bytes = as_bytes
         self.reduce = dict(reduce) if reduce is not None else None

@@ -213,6 +213,21 @@ class Communicator:
         """Receive into ``tensor`` from ``src``."""
         return self._issue(*self._specs.recv(tensor, src), timeout)
 
+    def recv_any(self, tensor: Any, *, timeout: float | None = None) -> Work:
+        """Receive into ``tensor`` from whichever peer's send reaches it first.
+        Work result: the sender's rank.
+
+        Issued in call order like any op (it takes the next ``seq``). Gloo (the one
+        backend that has it) matches it to the sends: which of two pending receives a
+        message fills, when one names its sender and one does not, is Gloo's choice.
+        Not in a coalescing batch, nor under ``check="fingerprint"`` (whose check pairs
+        each receive with its named peer's send)."""
+        if self._ledger.batch.get() is not None:
+            raise InvalidArgument(
+                "recv_any cannot be coalescing: its sender is known only at the end"
+            )
+        return self._issue(*self._specs.recv_any(tensor), timeout)
+
     def barrier(self, *, timeout: float | None = None) -> Work:
         """Complete once every rank has reached the barrier. Work result: None."""
         backend = self._backends.get("cpu") or next(iter(self._backends.values()))

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from .._base.errors import InvalidArgument
-from .._base.ops import OpKind, OpSpec, ReduceOp
+from .._base.ops import ANY_SOURCE, OpKind, OpSpec, ReduceOp
 from . import validate
 from .backend import Backend
 
@@ -173,3 +173,13 @@ class Specs:
             peer=validate.peer(src, self.world_size, self.rank, "src"),
         )
         return backend, spec, t, t
+
+    def recv_any(self, tensor: Any) -> Issue:
+        t = validate.tensor(tensor, "tensor")
+        backend = self.backend_for(t)
+        if not backend.caps.any_source:
+            raise InvalidArgument(
+                f"recv_any: {backend.caps.name} receives from a named peer only; use recv(tensor, src)"
+            )
+        spec = OpSpec(OpKind.RECV, validate.movable(t, backend.caps, "recv"), peer=ANY_SOURCE)
+        return backend, spec, None, t  # the result (the sender's rank) comes at completion

@@ -46,8 +46,8 @@ import socket
 import threading
 from typing import Any, Callable, Literal, Sequence
 
-from .._base.errors import CollectiveMismatch, CommAborted, PeerFailure
-from .._base.ops import OpKind, OpSpec
+from .._base.errors import CollectiveMismatch, CommAborted, InvalidArgument, PeerFailure
+from .._base.ops import ANY_SOURCE, OpKind, OpSpec
 from .._core.backend import Backend, Sink
 from .._core.work import Bundle, Work
 from . import mesh
@@ -439,6 +439,11 @@ class CheckedBackend(Backend):
 
     def submit(self, spec: OpSpec, work: Work | Bundle) -> None:
         assert isinstance(work, Work)  # the communicator submits Works; Bundles exist below
+        if spec.peer == ANY_SOURCE and spec.kind is OpKind.RECV:
+            raise InvalidArgument(
+                'recv_any: check="fingerprint" compares each receive with its named '
+                "peer's send; name the source (recv(tensor, src))"
+            )
         inner = self._inner
         self._checker.gate_op(spec, work, lambda: inner.submit(spec, work))
 

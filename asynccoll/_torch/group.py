@@ -23,7 +23,7 @@ from .._core.communicator import Communicator
 from .._core.work import Work
 from .backward import BackwardCheck
 from .errors import as_c10d
-from .works import C10dWork
+from .works import C10dWork, RecvAnyWork
 
 # torch's stubs lack the options classes and describe the Python conveniences of
 # ProcessGroup's methods; c10d calls the overrides below as (tensors..., opts).
@@ -74,6 +74,30 @@ def _stack(tensors: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> to
     if shapes != {tuple(like.shape)}:
         raise InvalidArgument(f"{what}: every tensor must have the shape {tuple(like.shape)}")
     return torch.stack([t.to(like.dtype) for t in tensors])
+
+
+def _even(splits: Sequence[int], t: torch.Tensor, n: int) -> bool:
+    """Splits that the communicator's all_to_all (equal chunks of dim 0) serves."""
+    if not splits:
+        return True
+    return (
+        len(splits) == n and len(set(splits)) == 1 and t.dim() > 0 and splits[0] * n == t.shape[0]
+    )
+
+
+def _split(t: torch.Tensor, splits: Sequence[int], n: int, what: str) -> list[torch.Tensor]:
+    """``t``'s chunks of dim 0 by ``splits`` (none: equal), one per rank."""
+    rows = t.shape[0] if t.dim() else 0
+    if not splits:
+        if t.dim() == 0 or rows % n:
+            raise InvalidArgument(f"all_to_all_single: {what} dim 0 ({rows}) must split evenly")
+        splits = [rows // n] * n
+    if len(splits) != n or min(splits) < 0 or sum(splits) != rows or t.dim() == 0:
+        raise InvalidArgument(
+            f"all_to_all_single: {what} splits {list(splits)} must be {n} sizes "
+            f"summing to dim 0 ({rows})"
+        )
+    return list(t.split(list(splits)))
 
 
 def _typed(method: Callable[..., C10dWork]) -> Callable[..., C10dWork]:
@@ -144,8 +168,9 @@ class CommProcessGroup(dist.ProcessGroup):
         works: Sequence[Work],
         result: list[Any],
         finish: Callable[[], None] | None = None,
+        kind: type[C10dWork] = C10dWork,
     ) -> C10dWork:
-        c10d = C10dWork(works, result, finish, self._relay_executor)
+        c10d = kind(works, result, finish, self._relay_executor)
         self._backward.issued(c10d)
         return c10d
 
@@ -296,13 +321,37 @@ class CommProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> C10dWork:
         opts = opts if opts is not None else _c10d.AllToAllOptions()
-        for splits, name in ((output_split_sizes, "output"), (input_split_sizes, "input")):
-            if splits and len(set(splits)) != 1:
-                raise InvalidArgument(
-                    f"all_to_all_single: asynccoll splits dim 0 equally; {name} splits {splits}"
-                )
-        work = self.comm.all_to_all(output, input, timeout=_timeout(opts))
-        return self._work((work,), [output])
+        n, me, limit = self.comm.world_size, self.comm.rank, _timeout(opts)
+        if _even(output_split_sizes, output, n) and _even(input_split_sizes, input, n):
+            return self._work((self.comm.all_to_all(output, input, timeout=limit),), [output])
+        # Unequal splits: one send and one receive per peer, issued by every rank in the
+        # same order (peer by peer, empty chunks too, so the ranks' seqs stay in step)
+        # and matched pairwise as any send and recv; this rank's own chunk is copied
+        # once they have finished. Everything is checked before anything is issued.
+        if output.dtype != input.dtype or not output.is_contiguous():
+            raise InvalidArgument(
+                "all_to_all_single: output must be contiguous, of the input's dtype"
+            )
+        ins = _split(input, input_split_sizes, n, "input")
+        outs = _split(output, output_split_sizes, n, "output")
+        own_in, own_out = ins[me], outs[me]
+        if own_in.shape != own_out.shape:
+            raise InvalidArgument(
+                f"all_to_all_single: this rank sends itself {own_in.shape[0]} rows "
+                f"and expects {own_out.shape[0]} from itself"
+            )
+        works = []
+        for peer in range(n):
+            if peer != me:
+                works.append(self.comm.send(ins[peer], peer, timeout=limit))
+                works.append(self.comm.recv(outs[peer], peer, timeout=limit))
+        if not works:  # a group of one
+            works.append(self.comm.barrier(timeout=limit))
+
+        def finish() -> None:
+            own_out.copy_(own_in)
+
+        return self._work(works, [output], finish)
 
     all_to_all_single = alltoall_base
 
@@ -365,6 +414,12 @@ class CommProcessGroup(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> C10dWork:
         t = _one(tensors, "recv")
         return self._work((self.comm.recv(t, src),), tensors)
+
+    @_typed
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> C10dWork:
+        """``dist.recv(t)`` without a source: ``work._source_rank()`` names the sender."""
+        t = _one(tensors, "recv")
+        return self._work((self.comm.recv_any(t),), tensors, kind=RecvAnyWork)
 
     @_typed
     def barrier(self, opts: Any = None) -> C10dWork:

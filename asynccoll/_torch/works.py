@@ -170,3 +170,15 @@ class C10dWork(dist.Work):
 
     def __repr__(self) -> str:
         return f"<asynccoll C10dWork {', '.join(repr(w) for w in self._works)}>"
+
+
+class RecvAnyWork(C10dWork):
+    """A receive from any source (``dist.recv(t)`` without ``src``): its sender is the
+    communicator's Work result, which ``_source_rank()`` reports as c10d's does."""
+
+    def _source_rank(self) -> int:
+        """The sender's rank in the group, once received (waits; raises the op's error)."""
+        self.wait()
+        return int(self._works[0].result())
+
+    source_rank = _source_rank

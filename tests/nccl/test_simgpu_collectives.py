@@ -198,3 +198,20 @@ def test_fp8_reductions_are_refused_at_the_call_below_sm90() -> None:
             return float(sim.gpu.host(t).float()[0])
 
         assert sim.run_comms(2, body90) == [2.0, 2.0]
+
+
+def test_recv_any_is_refused_at_the_call_on_nccl() -> None:
+    """NCCL receives from a named peer only: ``recv_any`` (Gloo's any-source receive)
+    is ``InvalidArgument`` at the call, and nothing was issued."""
+    with SimCluster() as sim:
+        gpu = sim.gpu
+
+        async def body(comm: Any) -> Any:
+            with pytest.raises(ac.InvalidArgument, match="named peer only"):
+                comm.recv_any(gpu.tensor([0.0]))
+            x = gpu.tensor([1.0])
+            await comm.all_reduce(x)  # the ranks still agree: nothing was issued
+            return comm.state, gpu.host(x).item()
+
+        assert sim.run_comms(2, body) == [("ok", 2.0)] * 2
+        assert gpu.errors == []

@@ -66,15 +66,17 @@ class NcclCaps:
 
     ``move``: None (every dtype moves: natively, or as bytes). ``reduce``: per
     reduce op, the dtypes reductions accept on a device of ``capability`` (fp8 only
-    from :data:`FP8_REDUCE_SINCE`).
+    from :data:`FP8_REDUCE_SINCE`). ``any_source``: False (NCCL receives from a named
+    peer only).
     """
 
-    __slots__ = ("as_bytes", "capability", "move", "name", "reduce", "sum", "text")
+    __slots__ = ("any_source", "as_bytes", "capability", "move", "name", "reduce", "sum", "text")
 
     def __init__(self, capability: tuple[int, int] | None = None) -> None:
         self.name = "nccl"
         self.move: frozenset[torch.dtype] | None = None
         self.as_bytes = False
+        self.any_source = False
         self.capability = capability
         old_gpu = capability is not None and tuple(capability) < FP8_REDUCE_SINCE
         drop = FP8 if old_gpu else frozenset()
