@@ -148,9 +148,15 @@ def abandon(rdv: Rendezvous, ns: Namespace, why: str) -> None:
     Its peers still waiting there raise ``CollectiveMismatch`` naming this rank
     (the first to give up is the one named), and the group moves on: a retry on
     every rank meets in the next generation.
+
+    On a connection of its own: a creation given up while its Gloo connect waits for
+    a peer (cancelled: a member died, the parent of a split aborted) holds the
+    creation's connection until Gloo's own timeout (a store client serves one
+    request at a time), and the peers must hear now.
     """
-    rdv.prefixed(ns.prefix).compare_set("abandoned", "", f"{rdv.rank}|{why}")
-    advance(rdv.store, ns)
+    store = rdv.store.clone()
+    dist.PrefixStore(ns.prefix, store).compare_set("abandoned", "", f"{rdv.rank}|{why}")
+    advance(store, ns)
 
 
 def _abandoned(store: Any, prefix: str) -> CollectiveMismatch:

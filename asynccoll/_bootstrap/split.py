@@ -17,7 +17,12 @@ Every rank of the parent calls it with the same lists. The steps:
 4. Each member builds its group's communicator in a namespace of that group alone
    (``<parent prefix>split-<k>/<index>/``), with the parent's options (agreed when
    the parent was made: no second round), over the split's NCCL child where there
-   is one and a new Gloo group otherwise.
+   is one and a new Gloo group otherwise. A member proven dead meanwhile by the
+   parent's liveness ends the build with a ``PeerFailure`` naming it (in the
+   parent's numbering), not a Gloo connect waiting out the timeout.
+
+In steps 2 and 4 the parent aborted (``abort()`` on this rank, or a peer's news)
+ends the split at once with ``CommAborted`` (``watching``).
 
 A subgroup shares nothing with its parent but the store: no abort flag (the NCCL
 child does not share the parent's resources: with ``splitShare`` NCCL would give
@@ -32,10 +37,11 @@ import json
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
+import anyio
 import torch.distributed as dist
 
 from .._base import aio
-from .._base.errors import CommAborted, CommClosed, InvalidArgument
+from .._base.errors import AsyncCollError, CommAborted, CommClosed, InvalidArgument, PeerFailure
 from .._core import validate
 from .._core.backend import Backend
 from .._core.communicator import Communicator
@@ -147,9 +153,11 @@ def agree(
 ) -> tuple[dict[str, Any], Any]:
     """Step 2 (blocking): every rank's verdict on split ``k``, the same on every rank,
     and the connection it used (``parent``'s store cloned), for the subgroup to keep.
-    A peer proven dead meanwhile (``watch``) ends the wait with its error.
+    A peer proven dead meanwhile, or the parent aborted (``watch``), ends the wait
+    with its error.
 
-    The last rank to read the verdict deletes the split's keys."""
+    The last rank to leave (with the verdict, or ended by ``watch``) deletes the
+    split's keys."""
     deadline = time.monotonic() + timeout
     store = parent.clone()
     others = [r for r in range(world_size) if r != rank]
@@ -157,20 +165,83 @@ def agree(
     store.set(f"{base}{rank}", json.dumps(status))
     keys = [f"{base}{r}" for r in range(world_size)]
     verdict_key = f"{base}verdict"
-    if world_size <= _DIRECT:
-        _wait(store, keys, deadline, watch, others)
-        verdict = judge(_read(store, keys))
-    else:
-        if rank == 0:
+    try:
+        if world_size <= _DIRECT:
             _wait(store, keys, deadline, watch, others)
-            store.set(verdict_key, json.dumps(judge(_read(store, keys))))
+            verdict = judge(_read(store, keys))
         else:
-            _wait(store, [verdict_key], deadline, watch, [0])
-        verdict = json.loads(bytes(store.get(verdict_key)))
+            if rank == 0:
+                _wait(store, keys, deadline, watch, others)
+                store.set(verdict_key, json.dumps(judge(_read(store, keys))))
+            else:
+                _wait(store, [verdict_key], deadline, watch, [0])
+            verdict = json.loads(bytes(store.get(verdict_key)))
+    except AsyncCollError:  # ended by ``watch``: this rank is done with the keys too
+        _leave(store, base, keys, verdict_key, world_size)
+        raise
+    _leave(store, base, keys, verdict_key, world_size)
+    return verdict, store
+
+
+def _leave(store: Any, base: str, keys: list[str], verdict_key: str, world_size: int) -> None:
+    """This rank is done with split's agreement keys; the last of the ranks deletes them."""
     if int(store.add(f"{base}read", 1)) == world_size:
         for key in (*keys, verdict_key, f"{base}read"):
             store.delete_key(key)
-    return verdict, store
+
+
+def watching(comm: Communicator, watch: Watch | None) -> Watch:
+    """The watch of a split in progress on ``comm``: ``comm`` aborted meanwhile (by
+    ``abort()`` on this rank, or a peer's news) ends it with ``CommAborted`` (a
+    ``PeerFailure`` naming the same ranks when a peer's failure aborted it), and so
+    does a peer proven dead by ``comm``'s liveness (``watch``)."""
+
+    def look(ranks: list[int]) -> BaseException | None:
+        error = comm.error
+        if error is not None:
+            ended: CommAborted
+            if isinstance(error, PeerFailure):
+                ended = PeerFailure(f"split: {error}", error.ranks)
+            else:
+                ended = CommAborted(f"split: the communicator aborted: {error}")
+            ended.__cause__ = error
+            return ended
+        return watch(ranks) if watch is not None else None
+
+    return look
+
+
+async def _watched(build: Awaitable[Communicator], watch: Watch, ranks: list[int]) -> Communicator:
+    """``build``, unless ``watch`` (asked about the other members, ``ranks``) ends it
+    first: then its error, and the build is cancelled (its creation given up: the
+    members still waiting for this rank there stop at once). A Gloo connect waits for
+    every member until its timeout; a member dead or a parent aborted must not."""
+    built: list[Communicator] = []
+    errors: list[BaseException] = []
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            try:
+                built.append(await build)
+            except Exception as exc:  # noqa: BLE001 - raised below, unwrapped
+                errors.append(exc)
+            tg.cancel_scope.cancel()
+
+        async def look() -> None:
+            while True:
+                await anyio.sleep(_WATCH_EVERY)
+                job = functools.partial(watch, ranks)
+                error = await aio.run_in_thread(job, None, name="asynccoll-split")
+                if error is not None:
+                    errors.append(error)
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(run)
+        tg.start_soon(look)
+    if built:  # (a build that ended as the watch fired: the group is up on every member)
+        return built[0]
+    raise errors[0]
 
 
 class Splitter:
@@ -199,6 +270,8 @@ class Splitter:
             await aio.settle_within(pending, limit)
         status = {"groups": lists, "problem": problem, "state": comm.state}
         parent = self.rdv.prefixed(self.prefix)
+        if comm.state == "ok":  # (an aborted one says so in its status: every rank raises)
+            watch = watching(comm, watch)
         job = functools.partial(agree, parent, comm.rank, comm.world_size, k, status, limit, watch)
         verdict, own = await off_loop(job, limit, "split")
         if "invalid" in verdict:
@@ -217,7 +290,9 @@ class Splitter:
             return None
         try:  # step 4, on the agreement's connection
             store = dist.PrefixStore(f"split-{k}/{index}/", own)
-            return await self.make(rank, len(agreed[index]), store, child)
+            build = self.make(rank, len(agreed[index]), store, child)
+            members = [r for r in agreed[index] if r != comm.rank]
+            return await _watched(build, watching(comm, watch), members)
         except BaseException:
             if child is not None:
                 child.release()  # bounded ncclCommAbort of the unused child

@@ -395,7 +395,9 @@ class Communicator:
         ranks, overlap, or name a rank outside raise ``InvalidArgument`` on every rank; a
         communicator aborted on any rank, ``CommAborted`` on every rank. This rank's
         pending operations finish first (``timeout``: how long to wait for them and for
-        the others, default the communicator's timeout).
+        the others, default the communicator's timeout). A peer that dies during the
+        split ends it with ``PeerFailure`` (naming it in this communicator's ranks), and
+        this communicator aborted meanwhile with ``CommAborted``, at once.
 
         A subgroup is independent: closing, aborting or shrinking it leaves this
         communicator and its siblings alone, and the reverse; a peer's death is reported

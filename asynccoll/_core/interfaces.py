@@ -84,6 +84,9 @@ class Membership(Protocol):
     def probe(self, ranks: list[int]) -> tuple[int, ...]:
         """Which of ``ranks`` failed, on proof (blocking, bounded)."""
 
+    def gone_silently(self) -> tuple[int, ...]:
+        """The other ranks proven dead that never said goodbye (blocking, bounded)."""
+
     def failure(self) -> BaseException | None:
         """The error for an operation that needs the store when the store is gone, else None."""
 

@@ -137,7 +137,7 @@ class Resources:
         await run_in_thread(
             self.diag.closed, None, name="asynccoll-close"
         )  # the timeline to trace_dir
-        await run_in_thread(self._forget_keys, None, name="asynccoll-close")
+        await run_in_thread(self._forget_keys_at_close, None, name="asynccoll-close")
 
     def retire(self, dead: tuple[int, ...] = (), keys: tuple[str, ...] = ()) -> None:
         """``shrink()`` built the survivors' communicator: this (aborted) one is done with
@@ -149,13 +149,24 @@ class Resources:
             self.liveness.goodbye()
         self._forget_keys(dead, keys)
 
-    def _forget_keys(self, dead: tuple[int, ...] = (), keys: tuple[str, ...] = ()) -> None:
+    def _forget_keys_at_close(self) -> None:
+        """``close()``: after an abort, the peers proven dead meanwhile that never said
+        goodbye (``gone_silently``) count as out, as a shrink's census would have
+        counted them: otherwise nobody deletes the keys of a communicator whose peer
+        was killed while it was idle (a subgroup aborted because its parent failed)."""
+        self._forget_keys(silent=self.ledger.error is not None)
+
+    def _forget_keys(
+        self, dead: tuple[int, ...] = (), keys: tuple[str, ...] = (), silent: bool = False
+    ) -> None:
         with self._forget_lock:
             forget, self._forget = self._forget, None
         liveness = self.liveness
         if forget is not None and (
             liveness is None or liveness.failure() is None
         ):  # (a store still there)
+            if silent and liveness is not None:
+                dead = tuple(sorted({*dead, *liveness.gone_silently()}))
             objects = self.objects
             if objects is not None:  # its thread is out of the store before anyone deletes keys
                 objects.shutdown(wait=_QUIESCE_OBJECTS)

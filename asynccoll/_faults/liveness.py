@@ -396,6 +396,20 @@ class Liveness:
             eliminate=eliminate,
         )
 
+    def gone_silently(self) -> tuple[int, ...]:
+        """The other ranks whose processes are proven gone and that never said goodbye
+        (blocking, bounded by the detection bound): at the close of an aborted
+        communicator, the ranks that will never count themselves out of its keys.
+
+        Only ranks that published their process are probed (one that has not yet
+        may still be starting), and proof only: a stopped process may resume.
+        """
+        if not self._store_usable():
+            return ()
+        published = sorted(self.peers(self._others()))
+        dead = self.probe(published) if published else ()
+        return tuple(r for r in dead if not self._store.check([f"bye/{r}"]))
+
     # ---------------------------------------------------------------- census
     def record(self) -> tuple[int, ...] | None:
         """The failed set every survivor agreed on (first census result), or None."""

@@ -246,3 +246,118 @@ def test_split_of_a_wrapped_group_is_invalid_argument() -> None:
     comm = ac.wrap(pg)
     with pytest.raises(ac.InvalidArgument, match="split needs"):
         anyio.run(comm.split, [[0]])
+
+
+def _factories(rank: int, subgroup: Any) -> Any:
+    """Backends as ``init`` makes them, except a subgroup's Gloo on world rank ``rank``:
+    ``subgroup(build)`` runs in its place (the world and shrunk groups have 3 ranks)."""
+    from asynccoll._bootstrap.build import Factories, build_gloo
+
+    async def gloo(rdv: Any, prefix: str, timeout: float) -> Any:
+        if rdv.world_size == 2:
+            return await subgroup(lambda: build_gloo(rdv, prefix, timeout))
+        return await build_gloo(rdv, prefix, timeout)
+
+    return Factories(gloo=gloo)
+
+
+async def member_dies_in_connect(ctx: Any) -> Any:
+    from asynccoll._bootstrap.init import init_with
+
+    async def dies(build: Any) -> Any:
+        if ctx.rank == 2:
+            crash()  # inside the subgroup's creation, before its Gloo connect
+        return await build()
+
+    comm = await init_with(
+        _factories(ctx.rank, dies), "gloo", rank=ctx.rank, world_size=3, store=ctx.store, timeout=20
+    )
+    assert await _sum(comm, 1.0) == 3.0
+    start = time.monotonic()
+    try:
+        sub = await comm.split([[0, 2], [1]])
+        out: Any = ("made", sub.world_size if sub is not None else None)
+    except ac.PeerFailure as exc:
+        out = ("PeerFailure", exc.ranks)
+    except ac.AsyncCollError as exc:
+        out = (type(exc).__name__, str(exc)[:200])
+    return out, time.monotonic() - start
+
+
+def test_a_member_that_dies_in_the_subgroups_connect_ends_the_split_at_once() -> None:
+    (r0, took0), (r1, _), _ = run_ranks(
+        member_dies_in_connect, world_size=3, backend=None, timeout=90, lost=(2,)
+    )
+    assert r0 == ("PeerFailure", (2,)), r0  # was: CollectiveTimeout after the 20 s timeout
+    assert took0 < 5.0, took0
+    assert r1 == ("made", 1)
+
+
+async def parent_aborted_in_agreement(ctx: Any) -> Any:
+    comm = await ac.init("gloo", rank=ctx.rank, world_size=2, store=ctx.store, timeout=20)
+    assert await _sum(comm, 1.0) == 2.0
+    if ctx.rank == 1:  # never calls split: rank 0 waits in the agreement
+        while not ctx.store.check(["done"]):
+            await anyio.sleep(0.05)
+        comm.abort()
+        await comm.close()
+        return None
+    start = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_abort_later, comm, 0.5)
+        try:
+            await comm.split([[0, 1]])
+            out = "made"
+        except ac.AsyncCollError as exc:
+            out = type(exc).__name__
+    took = time.monotonic() - start
+    ctx.store.set("done", "1")
+    await comm.close()
+    return out, took
+
+
+async def _abort_later(comm: Any, delay: float) -> None:
+    await anyio.sleep(delay)
+    comm.abort("the test aborts the parent")
+
+
+def test_an_abort_of_the_parent_ends_a_split_in_its_agreement() -> None:
+    (out, took), _ = run_ranks(parent_aborted_in_agreement, world_size=2, backend=None, timeout=90)
+    assert out == "CommAborted", out  # was: CollectiveTimeout after the 20 s timeout
+    assert took < 3.0, took
+
+
+async def parent_aborted_in_connect(ctx: Any) -> Any:
+    from asynccoll._bootstrap.init import init_with
+
+    async def slow(build: Any) -> Any:
+        if ctx.rank == 1:  # rank 0 waits in its Gloo connect meanwhile
+            await anyio.sleep(30)
+        return await build()
+
+    comm = await init_with(
+        _factories(ctx.rank, slow), "gloo", rank=ctx.rank, world_size=3, store=ctx.store, timeout=20
+    )
+    assert await _sum(comm, 1.0) == 3.0
+    start = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        if ctx.rank == 0:
+            tg.start_soon(_abort_later, comm, 1.0)
+        try:
+            await comm.split([[0, 1], [2]])
+            out = "made"
+        except ac.AsyncCollError as exc:
+            out = type(exc).__name__
+    took = time.monotonic() - start
+    await comm.close()
+    return out, took
+
+
+def test_an_abort_of_the_parent_ends_a_split_in_its_subgroups_connect() -> None:
+    """Rank 0 aborts its parent while it waits in the subgroup's Gloo connect for rank 1;
+    rank 1 (slow to build) hears the abort as news: both end at once."""
+    (out0, took0), (out1, took1), _ = run_ranks(
+        parent_aborted_in_connect, world_size=3, backend=None, timeout=90
+    )
+    assert (out0, out1) == ("CommAborted", "CommAborted")  # were: after the 20 s timeout
+    assert took0 < 4.0 and took1 < 4.0, (took0, took1)

@@ -141,3 +141,61 @@ def test_a_grow_that_a_participant_died_in_leaves_no_keys_of_it(member_dies: boo
     for res in results:
         if res is not None:
             assert [k for k in res["left"] if not _MAY_STAY.search(k)] == [], res["left"]
+
+
+def _pairs(world_size: int) -> list[list[int]]:
+    """Consecutive pairs, the last rank alone if odd (as the chaos soak splits)."""
+    return [list(range(i, min(i + 2, world_size))) for i in range(0, world_size, 2)]
+
+
+async def kill_pair_members(ctx: RankContext) -> dict[str, Any]:
+    """4 ranks split into pairs; twice a member of a pair is SIGKILLed while its partner
+    runs world ops. The survivors recover as the chaos soak does: the partner aborts its
+    pair, the world shrinks, the old pairs close and the new world splits again."""
+    store = ctx.store
+    root = root_of(store)
+    kw: dict[str, Any] = {"world_size": ctx.world_size, "store": store, "timeout": 30}
+    warm = await ac.init("gloo", rank=ctx.rank, **kw)  # once-per-store keys exist from here on
+    await warm.close()
+    await _services_ended()
+    for name in ("b/start", "b/end"):  # the barriers' own keys exist before the count
+        store.add(name, 0)
+    await _barrier(store, "b/warm", ctx.world_size)
+    before = sorted(root.list_keys())
+    await _barrier(store, "b/start", ctx.world_size)
+    comm = await ac.init("gloo", rank=ctx.rank, **kw)
+    counts = []
+    while True:
+        pair = await comm.split(_pairs(comm.world_size))
+        assert pair is not None
+        await pair.all_reduce(torch.ones(4))
+        await comm.all_reduce(torch.ones(4))
+        counts.append(root.num_keys())
+        if comm.world_size == 2:
+            break
+        victim = 3 if comm.world_size == 4 else 1  # rank 2's partner, then rank 0's
+        if comm.rank == victim:
+            crash_later(0.2, how="sigkill")
+            await asyncio.sleep(30)
+        with pytest.raises(ac.PeerFailure):
+            while True:
+                await comm.all_reduce(torch.ones(1024))
+        pair.abort("the world failed")  # its partner may be the dead rank: it never hears
+        new = await comm.shrink()
+        await comm.close()
+        comm = new
+        await pair.close()
+    await pair.close()
+    await comm.close()
+    await _services_ended()
+    await _barrier(store, "b/end", 2)
+    return {"counts": counts, "left": sorted(set(root.list_keys()) - set(before))}
+
+
+def test_killed_pair_members_leave_no_keys_of_their_subgroups() -> None:
+    """The survivor of a pair whose partner was killed closes the pair (aborted, the
+    partner never heard of), and nobody deleted the pair's keys: 9 keys per such pair
+    stayed for good (its ``proc``, ``bye``, ``gloo`` addresses, ``created``, ...)."""
+    results = run_ranks(kill_pair_members, world_size=4, backend=None, timeout=120, lost=(1, 3))
+    for res in (results[0], results[2]):
+        assert res["left"] == [], "\n".join(res["left"])
