@@ -271,3 +271,5 @@ def test_a_joiner_frozen_in_a_failed_grow_gets_into_the_next_one() -> None:
     )
     assert sorted(r["rank"] for r in results) == [0, 1, 2], results
     assert all(r["size"] == 3 for r in results), results
+    # Resumed -> grown: a new ticket at once, not at the end of a wait for the old plan.
+    assert all(r["after"] < 20.0 for r in results[:2]), results

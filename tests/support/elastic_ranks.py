@@ -468,7 +468,9 @@ async def frozen_joiner_resumes_after_a_scan(ctx: RankContext) -> dict:
     passes its ticket), then resume it: it must get into their next grow."""
     import os
     import signal
+    import time
 
+    after = None
     if ctx.rank == 2:
         ctx.store.set("joiner-pid", str(os.getpid()))
         freeze_when_admitted(ctx.store)
@@ -485,9 +487,11 @@ async def frozen_joiner_resumes_after_a_scan(ctx: RankContext) -> dict:
         for _ in range(3):  # the room's scan passes the frozen joiner's ticket
             await old.waiting()
         await store_barrier(ctx.store, "scanned", 2, ctx.rank)
+        start = time.monotonic()
         if ctx.rank == 0:
             os.kill(int(ctx.store.get("joiner-pid")), signal.SIGCONT)
         comm = await _grow_when_waiting(old, 1)
-    res = {"rank": comm.rank, "size": comm.world_size}
+        after = time.monotonic() - start
+    res = {"rank": comm.rank, "size": comm.world_size, "after": after}
     await comm.close()
     return res
