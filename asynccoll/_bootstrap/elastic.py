@@ -421,9 +421,10 @@ async def _admitted(
 ) -> tuple[int, int, dict[str, Any]]:
     """Take a ticket and wait until a grow admits it: (ticket, the grow's number, its plan).
 
-    A ticket resolved otherwise (declared dead, a cancelled plan) is replaced by a new
-    one; at ``deadline`` the ticket is withdrawn (``CollectiveTimeout``) unless a grow
-    admitted it in the same instant.
+    A ticket resolved otherwise (declared dead, a cancelled plan, a grow that ended
+    without it while this process was stopped) is replaced by a new one; at ``deadline``
+    the ticket is withdrawn (``CollectiveTimeout``) unless a grow admitted it in the
+    same instant.
     """
     stop = threading.Event()
     while True:
@@ -436,7 +437,7 @@ async def _admitted(
             if not mark.isdigit():
                 return mark
             g = int(mark)  # admitted: the plan follows at once (a few store calls on the leader)
-            return g, room.await_plan(g, max(deadline, time.monotonic() + 10.0), stop)
+            return g, room.await_plan(g, ticket, max(deadline, time.monotonic() + 10.0), stop)
 
         try:
             answer = await run_in_thread(wait, None, name="asynccoll-join")
@@ -457,4 +458,5 @@ async def _admitted(
         g, plan = answer
         if plan is not None:
             return ticket, g, plan
-        # The grow was cancelled (another admitted joiner withdrew): a new ticket.
+        # The grow was cancelled (another admitted joiner withdrew), or it failed and
+        # was cleaned up while this process was stopped: a new ticket.

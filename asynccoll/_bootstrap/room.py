@@ -88,11 +88,20 @@ class Room:
             delay = min(delay * 2, _POLL_MAX)
         return bytes(self.store.get(key)).decode()
 
-    def await_plan(self, g: int, until: float, stop: Any) -> dict[str, Any] | None:
-        """Grow ``g``'s plan; None when it was cancelled, at ``until`` or on ``stop``."""
+    def await_plan(self, g: int, t: int, until: float, stop: Any) -> dict[str, Any] | None:
+        """Grow ``g``'s plan for ticket ``t``; None when it was cancelled, when the grow
+        is over without ``t``, at ``until`` or on ``stop``.
+
+        The leader writes the plan while ``t``'s record exists (a scan admits no ticket
+        without one), and the grow's last participant deletes the plan, then the record
+        (``leave_grow``): no plan and no record means the grow ended without this joiner,
+        which was stopped (SIGSTOP) from its admission until the others counted it out.
+        """
         store = self.generation(g)
         delay = 0.0005
         while not store.check(["plan"]):
+            if not self.store.check([f"ticket/{t}"]):
+                return None
             if time.monotonic() >= until or stop.is_set():
                 return None
             time.sleep(delay)

@@ -260,3 +260,16 @@ def test_joiner_takes_the_members_options() -> None:
     assert results == [{"sum": [3.0, 3.0], "error": "CollectiveMismatch", "timeout": 25.0}] * 3, (
         results
     )
+
+
+def test_a_joiner_frozen_in_a_failed_grow_gets_into_the_next_one() -> None:
+    """Stopped from its admission until the members counted it out of the failed grow
+    and deleted its plan: once resumed, it takes a new ticket (not a wait for the deleted
+    plan until its join timeout)."""
+    results = run_ranks(
+        er.frozen_joiner_resumes_after_a_scan, world_size=3, backend=None, timeout=90
+    )
+    assert sorted(r["rank"] for r in results) == [0, 1, 2], results
+    assert all(r["size"] == 3 for r in results), results
+    # Resumed -> grown: a new ticket at once, not at the end of a wait for the old plan.
+    assert all(r["after"] < 20.0 for r in results[:2]), results

@@ -460,3 +460,38 @@ async def joiner_takes_the_members_options(ctx: RankContext) -> dict:
     except ac.CollectiveMismatch as exc:
         error = type(exc).__name__
     return {"sum": t.tolist(), "error": error, "timeout": comm.timeout}
+
+
+async def frozen_joiner_resumes_after_a_scan(ctx: RankContext) -> dict:
+    """2 members; the joiner freezes the moment it is admitted (before it read its
+    admission), so the grow fails. The members look at the room a few times (the scan
+    passes its ticket), then resume it: it must get into their next grow."""
+    import os
+    import signal
+    import time
+
+    after = None
+    if ctx.rank == 2:
+        ctx.store.set("joiner-pid", str(os.getpid()))
+        freeze_when_admitted(ctx.store)
+        comm = await ac.join("gloo", store=ctx.store, name="g", timeout=60)
+    else:
+        old = await ac.init(
+            "gloo", rank=ctx.rank, world_size=2, store=ctx.store, name="g", timeout=60
+        )
+        try:
+            await _grow_when_waiting(old, 1)
+            raise AssertionError("grow should have failed")
+        except ac.PeerFailure:
+            pass
+        for _ in range(3):  # the room's scan passes the frozen joiner's ticket
+            await old.waiting()
+        await store_barrier(ctx.store, "scanned", 2, ctx.rank)
+        start = time.monotonic()
+        if ctx.rank == 0:
+            os.kill(int(ctx.store.get("joiner-pid")), signal.SIGCONT)
+        comm = await _grow_when_waiting(old, 1)
+        after = time.monotonic() - start
+    res = {"rank": comm.rank, "size": comm.world_size, "after": after}
+    await comm.close()
+    return res
