@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import anyio
 
@@ -132,3 +132,29 @@ async def settle_within(waitables: list[Any], timeout: float) -> int:
             except Exception:  # noqa: BLE001 - only the end matters, not the outcome
                 continue
     return sum(1 for w in waitables if not w.done())
+
+
+async def race(primary: Callable[[], Awaitable[Any]], guard: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``primary`` (a creation) and ``guard`` (a watch over it); the first to finish
+    cancels the other. ``primary``'s result if it has one (a creation that ended as the
+    watch fired is up on every member), else the first error as it is (raised out of
+    the task group it would come wrapped in an ExceptionGroup, which no ``except`` of
+    the contract's errors catches), else ``guard``'s result."""
+    results: dict[int, Any] = {}
+    errors: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+
+        async def run(index: int, fn: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                results[index] = await fn()
+            except Exception as exc:  # noqa: BLE001 - raised below, unwrapped
+                errors.append(exc)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run, 0, primary)
+        tg.start_soon(run, 1, guard)
+    if 0 in results:
+        return results[0]
+    if errors:
+        raise errors[0]
+    return results[1]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence, cast
 
 import anyio
 import torch.distributed as dist
@@ -216,32 +216,16 @@ async def _watched(build: Awaitable[Communicator], watch: Watch, ranks: list[int
     first: then its error, and the build is cancelled (its creation given up: the
     members still waiting for this rank there stop at once). A Gloo connect waits for
     every member until its timeout; a member dead or a parent aborted must not."""
-    built: list[Communicator] = []
-    errors: list[BaseException] = []
-    async with anyio.create_task_group() as tg:
 
-        async def run() -> None:
-            try:
-                built.append(await build)
-            except Exception as exc:  # noqa: BLE001 - raised below, unwrapped
-                errors.append(exc)
-            tg.cancel_scope.cancel()
+    async def look() -> None:
+        while True:
+            await anyio.sleep(_WATCH_EVERY)
+            job = functools.partial(watch, ranks)
+            error = await aio.run_in_thread(job, None, name="asynccoll-split")
+            if error is not None:
+                raise error
 
-        async def look() -> None:
-            while True:
-                await anyio.sleep(_WATCH_EVERY)
-                job = functools.partial(watch, ranks)
-                error = await aio.run_in_thread(job, None, name="asynccoll-split")
-                if error is not None:
-                    errors.append(error)
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(run)
-        tg.start_soon(look)
-    if built:  # (a build that ended as the watch fired: the group is up on every member)
-        return built[0]
-    raise errors[0]
+    return cast(Communicator, await aio.race(lambda: build, look))
 
 
 class Splitter:
@@ -270,9 +254,10 @@ class Splitter:
             await aio.settle_within(pending, limit)
         status = {"groups": lists, "problem": problem, "state": comm.state}
         parent = self.rdv.prefixed(self.prefix)
-        if comm.state == "ok":  # (an aborted one says so in its status: every rank raises)
-            watch = watching(comm, watch)
-        job = functools.partial(agree, parent, comm.rank, comm.world_size, k, status, limit, watch)
+        guard = watching(comm, watch)
+        # (an aborted one says so in its status: every rank raises the agreed verdict)
+        first = guard if comm.state == "ok" else watch
+        job = functools.partial(agree, parent, comm.rank, comm.world_size, k, status, limit, first)
         verdict, own = await off_loop(job, limit, "split")
         if "invalid" in verdict:
             raise InvalidArgument(verdict["invalid"])
@@ -292,7 +277,7 @@ class Splitter:
             store = dist.PrefixStore(f"split-{k}/{index}/", own)
             build = self.make(rank, len(agreed[index]), store, child)
             members = [r for r in agreed[index] if r != comm.rank]
-            return await _watched(build, watching(comm, watch), members)
+            return await _watched(build, guard, members)
         except BaseException:
             if child is not None:
                 child.release()  # bounded ncclCommAbort of the unused child

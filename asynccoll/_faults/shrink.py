@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Awaitable, Callable, Iterable, cast
+from typing import Any, Iterable, cast
 
 import anyio
 import torch.distributed as dist
 
-from .._base.aio import run_in_thread
+from .._base.aio import race, run_in_thread
 from .._base.errors import (
     AsyncCollError,
     CollectiveMismatch,
@@ -184,7 +184,7 @@ async def _build(
         others = [r for r in survivors if r != comm.rank]
         key = f"shrink/retry/{suffix}"
         try:
-            outcome = await _first(
+            outcome = await race(
                 functools.partial(build_shrunk, *args, **kwargs),
                 functools.partial(_watch, store, key, liveness, others),
             )
@@ -203,29 +203,6 @@ async def _build(
         excluded |= set(outcome)
         dead |= set(outcome)  # proven dead by a probe (``_watch``)
         records.append(f"shrink/retry/{suffix}")
-
-
-async def _first(build: Callable[[], Awaitable[Any]], watch: Callable[[], Awaitable[Any]]) -> Any:
-    """Run the build and the watch; the first to finish cancels the other (a build's
-    thread ends at the backend's own timeout). Its result, or its error as it is:
-    raised out of the task group it would come wrapped in an ExceptionGroup, which
-    no ``except`` of the contract's errors (a build's ``CollectiveTimeout``) catches."""
-    results: list[Any] = []
-    errors: list[Exception] = []
-    async with anyio.create_task_group() as tg:
-
-        async def run(fn: Callable[[], Awaitable[Any]]) -> None:
-            try:
-                results.append(await fn())
-            except Exception as exc:  # noqa: BLE001 - raised below, unwrapped
-                errors.append(exc)
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(run, build)
-        tg.start_soon(run, watch)
-    if errors:
-        raise errors[0]
-    return results[0]
 
 
 async def _watch(store: Any, key: str, liveness: Membership, others: list[int]) -> tuple[int, ...]:
