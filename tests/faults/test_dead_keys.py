@@ -37,11 +37,10 @@ async def _barrier(store: Any, name: str, n: int) -> None:
         await asyncio.sleep(0.01)
 
 
-async def kill_shrink_generations(ctx: RankContext) -> dict[str, Any]:
-    """5 ranks; in each of three generations the highest rank is SIGKILLed and the
-    survivors shrink. Rank 0 counts the whole store's keys at each generation start."""
+async def _warmed_up(ctx: RankContext) -> dict[str, Any]:
+    """Every once-per-store key exists and no liveness service runs, on every rank: what
+    the store holds now is the baseline to count against. ``ac.init``'s keywords."""
     store = ctx.store
-    root = root_of(store)
     kw: dict[str, Any] = {"world_size": ctx.world_size, "store": store, "timeout": 30}
     warm = await ac.init("gloo", rank=ctx.rank, **kw)  # once-per-store keys exist from here on
     await warm.close()
@@ -49,6 +48,15 @@ async def kill_shrink_generations(ctx: RankContext) -> dict[str, Any]:
     for name in ("b/start", "b/end"):  # the barriers' own keys exist before the count
         store.add(name, 0)
     await _barrier(store, "b/warm", ctx.world_size)
+    return kw
+
+
+async def kill_shrink_generations(ctx: RankContext) -> dict[str, Any]:
+    """5 ranks; in each of three generations the highest rank is SIGKILLed and the
+    survivors shrink. Rank 0 counts the whole store's keys at each generation start."""
+    store = ctx.store
+    root = root_of(store)
+    kw = await _warmed_up(ctx)
     before = root.num_keys()
     before_keys = sorted(root.list_keys())
     await _barrier(store, "b/start", ctx.world_size)  # everyone counted before any key is made
@@ -154,13 +162,7 @@ async def kill_pair_members(ctx: RankContext) -> dict[str, Any]:
     pair, the world shrinks, the old pairs close and the new world splits again."""
     store = ctx.store
     root = root_of(store)
-    kw: dict[str, Any] = {"world_size": ctx.world_size, "store": store, "timeout": 30}
-    warm = await ac.init("gloo", rank=ctx.rank, **kw)  # once-per-store keys exist from here on
-    await warm.close()
-    await _services_ended()
-    for name in ("b/start", "b/end"):  # the barriers' own keys exist before the count
-        store.add(name, 0)
-    await _barrier(store, "b/warm", ctx.world_size)
+    kw = await _warmed_up(ctx)
     before = sorted(root.list_keys())
     await _barrier(store, "b/start", ctx.world_size)
     comm = await ac.init("gloo", rank=ctx.rank, **kw)
