@@ -3,11 +3,21 @@
     python bench/split.py [--world-size 4] [--rounds 5] [--json bench/results/split.json]
 
 Every rank is a process on this machine, all on one TCPStore. Each round, in
-alternating order, the ranks meet at a barrier of the world communicator and then
-make the same subgroups ``[[0, 1], [2, 3], ...]`` (pairs) two ways:
+rotating order, the ranks meet at a barrier of the world communicator and then
+make the same subgroups ``[[0, 1], [2, 3], ...]`` (pairs) four ways:
 
 * **torch**: ``ProcessGroupGloo`` of the rank's pair on a fresh ``PrefixStore`` over
-  the same store (what ``new_group`` builds for Gloo, without its world barrier);
+  the same store (what ``new_group`` builds for Gloo, without its world barrier): the
+  issue's yardstick;
+* **new_group**: what a torch user writes, ``dist.new_subgroups_by_enumeration(pairs)``
+  (``new_group`` of each pair, every rank calling it for every pair) on a default Gloo
+  group made with ``init_process_group`` over the same store, at torch's defaults;
+* **floor**: the thinnest agreed split, on one blocking thread with a connection made
+  beforehand: each rank writes its lists, polls (from 50 µs) until every rank's are
+  there, reads and compares them, builds the pair's ``ProcessGroupGloo`` and meets its
+  pair at a store barrier (the two steps ``split`` adds to torch's bare group: the
+  agreement, which makes bad lists ``InvalidArgument`` on every rank, and the end of
+  creation, which keeps a fast rank from closing while its peer still connects);
 * **asynccoll**: ``await world.split(pairs)`` (the agreement, the new Gloo group in
   its own namespace, the liveness member, the end-of-creation barrier).
 
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -31,6 +42,35 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import machine, median, quiet, spawn, store_server, write_json  # noqa: E402
+
+MODES = ("torch", "new_group", "floor", "asynccoll")
+
+
+def _poll(store: Any, keys: list[str]) -> None:
+    delay = 0.00005
+    while not store.check(keys):
+        time.sleep(delay)
+        delay = min(delay * 2, 0.001)
+
+
+def _floor(conn: Any, tag: str, rank: int, world_size: int, pairs: list[list[int]]) -> Any:
+    """The thinnest agreed split (see the module docstring), blocking."""
+    import torch.distributed as dist
+
+    mine = next(p for p in pairs if rank in p)
+    store = dist.PrefixStore(f"bench-floor/{tag}/", conn)
+    store.set(f"lists/{rank}", json.dumps(pairs))
+    keys = [f"lists/{r}" for r in range(world_size)]
+    _poll(store, keys)
+    if any(json.loads(bytes(v)) != pairs for v in store.multi_get(keys)):
+        raise ValueError("the lists differ")
+    group = dist.PrefixStore(f"{pairs.index(mine)}/", store)
+    pg = dist.ProcessGroupGloo(group, mine.index(rank), len(mine), timedelta(seconds=60))
+    if int(group.add("created", 1)) == len(mine):
+        group.set("created/all", "1")
+    else:
+        _poll(group, ["created/all"])
+    return pg
 
 
 def _rank(rank: int, port: int, world_size: int, rounds: int) -> dict[str, list[float]]:
@@ -43,12 +83,16 @@ def _rank(rank: int, port: int, world_size: int, rounds: int) -> dict[str, list[
     )
     pairs = [list(range(i, min(i + 2, world_size))) for i in range(0, world_size, 2)]
     mine = next(p for p in pairs if rank in p)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("bench-world", store), rank=rank, world_size=world_size
+    )
+    conn = store.clone()  # the floor's connection, made beforehand
 
     async def main() -> dict[str, list[float]]:
         world = await ac.init("gloo", rank=rank, world_size=world_size, store=store, timeout=60)
-        times: dict[str, list[float]] = {"torch": [], "asynccoll": []}
-        for i in range(rounds + 1):  # round 0 warms both paths up (imports, first store use)
-            for mode in ("torch", "asynccoll") if i % 2 else ("asynccoll", "torch"):
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        for i in range(rounds + 1):  # round 0 warms every path up (imports, first store use)
+            for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
                 await world.barrier()
                 start = time.perf_counter()
                 if mode == "torch":
@@ -61,6 +105,16 @@ def _rank(rank: int, port: int, world_size: int, rounds: int) -> dict[str, list[
                     took = time.perf_counter() - start
                     pg.barrier().wait()  # peers still connecting must not see it go
                     del pg
+                elif mode == "new_group":
+                    group, _ = dist.new_subgroups_by_enumeration(pairs)
+                    took = time.perf_counter() - start
+                    dist.barrier(group=group)
+                    del group  # torch keeps it registered (destroying it slowed the next)
+                elif mode == "floor":
+                    pg = _floor(conn, str(i), rank, world_size, pairs)
+                    took = time.perf_counter() - start
+                    pg.barrier().wait()
+                    del pg
                 else:
                     sub = await world.split(pairs)
                     took = time.perf_counter() - start
@@ -72,7 +126,10 @@ def _rank(rank: int, port: int, world_size: int, rounds: int) -> dict[str, list[
         await world.close()
         return {m: [max(w[m][k] for w in worst) for k in range(rounds)] for m in times}
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,15 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     results = spawn(_rank, (server.port, args.world_size, args.rounds), args.world_size)
     after = machine()
     worst = results[0]  # every rank returns the same (gathered) figures
-    torch_s, ours_s = median(worst["torch"]), median(worst["asynccoll"])
+    medians = {m: median(worst[m]) for m in MODES}
+    torch_s, ours_s = medians["torch"], medians["asynccoll"]
     res: dict[str, Any] = {
         "world_size": args.world_size,
         "rounds": args.rounds,
-        "torch_s": worst["torch"],
-        "asynccoll_s": worst["asynccoll"],
-        "torch_median_s": torch_s,
-        "asynccoll_median_s": ours_s,
+        **{f"{m}_s": worst[m] for m in MODES},
+        **{f"{m}_median_s": medians[m] for m in MODES},
         "ratio": ours_s / torch_s if torch_s else None,
+        "ratio_new_group": ours_s / medians["new_group"],
+        "floor_ratio": medians["floor"] / torch_s if torch_s else None,
         "machine_before": before,
         "machine_after": after,
         "quiet": quiet(before, after),
@@ -105,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"subgroup creation, {args.world_size} ranks in pairs, median of {args.rounds} "
-        f"(slowest rank): torch ProcessGroupGloo {torch_s * 1e3:.1f} ms, asynccoll split "
-        f"{ours_s * 1e3:.1f} ms, ratio {res['ratio']:.2f} (goal <= 1.5); load "
+        f"(slowest rank): torch ProcessGroupGloo {torch_s * 1e3:.2f} ms, torch "
+        f"new_subgroups_by_enumeration {medians['new_group'] * 1e3:.2f} ms, the floor of an "
+        f"agreed split {medians['floor'] * 1e3:.2f} ms ({res['floor_ratio']:.2f}x torch), "
+        f"asynccoll split {ours_s * 1e3:.2f} ms: ratio {res['ratio']:.2f} (goal <= 1.5), "
+        f"{res['ratio_new_group']:.2f}x new_group; load "
         f"{before['loadavg'][0]:.2f} -> {after['loadavg'][0]:.2f}"
         + ("" if res["quiet"] else " (not quiet: no verdict)")
     )
