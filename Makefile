@@ -8,7 +8,7 @@ BIN      = $(VENV)/bin
 # Two pytest workers: most tests wait on ranks, timers and process starts, not on a core.
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test test-cu13 bench venv clean gpu-test docs dist-check coverage mutations flake-hunt chaos
+.PHONY: demo test test-slow test-cu13 bench venv clean gpu-test docs dist-check coverage mutations flake-hunt chaos
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,13 @@ test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not slow"
+
+# The whole programs, as a user runs them (the examples, some under torchrun; every
+# complete script of the guides and the README; the benchmarks' smoke runs; the chaos
+# soak): a few minutes more. CI (.ci/run) runs them too.
+test-slow: venv
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m slow
 
 # The simulated GPU's doubles are autospecs of the installed cuda-bindings and nccl4py:
 # run its tests (and the NCCL and streams ones) under cuda-bindings 13 too, in a venv of

@@ -135,6 +135,7 @@ def test_independent_ops_are_not_held() -> None:
     assert after0 == after1 == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_readme_first_example_gives_both_ranks_the_same_right_values(tmp_path: Path) -> None:
     """The README's first example under torchrun, several runs: both ranks print [1, 1, 1, 1]."""

@@ -28,6 +28,7 @@ import asynccoll as ac
 from tests.support.paths import ROOT
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_chaos_soak_has_no_violation(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"

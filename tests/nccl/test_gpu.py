@@ -181,6 +181,7 @@ def test_host_cost_per_op_against_torch_process_group_nccl(record_property: Any)
 
 
 # ===================================================================== the GPU run
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU run where there is no GPU")
 @pytest.mark.timeout(120)
 def test_the_gpu_run_says_there_is_no_gpu_in_seconds(tmp_path: Path) -> None:

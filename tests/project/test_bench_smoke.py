@@ -20,6 +20,7 @@ from tests.support.paths import ROOT
 HAS_TRIO = importlib.util.find_spec("trio") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
     core, coal, hot, trio_json = (
@@ -151,6 +152,7 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
             assert "skipped: asynccoll does not support trio yet" in outs["trio"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_plots_draw(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")

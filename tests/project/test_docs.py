@@ -197,6 +197,7 @@ def test_fragment_compiles(page: str, index: int, block: str) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("page", "index", "block"), SCRIPTS, ids=[f"{p}:{i}" for p, i, _ in SCRIPTS]

@@ -41,12 +41,14 @@ def run_example(name: str, *args: str) -> str:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_quickstart() -> None:
     out = run_example("quickstart.py")
     assert "all_reduce -> [1.0, 1.0, 1.0, 1.0]" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_fault_tolerant_survivors_shrink_and_finish() -> None:
     out = run_example("fault_tolerant.py")
@@ -74,6 +76,7 @@ def test_fault_tolerant_survivors_shrink_and_finish() -> None:
     assert re.search(r"step\s+\d+\s+loss\s+\S+\s+\(2 ranks\)", out), out  # training went on with 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_train_gradsync_join_uneven_ranks_end_identical() -> None:
     out = run_example("train.py")
@@ -91,6 +94,7 @@ def test_train_gradsync_join_uneven_ranks_end_identical() -> None:
     assert float(last) < float(first), out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_elastic_recipe_with_torchrun_rank_killed_restarted_rejoins(tmp_path: Path) -> None:
     """The launch recipe, with real components: the store CLI and one torchrun per rank; the

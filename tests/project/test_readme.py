@@ -36,6 +36,7 @@ def test_run_ranks_snippets_are_guarded_scripts() -> None:
     assert SCRIPTS
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("index", range(len(SCRIPTS)))
 def test_readme_script_runs(index: int, tmp_path: Path) -> None:

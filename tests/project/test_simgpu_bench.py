@@ -15,6 +15,7 @@ import torch
 from tests.support.paths import ROOT
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     torch.version.cuda is not None, reason="the simulated GPU needs a CPU build of torch"
 )

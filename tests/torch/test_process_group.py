@@ -452,6 +452,7 @@ def test_fsdp2_on_the_group_equals_fsdp2_on_gloo() -> None:
 
 
 # ---------------------------------------------------------------- example
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ddp_shrink_example_runs_under_the_launch_recipe() -> None:
     """examples/ddp_shrink.py: an external store and one torchrun per rank; rank 2 dies,
