@@ -27,7 +27,7 @@ from .._base.errors import AsyncCollError, CommAborted, PeerFailure
 from .._core.communicator import Communicator
 from .._faults.census import decode_ranks, encode_ranks
 from .._faults.liveness import Liveness
-from .._faults.service import unlist_ranks
+from .._faults.service import peek, unlist_ranks
 from .rendezvous import drop_keys, off_loop
 from .room import Room, gone
 
@@ -54,9 +54,9 @@ class _Assembly:
         """Each other participant's process identity, as far as published."""
         for r, ticket in self.joiners.items():
             if r != self.rank and r not in self.records:
-                key = f"ticket/{ticket}"
-                if self.room.store.check([key]):
-                    self.records[r] = json.loads(bytes(self.room.store.get(key)))
+                raw = peek(self.room.store, f"ticket/{ticket}")
+                if raw is not None:
+                    self.records[r] = json.loads(raw)
         for r, peer in self.watch.peers().items():
             self.records[r] = {"machine": peer.machine, "pid": peer.pid, "start": peer.start}
         return self.records
@@ -73,8 +73,9 @@ class _Assembly:
         if built and not self.announced:
             gen.set(f"built/{self.rank}", "1")
             self.announced = True
-        if gen.check(["outcome"]):
-            return bytes(gen.get("outcome")).decode()
+        outcome = peek(gen, "outcome")
+        if outcome is not None:
+            return outcome.decode()
         if self.announced and gen.check([f"built/{r}" for r in range(self.size)]):
             return bytes(gen.compare_set("outcome", "", "ok")).decode()
         return None

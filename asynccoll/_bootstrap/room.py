@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .._faults import procs
 from .._faults.census import encode_ranks
+from .._faults.service import peek
 
 WITHDRAWN, DEAD, REFUSED, CANCELLED = "withdrawn", "dead", "refused|", "cancelled"
 _POLL_MAX = 0.005
@@ -81,12 +82,12 @@ class Room:
         """Ticket ``t``'s ``admit`` value, or None at ``until`` (``time.monotonic()``) or on ``stop``."""
         key = f"admit/{t}"
         delay = 0.0005
-        while not self.store.check([key]):
+        while (mark := peek(self.store, key)) is None:
             if time.monotonic() >= until or stop.is_set():
                 return None
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
-        return bytes(self.store.get(key)).decode()
+        return mark.decode()
 
     def await_plan(self, g: int, t: int, until: float, stop: Any) -> dict[str, Any] | None:
         """Grow ``g``'s plan for ticket ``t``; None when it was cancelled, when the grow
@@ -99,14 +100,14 @@ class Room:
         """
         store = self.generation(g)
         delay = 0.0005
-        while not store.check(["plan"]):
+        while (found := peek(store, "plan")) is None:
             if not self.store.check([f"ticket/{t}"]):
                 return None
             if time.monotonic() >= until or stop.is_set():
                 return None
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
-        raw = bytes(store.get("plan")).decode()
+        raw = found.decode()
         if raw == CANCELLED:
             return None
         plan: dict[str, Any] = json.loads(raw)
@@ -159,14 +160,14 @@ class Room:
 
     def _verdict(self, t: int, backend: str) -> str | None:
         """None: ticket ``t`` may join; ``""``: not decidable yet; else its ``admit`` value."""
-        key = f"ticket/{t}"
-        if not self.store.check([key]):
+        raw = peek(self.store, f"ticket/{t}")
+        if raw is None:
             return ""
         try:
-            record = json.loads(bytes(self.store.get(key)))
+            record = json.loads(raw)
             dead = gone(record)
         except (ValueError, TypeError, KeyError, AttributeError):  # not written by ac.join
-            return f"{REFUSED}unreadable ticket record {key!r}"
+            return f"{REFUSED}unreadable ticket record 'ticket/{t}'"
         if dead:
             return DEAD
         if record.get("backend") != backend:

@@ -65,11 +65,24 @@ HOST_KEY = "asynccoll/host"
 #: ``<prefix>/of/<process>`` = ``i`` (``listing_of``: a dead process's listing is found
 #: from what its ranks published, and retired by the survivors, ``unlist_dead``).
 SERVICES_KEY = "asynccoll/services"
-#: A value never written under ``SERVICES_KEY``: ``compare_set`` with it reads a key
-#: without waiting for it (a ``get`` of a key deleted meanwhile waits for the timeout).
-_ABSENT = "-"
+#: A value no asynccoll key ever holds: ``compare_set`` with it reads a key without
+#: waiting for it (``peek``).
+_ABSENT = b"\x00absent"
 #: How long a closing store host waits for the services' acknowledgements.
 LEAVE_WAIT = 2.0
+
+
+def peek(store: Any, key: str) -> bytes | None:
+    """``key``'s value, or None where it does not exist: one request that never waits.
+
+    A ``get`` of a missing key waits for the store's timeout, and a key that ``check``
+    saw may be deleted before the ``get`` that follows (by the last rank out of a
+    communicator or a grow, while this process was stopped): every read of a key that
+    another process may delete goes through here. (``compare_set`` of a missing key with
+    a non-empty expected value returns that value and writes nothing.)
+    """
+    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if raw == _ABSENT else raw
 
 
 def root_of(store: Any) -> Any:
@@ -100,9 +113,9 @@ def unlist_dead(root: Any, peers: Iterable[procs.Peer]) -> None:
         if not peer.port or not peer.machine:
             continue  # no pulse, or a process we cannot name: it listed nothing
         key = listing_of(peer.machine, peer.pid, peer.start, peer.port)
-        slot = bytes(root.compare_set(key, _ABSENT, _ABSENT)).decode()
-        if slot != _ABSENT:
-            root.delete_key(f"{SERVICES_KEY}/{slot}")
+        slot = peek(root, key)
+        if slot is not None:
+            root.delete_key(f"{SERVICES_KEY}/{slot.decode()}")
             root.delete_key(key)
 
 
@@ -111,11 +124,11 @@ def unlist_ranks(store: Any, ranks: Iterable[int]) -> None:
     whose keys are under ``store``, as their ``proc/<rank>`` records name them."""
     peers = []
     for r in ranks:
-        raw = bytes(store.compare_set(f"proc/{r}", _ABSENT, _ABSENT)).decode(errors="replace")
-        if raw == _ABSENT:
+        raw = peek(store, f"proc/{r}")
+        if raw is None:
             continue
         try:
-            peers.append(procs.Peer.decode(raw))
+            peers.append(procs.Peer.decode(raw.decode(errors="replace")))
         except ValueError:  # not a record of Liveness.start: it names no listing of ours
             continue
     unlist_dead(root_of(store), peers)
