@@ -24,10 +24,11 @@ import anyio.to_thread
 import torch.distributed as dist
 
 from .._base.errors import AsyncCollError, CommAborted, PeerFailure
+from .._base.storekeys import peek
 from .._core.communicator import Communicator
 from .._faults.census import decode_ranks, encode_ranks
 from .._faults.liveness import Liveness
-from .._faults.service import peek, unlist_ranks
+from .._faults.service import unlist_ranks
 from .rendezvous import drop_keys, off_loop
 from .room import Room, gone
 

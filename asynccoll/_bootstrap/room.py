@@ -35,9 +35,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._base.storekeys import peek
 from .._faults import procs
 from .._faults.census import encode_ranks
-from .._faults.service import peek
 
 WITHDRAWN, DEAD, REFUSED, CANCELLED = "withdrawn", "dead", "refused|", "cancelled"
 _POLL_MAX = 0.005

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .._base.storekeys import peek
 from . import procs
 
 #: Keys read per request (bounded replies).
@@ -78,7 +79,7 @@ class Roster:
                 if self._store.check(keys):
                     values = self._store.multi_get(keys)
                 else:
-                    values = [self._store.get(k) if self._store.check([k]) else b"" for k in keys]
+                    values = [peek(self._store, k) or b"" for k in keys]
                 for r, raw in zip(part, values):
                     if raw:
                         self.cache[r] = procs.Peer.decode(raw)
@@ -91,9 +92,8 @@ class Roster:
         store = self._store
         if store.check([f"bye/{rank}"]):
             return True
-        if not store.check(["aborted"]):  # (a get of a missing key waits for the store's timeout)
-            return False
-        return bytes(store.get("aborted")).split(b"|", 1)[0] == str(rank).encode()
+        aborted = peek(store, "aborted")
+        return aborted is not None and aborted.split(b"|", 1)[0] == str(rank).encode()
 
     def probe(
         self,

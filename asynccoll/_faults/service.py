@@ -33,6 +33,7 @@ from datetime import timedelta
 from typing import Any, Iterable, Protocol
 
 from .._base import shutdown
+from .._base.storekeys import peek
 from . import news, procs
 
 
@@ -65,24 +66,8 @@ HOST_KEY = "asynccoll/host"
 #: ``<prefix>/of/<process>`` = ``i`` (``listing_of``: a dead process's listing is found
 #: from what its ranks published, and retired by the survivors, ``unlist_dead``).
 SERVICES_KEY = "asynccoll/services"
-#: A value no asynccoll key ever holds: ``compare_set`` with it reads a key without
-#: waiting for it (``peek``).
-_ABSENT = b"\x00absent"
 #: How long a closing store host waits for the services' acknowledgements.
 LEAVE_WAIT = 2.0
-
-
-def peek(store: Any, key: str) -> bytes | None:
-    """``key``'s value, or None where it does not exist: one request that never waits.
-
-    A ``get`` of a missing key waits for the store's timeout, and a key that ``check``
-    saw may be deleted before the ``get`` that follows (by the last rank out of a
-    communicator or a grow, while this process was stopped): every read of a key that
-    another process may delete goes through here. (``compare_set`` of a missing key with
-    a non-empty expected value returns that value and writes nothing.)
-    """
-    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-    return None if raw == _ABSENT else raw
 
 
 def root_of(store: Any) -> Any:
