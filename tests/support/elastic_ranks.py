@@ -459,6 +459,7 @@ async def joiner_takes_the_members_options(ctx: RankContext) -> dict:
         error = None
     except ac.CollectiveMismatch as exc:
         error = type(exc).__name__
+    await comm.close()  # aborted by the mismatch: its liveness member leaves the worker
     return {"sum": t.tolist(), "error": error, "timeout": comm.timeout}
 
 
