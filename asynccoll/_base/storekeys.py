@@ -13,14 +13,15 @@ from typing import Any
 
 #: A value no asynccoll key ever holds: ``compare_set`` with it reads a key without
 #: waiting for it.
-_ABSENT = b"\x00absent"
+_ABSENT = "\x00absent"
 
 
-def peek(store: Any, key: str) -> bytes | None:
-    """``key``'s value, or None where it does not exist (blocking: one store request).
+def peek(store: Any, key: str) -> str | None:
+    """``key``'s value (decoded), or None where it does not exist (blocking: one store
+    request).
 
     ``compare_set`` of a missing key with a non-empty expected value returns that value
     and writes nothing; of a present one, whose value is never ``_ABSENT``, its value.
     """
-    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT)).decode(errors="replace")
     return None if raw == _ABSENT else raw

@@ -76,7 +76,7 @@ class _Assembly:
             self.announced = True
         outcome = peek(gen, "outcome")
         if outcome is not None:
-            return outcome.decode()
+            return outcome
         if self.announced and gen.check([f"built/{r}" for r in range(self.size)]):
             return bytes(gen.compare_set("outcome", "", "ok")).decode()
         return None

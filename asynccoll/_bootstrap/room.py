@@ -87,7 +87,7 @@ class Room:
                 return None
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
-        return mark.decode()
+        return mark
 
     def await_plan(self, g: int, t: int, until: float, stop: Any) -> dict[str, Any] | None:
         """Grow ``g``'s plan for ticket ``t``; None when it was cancelled, when the grow
@@ -107,7 +107,7 @@ class Room:
                 return None
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
-        raw = found.decode()
+        raw = found
         if raw == CANCELLED:
             return None
         plan: dict[str, Any] = json.loads(raw)

@@ -79,7 +79,7 @@ class Roster:
                 if self._store.check(keys):
                     values = self._store.multi_get(keys)
                 else:
-                    values = [peek(self._store, k) or b"" for k in keys]
+                    values = [(peek(self._store, k) or "").encode() for k in keys]
                 for r, raw in zip(part, values):
                     if raw:
                         self.cache[r] = procs.Peer.decode(raw)
@@ -93,7 +93,7 @@ class Roster:
         if store.check([f"bye/{rank}"]):
             return True
         aborted = peek(store, "aborted")
-        return aborted is not None and aborted.split(b"|", 1)[0] == str(rank).encode()
+        return aborted is not None and aborted.split("|", 1)[0] == str(rank)
 
     def probe(
         self,

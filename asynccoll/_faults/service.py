@@ -100,7 +100,7 @@ def unlist_dead(root: Any, peers: Iterable[procs.Peer]) -> None:
         key = listing_of(peer.machine, peer.pid, peer.start, peer.port)
         slot = peek(root, key)
         if slot is not None:
-            root.delete_key(f"{SERVICES_KEY}/{slot.decode()}")
+            root.delete_key(f"{SERVICES_KEY}/{slot}")
             root.delete_key(key)
 
 
@@ -113,7 +113,7 @@ def unlist_ranks(store: Any, ranks: Iterable[int]) -> None:
         if raw is None:
             continue
         try:
-            peers.append(procs.Peer.decode(raw.decode(errors="replace")))
+            peers.append(procs.Peer.decode(raw))
         except ValueError:  # not a record of Liveness.start: it names no listing of ours
             continue
     unlist_dead(root_of(store), peers)
