@@ -29,7 +29,7 @@ from .._faults.census import decode_ranks, encode_ranks
 from .._faults.liveness import Liveness
 from .._faults.service import unlist_ranks
 from .rendezvous import drop_keys, off_loop
-from .room import Room, gone
+from .room import Room, gone, peek
 
 #: How often a participant looks at the outcome, its news and the process table.
 _TICK = 0.003
@@ -54,9 +54,9 @@ class _Assembly:
         """Each other participant's process identity, as far as published."""
         for r, ticket in self.joiners.items():
             if r != self.rank and r not in self.records:
-                key = f"ticket/{ticket}"
-                if self.room.store.check([key]):
-                    self.records[r] = json.loads(bytes(self.room.store.get(key)))
+                raw = peek(self.room.store, f"ticket/{ticket}")
+                if raw is not None:
+                    self.records[r] = json.loads(raw)
         for r, peer in self.watch.peers().items():
             self.records[r] = {"machine": peer.machine, "pid": peer.pid, "start": peer.start}
         return self.records
@@ -104,8 +104,8 @@ def leave_grow(
     the outcome names failed whose processes are gone (``probe``; a stopped one may
     resume and read the keys: it counts itself then) never count themselves: the last
     of the others deletes the keys, and unlists their processes' liveness services
-    (``unlist_ranks``). The tickets' ``admit`` marks stay: the room's scan reads them
-    until its ``resolved`` passes them.
+    (``unlist_ranks``). The tickets' ``admit`` marks stay: the room's scan deletes them
+    once they fall out of its window behind ``resolved`` (``Room.scan``).
     """
     _, ranks, _ = (outcome.split("|", 2) + ["", ""])[:3]
     named = [r for r in decode_ranks(ranks) if r != rank] if ranks not in ("", "-") else []

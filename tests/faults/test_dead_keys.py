@@ -128,7 +128,7 @@ async def keys_around_a_grow_death(ctx: RankContext, member_dies: bool) -> dict[
 #: keys, not the dead rank's.
 _MAY_STAY = re.compile(
     r"(^asynccoll/(services|store)$|(^|/)asynccoll/gen/w\d+-g$"
-    r"|/asynccoll/group/g/(admit/\d+|generations|resolved|tickets)$|/before-shrink/\d$"
+    r"|/asynccoll/group/g/(admit/\d+|expired|generations|resolved|tickets)$|/before-shrink/\d$"
     r"|/asynccoll/group/g/gen/1/comm/asynccoll/w\d+-g/0//(opts/\d|abandoned|left)$)"
 )
 
@@ -201,3 +201,43 @@ def test_killed_pair_members_leave_no_keys_of_their_subgroups() -> None:
     results = run_ranks(kill_pair_members, world_size=4, backend=None, timeout=120, lost=(1, 3))
     for res in (results[0], results[2]):
         assert res["left"] == [], "\n".join(res["left"])
+
+
+async def joiners_come_and_go(ctx: RankContext) -> dict[str, Any]:
+    """2 members look at the room while rank 2 joins 12 times refused (another backend)
+    and 6 times timed out, then joins for good and the group grows to 3."""
+    store = ctx.store
+    if ctx.rank == 2:
+        for _ in range(12):
+            with pytest.raises(ac.InvalidArgument):
+                await ac.join("auto", store=store, name="g", timeout=30)
+        for _ in range(6):
+            with pytest.raises(ac.CollectiveTimeout):
+                await ac.join("gloo", store=store, name="g", timeout=0.1)
+        store.set("joiner/ready", "1")
+        comm = await ac.join("gloo", store=store, name="g", timeout=30)
+    else:
+        comm = await ac.init("gloo", rank=ctx.rank, world_size=2, store=store, name="g")
+        while True:
+            n = await comm.waiting()
+            ready = torch.tensor([int(store.check(["joiner/ready"]))])
+            await comm.all_reduce(ready, ac.ReduceOp.MIN)  # every member decides alike
+            if n and ready.item():
+                break
+            await asyncio.sleep(0.01)
+        comm = await comm.grow(3)
+    await comm.all_reduce(torch.ones(1))
+    await comm.close()
+    await _barrier(store, "b/end", 3)
+    keys = store.list_keys()  # (this run's: other tests share the worker's store)
+    return {
+        kind: sorted(k for k in keys if f"/group/g/{kind}/" in k) for kind in ("admit", "ticket")
+    }
+
+
+def test_joiners_that_come_and_go_leave_a_bounded_number_of_room_keys() -> None:
+    """Each ticket's ``admit`` mark stayed for good, and so did the record of each ticket
+    not admitted: 19 marks and 18 records after 19 joins."""
+    results = run_ranks(joiners_come_and_go, world_size=3, backend=None, timeout=120)
+    for res in results:
+        assert len(res["admit"]) <= 10 and len(res["ticket"]) <= 10, res
