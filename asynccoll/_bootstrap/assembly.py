@@ -28,11 +28,15 @@ from .._core.communicator import Communicator
 from .._faults.census import decode_ranks, encode_ranks
 from .._faults.liveness import Liveness
 from .._faults.service import unlist_ranks
-from .rendezvous import drop_keys, off_loop
+from .rendezvous import drop_keys, drop_namespace, off_loop, sole_prefix
 from .room import Room, gone, peek
 
 #: How often a participant looks at the outcome, its news and the process table.
 _TICK = 0.003
+#: The outcome of a grow that everyone built.
+OK = "ok"
+#: Where the grown communicator is built, under ``gen/<g>/``.
+BUILD = "comm"
 
 
 class _Assembly:
@@ -76,7 +80,7 @@ class _Assembly:
         if gen.check(["outcome"]):
             return bytes(gen.get("outcome")).decode()
         if self.announced and gen.check([f"built/{r}" for r in range(self.size)]):
-            return bytes(gen.compare_set("outcome", "", "ok")).decode()
+            return bytes(gen.compare_set("outcome", "", OK)).decode()
         return None
 
     def leave(self, outcome: str) -> None:
@@ -99,7 +103,11 @@ def leave_grow(
     grow's keys: the last of the participants deletes them.
 
     Its plan, outcome and ``built/`` marks, the watch's keys, the joiners' ticket
-    records. Every participant has read the outcome (rank 0 that called the grow off
+    records; and when the grow failed, the keys of the grown communicator that nobody
+    keeps (under ``gen/<g>/comm/``): what its creation wrote before it was given up
+    (each rank's options, Gloo addresses, the give-up mark), and all of it where the
+    creation had ended but the outcome is a failure (ranks that died or were left
+    unproven never count themselves out of it). Every participant has read the outcome (rank 0 that called the grow off
     wrote it) and said goodbye on its watch before it counts itself here. The ranks
     the outcome names failed whose processes are gone (``probe``; a stopped one may
     resume and read the keys: it counts itself then) never count themselves: the last
@@ -117,6 +125,8 @@ def leave_grow(
     watch = dist.PrefixStore("watch", gen)
     unlist_ranks(watch, dead)  # (before drop_keys: it reads proc/<r>)
     drop_keys(watch, size)
+    if outcome != OK:
+        drop_namespace(dist.PrefixStore(BUILD, gen), sole_prefix(size, room.name), size)
     for ticket in joiners.values():
         room.store.delete_key(f"ticket/{ticket}")
 
@@ -153,6 +163,14 @@ async def assemble(
     errors: list[BaseException] = []
     try:
         outcome = await _race(view, timeout, news, build, built, errors)
+        if outcome != OK:
+            # Nobody keeps the new group. Closed before this participant counts itself
+            # out of the grow: the last one out deletes the group's keys (``leave_grow``),
+            # after every write of the others to them.
+            for comm in built:
+                comm.abort("grow failed on another rank")
+                with anyio.CancelScope(shield=True):
+                    await comm.close()
         try:  # the outcome holds whatever happens to the cleanup
             await off_loop(watch.goodbye, timeout, "grow")
             await off_loop(functools.partial(view.leave, outcome), timeout, "grow")
@@ -160,12 +178,8 @@ async def assemble(
             pass
     finally:
         watch.stop()
-    if outcome == "ok":
+    if outcome == OK:
         return built[0]
-    for comm in built:  # the outcome is a failure: nobody keeps the new group
-        comm.abort("grow failed on another rank")
-        with anyio.CancelScope(shield=True):
-            await comm.close()
     _, ranks, why = outcome.split("|", 2)
     failed = decode_ranks(ranks) if ranks != "-" else ()
     if failed:
@@ -191,7 +205,7 @@ async def _race(
         try:
             # A connection of its own: Gloo's constructor blocks in the store client
             # while it waits for peers, and the watch must keep talking meanwhile.
-            prefixed: Any = dist.PrefixStore("comm", view.gen)
+            prefixed: Any = dist.PrefixStore(BUILD, view.gen)
             store = await off_loop(prefixed.clone, timeout, "store")
             built.append(await build(store))
         except Exception as exc:  # noqa: BLE001 - becomes the agreed outcome below

@@ -114,6 +114,11 @@ def group_of(world_size: int, name: str | None) -> str:
     return f"w{world_size}" if name is None else f"w{world_size}-{name}"
 
 
+def sole_prefix(world_size: int, name: str | None) -> str:
+    """The prefix of a communicator made on a store of its own (``comm_prefix(sole=True)``)."""
+    return f"asynccoll/{group_of(world_size, name)}/0/"
+
+
 async def comm_prefix(
     rdv: Rendezvous, timeout: float, name: str | None = None, sole: bool = False
 ) -> Namespace:
@@ -126,7 +131,7 @@ async def comm_prefix(
     """
     group = group_of(rdv.world_size, name)
     if sole:  # ``rdv.store`` is this communicator's alone (a shrink's, grow's, split's)
-        return Namespace(f"asynccoll/{group}/0/", None, 0)
+        return Namespace(sole_prefix(rdv.world_size, name), None, 0)
     key = f"{_GEN}{group}"
 
     def read() -> int:
@@ -316,6 +321,16 @@ def drop_keys(store: Any, n: int) -> None:
         store.delete_key(key)
 
 
+def drop_namespace(store: Any, prefix: str, n: int) -> None:
+    """Delete the keys of the communicator of ``n`` ranks made (or given up) in ``prefix``
+    on ``store`` (blocking): its parts' (``drop_keys``) and its backends' own."""
+    drop_keys(dist.PrefixStore(prefix, store), n)
+    gloo = dist.PrefixStore(prefix + "gloo/", store)
+    for r in range(n):
+        gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)
+    dist.PrefixStore(prefix + "nccl/", store).delete_key("unique_id")
+
+
 def forget(
     rdv: Rendezvous,
     prefix: str,
@@ -361,12 +376,8 @@ def forget(
         )
         drop_ops(store, seqs, n)
         unlist_ranks(store, sorted(gone - {rdv.rank}))  # (before drop_keys: it reads proc/<r>)
-        drop_keys(store, n)
+        drop_namespace(rdv.store, prefix, n)
         for key in keys:
             store.delete_key(key)
-        gloo = rdv.prefixed(prefix + "gloo/")
-        for r in range(n):
-            gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)
-        rdv.prefixed(prefix + "nccl/").delete_key("unique_id")
     except dist.DistNetworkError:
         return
