@@ -297,6 +297,8 @@ async def all_created(rdv: Rendezvous, ns: Namespace, timeout: float) -> None:
 
 #: The communicator's name in ``trace_dir`` (``build.build_diagnostics``).
 TRACE_KEY = "trace"
+#: The creations under a communicator's prefix that a rank gave up (``give_up``).
+GIVEN_UP = "given-up"
 #: Keys a communicator leaves under its prefix (see ``forget``).
 _SHARED_KEYS = (
     TRACE_KEY,
@@ -311,6 +313,7 @@ _SHARED_KEYS = (
     "created/all",
     "left",
     "ops",
+    GIVEN_UP,
 )
 _RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final")
 
@@ -329,6 +332,29 @@ def drop_namespace(store: Any, prefix: str, n: int) -> None:
     for r in range(n):
         gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)
     dist.PrefixStore(prefix + "nccl/", store).delete_key("unique_id")
+
+
+def give_up(store: Any, prefix: str, sub: str, world_size: int, name: str | None) -> None:
+    """This rank gave up the creation of ``world_size`` ranks made under ``prefix + sub``
+    on ``store`` (blocking): a shrink's build that a survivor died in (the survivors build
+    again without it) or that failed. Its keys (each rank's options, Gloo's addresses,
+    the give-up mark) go with those of the communicator under ``prefix`` (``forget``)."""
+    entry = json.dumps([sub, sole_prefix(world_size, name), world_size])
+    dist.PrefixStore(prefix, store).append(GIVEN_UP, entry + "\n")
+
+
+def _drop_given_up(rdv: Rendezvous, prefix: str) -> None:
+    """Delete the keys of the creations given up under ``prefix`` (``give_up``), except
+    one that ended on every rank (``created/all``): a rank that gave it up at the very
+    end may have been alone, and the others keep it; its own ``forget`` deletes it."""
+    store = rdv.prefixed(prefix)
+    if not store.check([GIVEN_UP]):
+        return
+    for line in set(bytes(store.get(GIVEN_UP)).decode().splitlines()):
+        sub, sole, n = json.loads(line)
+        base = rdv.prefixed(prefix + sub)
+        if not dist.PrefixStore(sole, base).check(["created/all"]):
+            drop_namespace(base, sole, n)
 
 
 def forget(
@@ -376,6 +402,7 @@ def forget(
         )
         drop_ops(store, seqs, n)
         unlist_ranks(store, sorted(gone - {rdv.rank}))  # (before drop_keys: it reads proc/<r>)
+        _drop_given_up(rdv, prefix)  # (before drop_namespace: it reads GIVEN_UP)
         drop_namespace(rdv.store, prefix, n)
         for key in keys:
             store.delete_key(key)

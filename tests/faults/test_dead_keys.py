@@ -17,7 +17,7 @@ import torch
 
 import asynccoll as ac
 from asynccoll._faults.service import Service, root_of
-from asynccoll.testing import RankContext, crash_later, run_ranks
+from asynccoll.testing import RankContext, crash, crash_later, run_ranks
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -95,6 +95,41 @@ def test_killed_ranks_leave_no_keys_across_shrink_generations() -> None:
         assert res["left"] == [] and res["after"] == res["before"], res
     counts = results[0]["counts"]  # keys at each generation start (5, 4, 3 and 2 ranks)
     assert counts == sorted(counts, reverse=True), counts
+
+
+async def death_during_a_shrink(ctx: RankContext) -> dict[str, Any]:
+    """4 ranks: rank 3 is SIGKILLed; rank 2 is SIGKILLed as the others begin their shrink,
+    whose first build (with rank 2) they give up and build again without it."""
+    store = ctx.store
+    root = root_of(store)
+    kw = await _warmed_up(ctx)
+    before = sorted(root.list_keys())
+    await _barrier(store, "b/start", ctx.world_size)
+    comm = await ac.init("gloo", rank=ctx.rank, **kw)
+    await comm.all_reduce(torch.ones(4))
+    if comm.rank == 3:
+        crash_later(0.2, how="sigkill")
+        await asyncio.sleep(30)
+    with pytest.raises(ac.PeerFailure):
+        while True:
+            await comm.all_reduce(torch.ones(1024))
+    if comm.rank == 2:
+        crash("sigkill")
+    new = await comm.shrink()
+    await new.all_reduce(torch.ones(4))
+    size = new.world_size
+    await new.close()
+    await _services_ended()
+    await _barrier(store, "b/end", 2)
+    return {"size": size, "left": sorted(set(root.list_keys()) - set(before))}
+
+
+def test_a_shrink_build_given_up_for_a_dead_survivor_leaves_no_keys() -> None:
+    """The creation the survivors gave up (each one's options, the give-up mark, Gloo's
+    addresses) stayed for good under the old communicator's namespace."""
+    results = run_ranks(death_during_a_shrink, world_size=4, backend=None, timeout=120, lost=(2, 3))
+    for res in results[:2]:
+        assert res["size"] == 2 and res["left"] == [], "\n".join(res["left"])
 
 
 async def keys_around_a_grow_death(ctx: RankContext, member_dies: bool) -> dict[str, Any]:
