@@ -368,10 +368,10 @@ def forget(
     ``shrink()`` once the survivors' new communicator is up (``Resources.retire``).
 
     The rank counts itself out (``left``); the rank whose count makes every rank
-    either left or proven dead deletes all the communicator's keys (one rank: the
-    store hands out each count once), and the liveness service listings of the
-    processes of the ranks proven dead (``service.unlist_ranks``: a killed process
-    never unlists itself). Proven dead: the ranks of the census record
+    either left or proven dead (as far as it knows) deletes all the communicator's
+    keys (or steps past that count: ranks may know different dead), and the liveness
+    service listings of the processes of the ranks proven dead
+    (``service.unlist_ranks``: a killed process never unlists itself). Proven dead: the ranks of the census record
     (``failure``: proof of death only, see ``liveness``) and ``dead`` (ranks that
     shrink's build proved dead; their records, ``keys`` under the prefix, go too).
     ``ops``: object collectives this rank began that never finished (an abort ended
@@ -393,7 +393,10 @@ def forget(
         mine = ",".join(map(str, ops))
         if mine:
             store.append("ops", f"{mine},")
-        if int(store.add("left", 1)) != n - len(gone - {rdv.rank}):
+        # At or past the count this rank expects: ranks may see the dead differently (a
+        # rank the census named counts itself out if it was alive after all), and a count
+        # that steps past another's threshold must still end with someone deleting.
+        if int(store.add("left", 1)) < n - len(gone - {rdv.rank}):
             return
         seqs = (
             {int(s) for s in bytes(store.get("ops")).decode().split(",") if s}
