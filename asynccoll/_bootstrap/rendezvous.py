@@ -340,7 +340,8 @@ def give_up(store: Any, prefix: str, sub: str, world_size: int, name: str | None
     again without it) or that failed. Its keys (each rank's options, Gloo's addresses,
     the give-up mark) go with those of the communicator under ``prefix`` (``forget``)."""
     entry = json.dumps([sub, sole_prefix(world_size, name), world_size])
-    dist.PrefixStore(prefix, store).append(GIVEN_UP, entry + "\n")
+    under: Any = dist.PrefixStore(prefix, store)  # (torch's stubs lack Store.append)
+    under.append(GIVEN_UP, entry + "\n")
 
 
 def _drop_given_up(rdv: Rendezvous, prefix: str) -> None:
