@@ -29,11 +29,15 @@ from .._core.communicator import Communicator
 from .._faults.census import decode_ranks, encode_ranks
 from .._faults.liveness import Liveness
 from .._faults.service import unlist_ranks
-from .rendezvous import drop_keys, off_loop
+from .rendezvous import drop_keys, drop_namespace, off_loop, sole_prefix
 from .room import Room, gone
 
 #: How often a participant looks at the outcome, its news and the process table.
 _TICK = 0.003
+#: The outcome of a grow that everyone built.
+OK = "ok"
+#: Where the grown communicator is built, under ``gen/<g>/``.
+BUILD = "comm"
 
 
 class _Assembly:
@@ -78,7 +82,7 @@ class _Assembly:
         if outcome is not None:
             return outcome
         if self.announced and gen.check([f"built/{r}" for r in range(self.size)]):
-            return bytes(gen.compare_set("outcome", "", "ok")).decode()
+            return bytes(gen.compare_set("outcome", "", OK)).decode()
         return None
 
     def leave(self, outcome: str) -> None:
@@ -101,13 +105,17 @@ def leave_grow(
     grow's keys: the last of the participants deletes them.
 
     Its plan, outcome and ``built/`` marks, the watch's keys, the joiners' ticket
-    records. Every participant has read the outcome (rank 0 that called the grow off
+    records; and when the grow failed, the keys of the grown communicator that nobody
+    keeps (under ``gen/<g>/comm/``): what its creation wrote before it was given up
+    (each rank's options, Gloo addresses, the give-up mark), and all of it where the
+    creation had ended but the outcome is a failure (ranks that died or were left
+    unproven never count themselves out of it). Every participant has read the outcome (rank 0 that called the grow off
     wrote it) and said goodbye on its watch before it counts itself here. The ranks
     the outcome names failed whose processes are gone (``probe``; a stopped one may
     resume and read the keys: it counts itself then) never count themselves: the last
     of the others deletes the keys, and unlists their processes' liveness services
-    (``unlist_ranks``). The tickets' ``admit`` marks stay: the room's scan reads them
-    until its ``resolved`` passes them.
+    (``unlist_ranks``). The tickets' ``admit`` marks stay: the room's scan deletes them
+    once they fall out of its window behind ``resolved`` (``Room.scan``).
     """
     _, ranks, _ = (outcome.split("|", 2) + ["", ""])[:3]
     named = [r for r in decode_ranks(ranks) if r != rank] if ranks not in ("", "-") else []
@@ -119,6 +127,8 @@ def leave_grow(
     watch = dist.PrefixStore("watch", gen)
     unlist_ranks(watch, dead)  # (before drop_keys: it reads proc/<r>)
     drop_keys(watch, size)
+    if outcome != OK:
+        drop_namespace(dist.PrefixStore(BUILD, gen), sole_prefix(size, room.name), size)
     for ticket in joiners.values():
         room.store.delete_key(f"ticket/{ticket}")
 
@@ -155,6 +165,14 @@ async def assemble(
     errors: list[BaseException] = []
     try:
         outcome = await _race(view, timeout, news, build, built, errors)
+        if outcome != OK:
+            # Nobody keeps the new group. Closed before this participant counts itself
+            # out of the grow: the last one out deletes the group's keys (``leave_grow``),
+            # after every write of the others to them.
+            for comm in built:
+                comm.abort("grow failed on another rank")
+                with anyio.CancelScope(shield=True):
+                    await comm.close()
         try:  # the outcome holds whatever happens to the cleanup
             await off_loop(watch.goodbye, timeout, "grow")
             await off_loop(functools.partial(view.leave, outcome), timeout, "grow")
@@ -162,12 +180,8 @@ async def assemble(
             pass
     finally:
         watch.stop()
-    if outcome == "ok":
+    if outcome == OK:
         return built[0]
-    for comm in built:  # the outcome is a failure: nobody keeps the new group
-        comm.abort("grow failed on another rank")
-        with anyio.CancelScope(shield=True):
-            await comm.close()
     _, ranks, why = outcome.split("|", 2)
     failed = decode_ranks(ranks) if ranks != "-" else ()
     if failed:
@@ -193,7 +207,7 @@ async def _race(
         try:
             # A connection of its own: Gloo's constructor blocks in the store client
             # while it waits for peers, and the watch must keep talking meanwhile.
-            prefixed: Any = dist.PrefixStore("comm", view.gen)
+            prefixed: Any = dist.PrefixStore(BUILD, view.gen)
             store = await off_loop(prefixed.clone, timeout, "store")
             built.append(await build(store))
         except Exception as exc:  # noqa: BLE001 - becomes the agreed outcome below

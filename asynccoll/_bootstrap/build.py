@@ -43,6 +43,7 @@ from .rendezvous import (
     all_created,
     comm_prefix,
     forget,
+    give_up,
     off_loop,
     rendezvous,
 )
@@ -341,6 +342,15 @@ async def connect(
         except BaseException:
             if shrunk is not None:
                 shrunk.release()  # bounded ncclCommAbort of the unused child
+            # Its keys go with this communicator's (shielded: a build that a survivor's
+            # death cancelled is given up too).
+            name = getattr(group, "name", None)
+            record = functools.partial(give_up, rdv.store, prefix, suffix, new_size, name)
+            with anyio.CancelScope(shield=True):
+                try:
+                    await off_loop(record, min(timeout, _FORGET_S), "store")
+                except AsyncCollError:
+                    pass  # the store failed: the build's error is the one to report
             raise
         if rdv.key is not None:
             STORES.hold(rdv.key, new)  # it uses the shared store too

@@ -422,7 +422,8 @@ async def _admitted(
     """Take a ticket and wait until a grow admits it: (ticket, the grow's number, its plan).
 
     A ticket resolved otherwise (declared dead, a cancelled plan, a grow that ended
-    without it while this process was stopped) is replaced by a new one; at ``deadline``
+    without it while this process was stopped, an admission that expired unread) is
+    replaced by a new one; at ``deadline``
     the ticket is withdrawn (``CollectiveTimeout``) unless a grow admitted it in the
     same instant.
     """
@@ -454,7 +455,9 @@ async def _admitted(
         if isinstance(answer, str):
             if answer.startswith(REFUSED):
                 raise InvalidArgument(f"join: {answer[len(REFUSED) :]}")
-            continue  # declared dead while alive (an unreadable process table): a new ticket
+            # Declared dead while alive (an unreadable process table), or its admission
+            # expired unread (``room.EXPIRED``): a new ticket.
+            continue
         g, plan = answer
         if plan is not None:
             return ticket, g, plan

@@ -114,6 +114,11 @@ def group_of(world_size: int, name: str | None) -> str:
     return f"w{world_size}" if name is None else f"w{world_size}-{name}"
 
 
+def sole_prefix(world_size: int, name: str | None) -> str:
+    """The prefix of a communicator made on a store of its own (``comm_prefix(sole=True)``)."""
+    return f"asynccoll/{group_of(world_size, name)}/0/"
+
+
 async def comm_prefix(
     rdv: Rendezvous, timeout: float, name: str | None = None, sole: bool = False
 ) -> Namespace:
@@ -126,7 +131,7 @@ async def comm_prefix(
     """
     group = group_of(rdv.world_size, name)
     if sole:  # ``rdv.store`` is this communicator's alone (a shrink's, grow's, split's)
-        return Namespace(f"asynccoll/{group}/0/", None, 0)
+        return Namespace(sole_prefix(rdv.world_size, name), None, 0)
     key = f"{_GEN}{group}"
 
     def read() -> int:
@@ -292,6 +297,8 @@ async def all_created(rdv: Rendezvous, ns: Namespace, timeout: float) -> None:
 
 #: The communicator's name in ``trace_dir`` (``build.build_diagnostics``).
 TRACE_KEY = "trace"
+#: The creations under a communicator's prefix that a rank gave up (``give_up``).
+GIVEN_UP = "given-up"
 #: Keys a communicator leaves under its prefix (see ``forget``).
 _SHARED_KEYS = (
     TRACE_KEY,
@@ -306,6 +313,7 @@ _SHARED_KEYS = (
     "created/all",
     "left",
     "ops",
+    GIVEN_UP,
 )
 _RANK_KEYS = ("hb", "proc", "bye", "opts", "fp/addr", "shrink/propose", "shrink/final")
 
@@ -314,6 +322,40 @@ def drop_keys(store: Any, n: int) -> None:
     """Delete the keys a communicator's parts (or a liveness watch) of ``n`` ranks leave under ``store``."""
     for key in (*_SHARED_KEYS, *(f"{k}/{r}" for k in _RANK_KEYS for r in range(n))):
         store.delete_key(key)
+
+
+def drop_namespace(store: Any, prefix: str, n: int) -> None:
+    """Delete the keys of the communicator of ``n`` ranks made (or given up) in ``prefix``
+    on ``store`` (blocking): its parts' (``drop_keys``) and its backends' own."""
+    drop_keys(dist.PrefixStore(prefix, store), n)
+    gloo = dist.PrefixStore(prefix + "gloo/", store)
+    for r in range(n):
+        gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)
+    dist.PrefixStore(prefix + "nccl/", store).delete_key("unique_id")
+
+
+def give_up(store: Any, prefix: str, sub: str, world_size: int, name: str | None) -> None:
+    """This rank gave up the creation of ``world_size`` ranks made under ``prefix + sub``
+    on ``store`` (blocking): a shrink's build that a survivor died in (the survivors build
+    again without it) or that failed. Its keys (each rank's options, Gloo's addresses,
+    the give-up mark) go with those of the communicator under ``prefix`` (``forget``)."""
+    entry = json.dumps([sub, sole_prefix(world_size, name), world_size])
+    under: Any = dist.PrefixStore(prefix, store)  # (torch's stubs lack Store.append)
+    under.append(GIVEN_UP, entry + "\n")
+
+
+def _drop_given_up(rdv: Rendezvous, prefix: str) -> None:
+    """Delete the keys of the creations given up under ``prefix`` (``give_up``), except
+    one that ended on every rank (``created/all``): a rank that gave it up at the very
+    end may have been alone, and the others keep it; its own ``forget`` deletes it."""
+    store = rdv.prefixed(prefix)
+    if not store.check([GIVEN_UP]):
+        return
+    for line in set(bytes(store.get(GIVEN_UP)).decode().splitlines()):
+        sub, sole, n = json.loads(line)
+        base = rdv.prefixed(prefix + sub)
+        if not dist.PrefixStore(sole, base).check(["created/all"]):
+            drop_namespace(base, sole, n)
 
 
 def forget(
@@ -327,10 +369,10 @@ def forget(
     ``shrink()`` once the survivors' new communicator is up (``Resources.retire``).
 
     The rank counts itself out (``left``); the rank whose count makes every rank
-    either left or proven dead deletes all the communicator's keys (one rank: the
-    store hands out each count once), and the liveness service listings of the
-    processes of the ranks proven dead (``service.unlist_ranks``: a killed process
-    never unlists itself). Proven dead: the ranks of the census record
+    either left or proven dead (as far as it knows) deletes all the communicator's
+    keys (or steps past that count: ranks may know different dead), and the liveness
+    service listings of the processes of the ranks proven dead
+    (``service.unlist_ranks``: a killed process never unlists itself). Proven dead: the ranks of the census record
     (``failure``: proof of death only, see ``liveness``) and ``dead`` (ranks that
     shrink's build proved dead; their records, ``keys`` under the prefix, go too).
     ``ops``: object collectives this rank began that never finished (an abort ended
@@ -352,7 +394,10 @@ def forget(
         mine = ",".join(map(str, ops))
         if mine:
             store.append("ops", f"{mine},")
-        if int(store.add("left", 1)) != n - len(gone - {rdv.rank}):
+        # At or past the count this rank expects: ranks may see the dead differently (a
+        # rank the census named counts itself out if it was alive after all), and a count
+        # that steps past another's threshold must still end with someone deleting.
+        if int(store.add("left", 1)) < n - len(gone - {rdv.rank}):
             return
         seqs = (
             {int(s) for s in bytes(store.get("ops")).decode().split(",") if s}
@@ -361,12 +406,9 @@ def forget(
         )
         drop_ops(store, seqs, n)
         unlist_ranks(store, sorted(gone - {rdv.rank}))  # (before drop_keys: it reads proc/<r>)
-        drop_keys(store, n)
+        _drop_given_up(rdv, prefix)  # (before drop_namespace: it reads GIVEN_UP)
+        drop_namespace(rdv.store, prefix, n)
         for key in keys:
             store.delete_key(key)
-        gloo = rdv.prefixed(prefix + "gloo/")
-        for r in range(n):
-            gloo.delete_key(f"0/{r}")  # Gloo's full-mesh addresses (its key layout, torch 2.x)
-        rdv.prefixed(prefix + "nccl/").delete_key("unique_id")
     except dist.DistNetworkError:
         return

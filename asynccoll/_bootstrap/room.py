@@ -7,18 +7,34 @@ joiners connect to as well):
 ``tickets``
     counter; a joiner takes ticket ``t = add(tickets, 1)``.
 ``ticket/<t>``
-    the joiner's record (JSON: backend, host, pid, and its process identity).
+    the joiner's record (JSON: backend, host, pid, and its process identity), or
+    ``"void"``: the joiner did not write it within :data:`VOID_AFTER` seconds of a
+    scan seeing the ticket (it died between taking the ticket and writing it; a live
+    one that was stopped there takes a new ticket).
+``unrecorded/<t>``
+    when a scan first saw ticket ``t`` without its record (the scanner's clock).
 ``admit/<t>``
     how ticket ``t`` ended, first writer wins (``compare_set``): ``"<g>"`` admitted
     by grow ``g``; ``"withdrawn"`` (the joiner gave up); ``"dead"`` (its process is
-    gone); ``"refused|<why>"`` (it cannot join this group).
+    gone); ``"void"`` (its record never came); ``"refused|<why>"`` (it cannot join
+    this group).
 ``resolved``
     every ticket up to this one has an ``admit`` key: where the next scan starts.
+``expired``
+    the keys of every ticket up to this one are deleted (see below).
 ``generations``
     counter; each grow takes ``g = add(generations, 1)``.
 ``gen/<g>/plan``
     JSON (the admitted tickets, the new world size, the members' options) or
     ``"cancelled"``; ``gen/<g>/`` also holds the grown communicator's own keys.
+
+The room's keys stay bounded: the scan that moves ``resolved`` on deletes the
+``admit`` mark and record of each ticket that falls more than :data:`KEEP` tickets
+behind it (and the plan of a cancelled grow that mark names). A joiner that had not
+read its mark by then (stopped, or starved of CPU, for all that time) finds it
+gone with its ticket behind ``resolved``: its admission expired (:data:`EXPIRED`),
+and it takes a new ticket, as after a cancelled plan. The grow it was admitted to
+cannot have succeeded without it (every participant announces that it built).
 
 A joiner is admitted only with all the others of its grow: the grow's leader (rank 0
 of the members) claims every chosen ticket, and writes the plan only when it won all
@@ -39,8 +55,18 @@ from .._base.storekeys import peek
 from .._faults import procs
 from .._faults.census import encode_ranks
 
-WITHDRAWN, DEAD, REFUSED, CANCELLED = "withdrawn", "dead", "refused|", "cancelled"
+WITHDRAWN, DEAD, VOID, REFUSED, CANCELLED = "withdrawn", "dead", "void", "refused|", "cancelled"
+#: ``await_admission``: the ticket's mark was deleted before its joiner read it.
+EXPIRED = "expired"
+#: How many resolved tickets behind ``resolved`` keep their mark and record.
+KEEP = 8
 _POLL_MAX = 0.005
+#: How often a waiting joiner looks whether ``resolved`` passed its ticket (seconds).
+_EXPIRY_EVERY = 0.25
+#: A ticket still without its record this long after a scan first saw it is void (seconds).
+#: A joiner writes it right after taking the ticket: only a death (or a stop) comes between,
+#: and a ticket without its record holds ``resolved`` back, and with it the window.
+VOID_AFTER = 10.0
 
 
 def process_identity() -> dict[str, Any]:
@@ -70,24 +96,49 @@ class Room:
 
     # ------------------------------------------------------------- joiner side
     def take_ticket(self, backend: str) -> int:
-        t = int(self.store.add("tickets", 1))
-        self.store.set(f"ticket/{t}", json.dumps({"backend": backend, **process_identity()}))
-        return t
+        """A new ticket, its record written (one request after the ticket is taken)."""
+        record = json.dumps({"backend": backend, **process_identity()})
+        while True:
+            t = int(self.store.add("tickets", 1))
+            if bytes(self.store.compare_set(f"ticket/{t}", "", record)).decode() == record:
+                return t
+            # Void: this process was stopped between the two requests for VOID_AFTER.
 
     def withdraw(self, t: int) -> str:
-        """Give ticket ``t`` up unless it was resolved first; how it ended (``"withdrawn"``: by us)."""
-        return bytes(self.store.compare_set(f"admit/{t}", "", WITHDRAWN)).decode()
+        """Give ticket ``t`` up unless it was resolved first; how it ended (``"withdrawn"``: by us).
+
+        A ticket whose mark had expired gets a ``withdrawn`` mark here, behind the scan's
+        window: the scan never visits it again, so it is deleted at once (the scan may
+        have deleted marks up to it before this one was written)."""
+        key = f"admit/{t}"
+        mark = bytes(self.store.compare_set(key, "", WITHDRAWN)).decode()
+        if mark == WITHDRAWN and t <= self._resolved() - KEEP:
+            self.store.delete_key(key)
+        return mark
 
     def await_admission(self, t: int, until: float, stop: Any) -> str | None:
-        """Ticket ``t``'s ``admit`` value, or None at ``until`` (``time.monotonic()``) or on ``stop``."""
+        """Ticket ``t``'s ``admit`` value, :data:`EXPIRED` if it was deleted unread, or
+        None at ``until`` (``time.monotonic()``) or on ``stop``."""
         key = f"admit/{t}"
         delay = 0.0005
-        while (mark := peek(self.store, key)) is None:
-            if time.monotonic() >= until or stop.is_set():
+        look = time.monotonic() + _EXPIRY_EVERY
+        while True:
+            mark = peek(self.store, key)
+            if mark is not None:
+                return mark
+            now = time.monotonic()
+            if now >= look:
+                # ``resolved`` passes a ticket only once it has a mark, and only the scan's
+                # window deletes marks: behind it and without one, it expired (unless the
+                # mark came just now).
+                look = now + _EXPIRY_EVERY
+                if t <= self._resolved():
+                    mark = peek(self.store, key)
+                    return EXPIRED if mark is None else mark
+            if now >= until or stop.is_set():
                 return None
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
-        return mark
 
     def await_plan(self, g: int, t: int, until: float, stop: Any) -> dict[str, Any] | None:
         """Grow ``g``'s plan for ticket ``t``; None when it was cancelled, when the grow
@@ -100,14 +151,13 @@ class Room:
         """
         store = self.generation(g)
         delay = 0.0005
-        while (found := peek(store, "plan")) is None:
+        while (raw := peek(store, "plan")) is None:
             if not self.store.check([f"ticket/{t}"]):
                 return None
             if time.monotonic() >= until or stop.is_set():
                 return None
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
-        raw = found
         if raw == CANCELLED:
             return None
         plan: dict[str, Any] = json.loads(raw)
@@ -156,18 +206,51 @@ class Room:
                 upto = t
         if upto > low:
             store.compare_set("resolved", str(low), str(upto))
+            self._expire(upto)
         return live
+
+    def _resolved(self) -> int:
+        raw = peek(self.store, "resolved")
+        return int(raw) if raw else 0
+
+    def _expire(self, resolved: int) -> None:
+        """Delete the keys of the tickets fallen out of the window behind ``resolved``:
+        each one's mark and record, and the plan of a cancelled grow its mark names.
+
+        ``expired`` says up to where this is done; it moves only once the keys are gone,
+        so a scan that died on the way leaves the rest to the next one (two scans at
+        once delete the same keys twice, which is harmless)."""
+        store = self.store
+        raw = peek(store, "expired")
+        done = int(raw) if raw else 0
+        for t in range(done + 1, resolved - KEEP + 1):
+            mark = peek(store, f"admit/{t}")
+            if mark is not None and mark.isdigit():
+                plan = self.generation(int(mark))
+                if peek(plan, "plan") == CANCELLED:
+                    plan.delete_key("plan")
+            for key in (f"admit/{t}", f"ticket/{t}", f"unrecorded/{t}"):
+                store.delete_key(key)
+        if resolved - KEEP > done:
+            store.compare_set("expired", raw or "", str(resolved - KEEP))
 
     def _verdict(self, t: int, backend: str) -> str | None:
         """None: ticket ``t`` may join; ``""``: not decidable yet; else its ``admit`` value."""
-        raw = peek(self.store, f"ticket/{t}")
+        key = f"ticket/{t}"
+        raw = peek(self.store, key)
         if raw is None:
-            return ""
+            now = str(time.time())
+            seen = float(bytes(self.store.compare_set(f"unrecorded/{t}", "", now)).decode())
+            if time.time() - seen < VOID_AFTER:
+                return ""  # the joiner is between its two requests
+            raw = bytes(self.store.compare_set(key, "", VOID)).decode()  # (or it wrote it just now)
+        if raw == VOID:
+            return VOID
         try:
             record = json.loads(raw)
             dead = gone(record)
         except (ValueError, TypeError, KeyError, AttributeError):  # not written by ac.join
-            return f"{REFUSED}unreadable ticket record 'ticket/{t}'"
+            return f"{REFUSED}unreadable ticket record {key!r}"
         if dead:
             return DEAD
         if record.get("backend") != backend:
@@ -194,7 +277,8 @@ class Room:
         ]
         gen = self.generation(g)
         if len(won) < k:  # a joiner withdrew meanwhile: the claimed ones take new tickets
-            gen.set("plan", CANCELLED)
+            if won:  # (read by them; the scan's window deletes it with their marks)
+                gen.set("plan", CANCELLED)
             return None
         gen.set("plan", json.dumps({**plan, "tickets": chosen}))
         return g

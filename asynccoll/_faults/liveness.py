@@ -141,9 +141,17 @@ class Liveness:
         svc.wake()
 
     def stop(self) -> None:
-        """Stop beating: the service says goodbye for this rank, then drops it. Never blocks."""
-        self._closed = True
-        self._keep()
+        """Stop beating: the service says goodbye for this rank, then drops it. Never blocks.
+
+        A member that already said goodbye, has no news to send and left the service
+        (a communicator that ``shrink()`` retired, then dropped) has nothing left to do:
+        no service is started again for it (one was, for a moment, listed on the store
+        while the peers may be counting its keys)."""
+        with self._lock:
+            self._closed = True
+            done = self._said_bye and self._abort_reason is None and self._left_service
+        if not done:
+            self._keep()
 
     def goodbye(self) -> None:
         """``close()``: say goodbye now (blocking, bounded), then leave the service.

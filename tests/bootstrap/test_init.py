@@ -388,6 +388,23 @@ def test_forget_waits_for_every_rank_not_proven_dead() -> None:
     assert server.num_keys() == 0, server.list_keys()
 
 
+def test_forget_deletes_when_the_ranks_count_past_a_threshold_they_see_differently() -> None:
+    """The census named rank 3 failed, yet it counts itself out too (it was alive): the
+    others each count against 3 ranks, rank 3 against 4. In the order 0, 1, 3, 2 no count
+    equalled its rank's threshold (3, 3, 3 against 4, 4 against 3) and nobody deleted."""
+    from datetime import timedelta
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    store = dist.PrefixStore("c/", server)
+    for key in ("aborted", "failure", "proc/0", "proc/1", "proc/2", "proc/3"):
+        store.set(key, "3" if key == "failure" else "x")
+    for rank in (0, 1, 3, 2):
+        rendezvous.forget(rendezvous.Rendezvous(server, rank, 4), "c/")
+    assert server.num_keys() == 0, server.list_keys()
+
+
 async def close_at_once(ctx: RankContext) -> dict[str, Any]:
     # Rank 1 is slow to finish creating (its Gloo group is built, then 1 s more: a rank
     # starved of CPU); rank 0 closes its communicator as soon as init returns. Init
