@@ -51,6 +51,15 @@ async def _warmed_up(ctx: RankContext) -> dict[str, Any]:
     return kw
 
 
+async def _counted_then_init(ctx: RankContext) -> tuple[list[str], ac.Communicator]:
+    """After the warm-up, the store's keys as every rank starts (the baseline), then a
+    Gloo communicator of every rank."""
+    kw = await _warmed_up(ctx)
+    before = sorted(root_of(ctx.store).list_keys())
+    await _barrier(ctx.store, "b/start", ctx.world_size)
+    return before, await ac.init("gloo", rank=ctx.rank, **kw)
+
+
 async def kill_shrink_generations(ctx: RankContext) -> dict[str, Any]:
     """5 ranks; in each of three generations the highest rank is SIGKILLed and the
     survivors shrink. Rank 0 counts the whole store's keys at each generation start."""
@@ -102,10 +111,7 @@ async def death_during_a_shrink(ctx: RankContext) -> dict[str, Any]:
     whose first build (with rank 2) they give up and build again without it."""
     store = ctx.store
     root = root_of(store)
-    kw = await _warmed_up(ctx)
-    before = sorted(root.list_keys())
-    await _barrier(store, "b/start", ctx.world_size)
-    comm = await ac.init("gloo", rank=ctx.rank, **kw)
+    before, comm = await _counted_then_init(ctx)
     await comm.all_reduce(torch.ones(4))
     if comm.rank == 3:
         crash_later(0.2, how="sigkill")
@@ -195,10 +201,7 @@ async def kill_pair_members(ctx: RankContext) -> dict[str, Any]:
     pair, the world shrinks, the old pairs close and the new world splits again."""
     store = ctx.store
     root = root_of(store)
-    kw = await _warmed_up(ctx)
-    before = sorted(root.list_keys())
-    await _barrier(store, "b/start", ctx.world_size)
-    comm = await ac.init("gloo", rank=ctx.rank, **kw)
+    before, comm = await _counted_then_init(ctx)
     counts = []
     while True:
         pair = await comm.split(_pairs(comm.world_size))
