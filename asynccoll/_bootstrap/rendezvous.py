@@ -174,13 +174,21 @@ def _abandoned(store: Any, prefix: str) -> CollectiveMismatch:
     )
 
 
+#: How long a wait for the peers polls before it also looks for a peer that gave up.
+_ABANDON_AFTER = 0.01
+
+
 def _until(store: Any, keys: list[str], deadline: float, prefix: str) -> None:
-    """Wait for ``keys``; a peer that gave the creation up ends the wait at once."""
-    delay = 0.0005
+    """Wait for ``keys``; a peer that gave the creation up ends the wait at once (after
+    ``_ABANDON_AFTER``: the peers of a creation that goes well arrive within a few
+    polls, each one request)."""
+    delay = 0.00005
+    abandon_after = time.monotonic() + _ABANDON_AFTER
     while not store.check(keys):
-        if store.check(["abandoned"]):
+        now = time.monotonic()
+        if now >= abandon_after and store.check(["abandoned"]):
             raise _abandoned(store, prefix)
-        if time.monotonic() >= deadline:
+        if now >= deadline:
             raise TimeoutError
         time.sleep(delay)
         delay = min(delay * 2, 0.005)

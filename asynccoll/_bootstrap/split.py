@@ -119,7 +119,7 @@ def _wait(
 ) -> None:
     # ``store`` is a connection of this split alone: short polls delay nobody (a blocking
     # wait that times out makes torch print a warning per slice).
-    delay = 0.0002
+    delay = 0.00005
     look = time.monotonic() + _WATCH_EVERY
     while not store.check(keys):
         now = time.monotonic()
