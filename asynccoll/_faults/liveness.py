@@ -123,10 +123,11 @@ class Liveness:
             store.add(f"hb/{self._rank}", 1)
             for r in self._watch:
                 store.add(f"hb/{r}", 0)  # exists from now on: a beat reads them in one request
-        store.compare_set("aborted", "", "")  # empty: no news; read at every beat
-        token = store.compare_set(news.NAMESPACE_KEY, "", secrets.token_hex(8))
-        self.namespace = bytes(token).decode(errors="replace")
-        store.compare_set("host", "", "")
+        # Appending nothing makes a key exist (empty) and leaves one that does alone, and
+        # like ``set`` waits for no answer; the token's ``compare_set`` last does, so every
+        # key exists once this returns.
+        store.append("aborted", "")  # empty: no news; read at every beat
+        store.append("host", "")
         machine, pid, started = procs.this_process()
         host, port = svc.pulse.address if svc.pulse is not None else ("", 0)
         store.set(
@@ -136,6 +137,8 @@ class Liveness:
             store.set(
                 "host", str(self._rank)
             )  # this process hosts the store: peers name it if it dies
+        token = store.compare_set(news.NAMESPACE_KEY, "", secrets.token_hex(8))
+        self.namespace = bytes(token).decode(errors="replace")
         self._last_tick = time.monotonic()
         self.due = self._last_tick + self.interval
         svc.wake()

@@ -154,6 +154,59 @@ def test_abort_news_recorded_without_a_wake_goes_out_on_wake_or_at_the_next_beat
             m.stop()
 
 
+class RecordingStore(CountingStore):
+    """A :class:`CountingStore` that also records each request's method and key."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.calls: list[tuple[str, str]] = []
+
+    def _record(self, method: str, key: str) -> None:
+        with self._lock:
+            self.calls.append((method, key))
+
+    def set(self, key: str, value: Any) -> None:
+        self._record("set", key)
+        super().set(key, value)
+
+    def append(self, key: str, value: Any) -> None:
+        self._record("append", key)
+        self._count()
+        self.inner.append(key, value)
+
+    def add(self, key: str, value: int) -> int:
+        self._record("add", key)
+        return super().add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._record("compare_set", key)
+        return super().compare_set(key, expected, desired)
+
+    def get(self, key: str) -> bytes:
+        self._record("get", key)
+        return super().get(key)
+
+
+def test_a_census_only_member_starts_with_one_store_request_that_waits_for_an_answer() -> None:
+    """Starting a member is part of every communicator's creation (a subgroup's too):
+    its keys are made by requests that need no answer (``set``, ``append``) and one
+    that does, the namespace token, last, so every key exists once ``start`` returns."""
+    store = RecordingStore(dist.HashStore())
+    member = Liveness(
+        dist.PrefixStore("c", store), 0, 2, interval=60.0, detect=False, on_failure=lambda e: None
+    )
+    member.start()
+    try:
+        calls = [(m, k) for m, k in store.calls if k.startswith("c/")]
+    finally:
+        member.stop()
+    answered = [(m, k) for m, k in calls if m not in ("set", "append")]
+    assert answered == [("compare_set", "c/ns")], calls
+    assert calls[-1] == ("compare_set", "c/ns"), calls
+    assert store.inner.check(["c/aborted", "c/host", "c/ns", "c/proc/0"])
+    assert bytes(store.inner.get("c/aborted")) == b""  # no news
+
+
 @pytest.mark.parametrize("world_size", [8, 32])
 def test_a_beat_costs_a_few_store_requests_whatever_the_world_size(world_size: int) -> None:
     """Heartbeat detection watches a few neighbours: the store requests per rank and
