@@ -265,9 +265,21 @@ class Liveness:
             if not self.detect and self._host_rank is not None and now < self._next_read:
                 return True  # abort news comes to the pulse; the store is read now and then only
             self._next_read = now + _FALLBACK_EVERY
+            keys = ["aborted", "host"] + [f"hb/{r}" for r in self._watch]
+            if not self._store.check(keys):
+                # Deleted by the other ranks, which counted this one out as dead while it
+                # was stopped or starved: a multi_get would wait for them until the store's
+                # timeout, holding the process's store connection all that time.
+                self._declare(
+                    CommAborted(
+                        "this communicator's keys are gone from the store: its other ranks "
+                        "counted this rank out (it was stopped or starved of CPU meanwhile)"
+                    )
+                )
+                return True
             if self.detect:
                 self._store.add(f"hb/{self._rank}", 1)
-            values = self._store.multi_get(["aborted", "host"] + [f"hb/{r}" for r in self._watch])
+            values = self._store.multi_get(keys)
             if values[1]:
                 self._host_rank = int(values[1])
             elif now - self._started > _HOST_KNOWN_AFTER:

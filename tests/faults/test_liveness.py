@@ -322,3 +322,30 @@ def test_a_census_of_a_peer_that_neither_left_nor_aborted_does_not_wait_for_the_
     assert roster.left(1) is True and roster.left(0) is False
     store.set("bye/0", "1")
     assert roster.left(0) is True
+
+
+@pytest.mark.parametrize("detect", [False, True], ids=["census-only", "heartbeats"])
+def test_a_member_whose_keys_were_deleted_under_it_aborts_without_waiting(detect: bool) -> None:
+    """A rank counted out as dead while it was stopped (a grow's joiner frozen in it): the
+    others delete the keys, and its next beat waited in multi_get for the store's timeout
+    (60 s in the chaos soak), holding its process's store connection; now it aborts."""
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=8)
+    )
+    store = dist.PrefixStore("c", server)
+    failures: list[BaseException] = []
+    member = Liveness(store, 0, 2, interval=0.05, detect=detect, on_failure=failures.append)
+    member.start()
+    try:
+        member.stop()  # (no beat of the service's own meanwhile; the test beats by hand)
+        for key in ("aborted", "host", "hb/0", "hb/1"):
+            store.delete_key(key)
+        member._closed = False
+        start = time.monotonic()
+        assert member.tick(False)
+        took = time.monotonic() - start
+    finally:
+        member._closed = True
+    assert took < 4, f"the beat waited {took:.1f} s for deleted keys"
+    assert len(failures) == 1 and isinstance(failures[0], ac.CommAborted), failures
+    assert not server.check(["c/hb/0"])  # no key made again
