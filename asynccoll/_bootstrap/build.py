@@ -43,7 +43,7 @@ from .rendezvous import (
     all_created,
     comm_prefix,
     forget,
-    give_up,
+    gave_up,
     off_loop,
     rendezvous,
 )
@@ -342,15 +342,10 @@ async def connect(
         except BaseException:
             if shrunk is not None:
                 shrunk.release()  # bounded ncclCommAbort of the unused child
-            # Its keys go with this communicator's (shielded: a build that a survivor's
-            # death cancelled is given up too).
+            # Its keys go with this communicator's (a build that a survivor's death
+            # cancelled is given up too).
             name = getattr(group, "name", None)
-            record = functools.partial(give_up, rdv.store, prefix, suffix, new_size, name)
-            with anyio.CancelScope(shield=True):
-                try:
-                    await off_loop(record, min(timeout, _FORGET_S), "store")
-                except AsyncCollError:
-                    pass  # the store failed: the build's error is the one to report
+            await gave_up(rdv.store, prefix, suffix, new_size, name, min(timeout, _FORGET_S))
             raise
         if rdv.key is not None:
             STORES.hold(rdv.key, new)  # it uses the shared store too
@@ -368,6 +363,7 @@ async def connect(
             STORES.hold(rdv.key, new)  # it uses the shared store too
         return new
 
+    splitter = Splitter(rdv, prefix, cuda, build_split)
     return Communicator(
         rank=rdv.rank,
         world_size=rdv.world_size,
@@ -381,8 +377,8 @@ async def connect(
         shrink=shrink,
         diagnostics=diagnostics,
         group=group,
-        forget=functools.partial(forget, rdv, prefix),
-        splitter=Splitter(rdv, prefix, cuda, build_split),
+        forget=functools.partial(forget, rdv, prefix, more=splitter.agreement_keys),
+        splitter=splitter,
     )
 
 

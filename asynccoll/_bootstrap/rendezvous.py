@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
 import uuid
 from typing import Any, Callable, Iterable
 
+import anyio
 import torch.distributed as dist
 
 from .._base.aio import run_in_thread
@@ -19,6 +21,7 @@ from .._base.errors import (
     InvalidArgument,
 )
 from .._base.foreign import creation_error, kind_of
+from .._base.storekeys import peek
 from .._core.objects import drop_ops
 from .._faults.census import decode_ranks
 from .._faults.service import unlist_ranks
@@ -352,14 +355,28 @@ def give_up(store: Any, prefix: str, sub: str, world_size: int, name: str | None
     under.append(GIVEN_UP, entry + "\n")
 
 
+async def gave_up(
+    store: Any, prefix: str, sub: str, world_size: int, name: str | None, within: float
+) -> None:
+    """:func:`give_up` off the loop, shielded (a creation that a cancellation ended is
+    given up too), within ``within`` seconds; a failed store is left alone (the
+    creation's own error is the one to report)."""
+    record = functools.partial(give_up, store, prefix, sub, world_size, name)
+    with anyio.CancelScope(shield=True):
+        try:
+            await off_loop(record, within, "store")
+        except AsyncCollError:
+            pass
+
+
 def _drop_given_up(rdv: Rendezvous, prefix: str) -> None:
     """Delete the keys of the creations given up under ``prefix`` (``give_up``), except
     one that ended on every rank (``created/all``): a rank that gave it up at the very
     end may have been alone, and the others keep it; its own ``forget`` deletes it."""
-    store = rdv.prefixed(prefix)
-    if not store.check([GIVEN_UP]):
+    given_up = peek(rdv.prefixed(prefix), GIVEN_UP)
+    if given_up is None:
         return
-    for line in set(bytes(store.get(GIVEN_UP)).decode().splitlines()):
+    for line in set(given_up.splitlines()):
         sub, sole, n = json.loads(line)
         base = rdv.prefixed(prefix + sub)
         if not dist.PrefixStore(sole, base).check(["created/all"]):
@@ -372,6 +389,7 @@ def forget(
     dead: Iterable[int] = (),
     keys: Iterable[str] = (),
     ops: Iterable[int] = (),
+    more: Callable[[], Iterable[str]] = tuple,
 ) -> None:
     """This rank is done with a communicator's keys (blocking): at ``close()``, or at
     ``shrink()`` once the survivors' new communicator is up (``Resources.retire``).
@@ -395,10 +413,11 @@ def forget(
     n = rdv.world_size
     try:
         gone = set(dead)
-        # Read before counting out: then a peer may delete the key, and a get of a
-        # missing key waits for the store's timeout.
-        if store.check(["failure"]):
-            gone.update(decode_ranks(store.get("failure")))
+        # Read before counting out: then a peer may delete the key (``peek``: a key
+        # deleted meanwhile is never waited for).
+        failure = peek(store, "failure")
+        if failure is not None:
+            gone.update(decode_ranks(failure))
         mine = ",".join(map(str, ops))
         if mine:
             store.append("ops", f"{mine},")
@@ -407,16 +426,13 @@ def forget(
         # that steps past another's threshold must still end with someone deleting.
         if int(store.add("left", 1)) < n - len(gone - {rdv.rank}):
             return
-        seqs = (
-            {int(s) for s in bytes(store.get("ops")).decode().split(",") if s}
-            if store.check(["ops"])
-            else set()
-        )
+        # (several ranks may be at or past their count: another may be deleting)
+        seqs = {int(s) for s in (peek(store, "ops") or "").split(",") if s}
         drop_ops(store, seqs, n)
         unlist_ranks(store, sorted(gone - {rdv.rank}))  # (before drop_keys: it reads proc/<r>)
         _drop_given_up(rdv, prefix)  # (before drop_namespace: it reads GIVEN_UP)
         drop_namespace(rdv.store, prefix, n)
-        for key in keys:
+        for key in (*keys, *more()):  # (more: its splits' agreement keys, ``Splitter``)
             store.delete_key(key)
     except dist.DistNetworkError:
         return

@@ -45,7 +45,7 @@ from .._base.errors import AsyncCollError, CommAborted, CommClosed, InvalidArgum
 from .._core import validate
 from .._core.backend import Backend
 from .._core.communicator import Communicator
-from .rendezvous import Rendezvous, off_loop
+from .rendezvous import Rendezvous, gave_up, off_loop
 
 #: ``make(new_rank, new_size, store, nccl_backend)``: a subgroup's communicator with the
 #: parent's options, on ``store`` (its own namespace), over ``nccl_backend`` if not None.
@@ -240,6 +240,21 @@ class Splitter:
         self.make = make
         self.count = 0
 
+    def agreement_keys(self) -> list[str]:
+        """The agreement keys of every split of its communicator so far, under its prefix:
+        the last rank out of a split deletes them, but a member that died after writing its
+        status never counts itself out; the communicator's ``forget`` deletes them then."""
+        n = self.rdv.world_size
+        return [
+            key
+            for k in range(self.count)
+            for key in (
+                *(f"split/{k}/{r}" for r in range(n)),
+                f"split/{k}/read",
+                f"split/{k}/verdict",
+            )
+        ]
+
     async def split(
         self, comm: Communicator, groups: Any, timeout: float | None, watch: Watch | None = None
     ) -> Communicator | None:
@@ -281,4 +296,7 @@ class Splitter:
         except BaseException:
             if child is not None:
                 child.release()  # bounded ncclCommAbort of the unused child
+            # Its keys (the give-up mark, Gloo's addresses) go with the parent's.
+            size = len(agreed[index])
+            await gave_up(self.rdv.store, self.prefix, f"split-{k}/{index}/", size, None, limit)
             raise

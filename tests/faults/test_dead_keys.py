@@ -8,12 +8,16 @@ deleted by the survivors, or a long-running job's store grows with every fault.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
+import signal
 import time
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import asynccoll as ac
 from asynccoll._faults.service import Service, root_of
@@ -236,6 +240,43 @@ def test_killed_pair_members_leave_no_keys_of_their_subgroups() -> None:
     stayed for good (its ``proc``, ``bye``, ``gloo`` addresses, ``created``, ...)."""
     results = run_ranks(kill_pair_members, world_size=4, backend=None, timeout=120, lost=(1, 3))
     for res in (results[0], results[2]):
+        assert res["left"] == [], "\n".join(res["left"])
+
+
+async def death_after_stating_split_lists(ctx: RankContext) -> dict[str, Any]:
+    """3 ranks split into [[0, 1], [2]]; rank 2 dies right after writing its lists in the
+    split's agreement (written here as ``split.agree`` does), so it never counts itself
+    out of the agreement. The survivors split, find the death, shrink and close."""
+    store = ctx.store
+    root = root_of(store)
+    before, comm = await _counted_then_init(ctx)
+    lists = [[0, 1], [2]]
+    if comm.rank == 2:
+        status = {"groups": lists, "problem": None, "state": "ok"}
+        dist.PrefixStore(comm._splitter.prefix, store).set("split/0/2", json.dumps(status))
+        os.kill(os.getpid(), signal.SIGKILL)
+    pair = await comm.split(lists)
+    assert pair is not None
+    await pair.all_reduce(torch.ones(4))
+    with pytest.raises(ac.PeerFailure):
+        await comm.all_reduce(torch.ones(4))
+    new = await comm.shrink()
+    await comm.close()
+    await pair.close()
+    await new.close()
+    await _services_ended()
+    await _barrier(store, "b/end", 2)
+    return {"left": sorted(set(root.list_keys()) - set(before))}
+
+
+def test_a_death_in_a_split_agreement_leaves_no_agreement_keys() -> None:
+    """The survivors count themselves out of the agreement, the dead rank never does:
+    its lists, the survivors' and the count stayed for good (``split/0/<r>``,
+    ``split/0/read``). The split's communicator deletes them with its own keys."""
+    results = run_ranks(
+        death_after_stating_split_lists, world_size=3, backend=None, timeout=120, lost=(2,)
+    )
+    for res in results[:2]:
         assert res["left"] == [], "\n".join(res["left"])
 
 
