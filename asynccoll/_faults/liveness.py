@@ -41,10 +41,6 @@ _QUIESCE_WITHIN = 5.0
 _STORE_ERRORS = (RuntimeError, ValueError)
 
 
-def _idle() -> bool:
-    return False
-
-
 class Liveness:
     """One communicator's membership in the process's liveness service (see the module docstring)."""
 
@@ -92,10 +88,6 @@ class Liveness:
         self._knocked = 0.0
         self._started = time.monotonic()
         self._next_read = 0.0
-        #: Whether the communicator has an op pending (its ``Resources`` sets it): while
-        #: one is, a member without heartbeat detection looks at every beat for peers on
-        #: this machine whose process is gone (``_fail_the_gone``).
-        self.busy: Callable[[], bool] = _idle
 
     @property
     def bound(self) -> float:
@@ -260,8 +252,6 @@ class Liveness:
             now = time.monotonic()
             starved = now - self._last_tick > 2 * self.interval + 0.5
             self._last_tick = now
-            if not self.detect and not self._aborted and self.busy():
-                self._fail_the_gone()
             if not self.detect and self._host_rank is not None and now < self._next_read:
                 return True  # abort news comes to the pulse; the store is read now and then only
             self._next_read = now + _FALLBACK_EVERY
@@ -324,27 +314,6 @@ class Liveness:
                 f"no heartbeat from rank(s) {list(dead)} for {self._misses} x {self.interval:g} s",
                 ranks,
             )
-        )
-
-    def _fail_the_gone(self) -> None:
-        """Without heartbeats (service thread, while an op is pending): a peer on this
-        machine whose process is gone fails the communicator now, on proof of death.
-
-        Gloo reports most lost peers itself, within a fraction of a second, but not one
-        it is already sending data to: that send waits for the op's timeout (gloo's
-        ``tcp/pair.cc``, ``Pair::signalException``, wakes the sends still waiting for the
-        peer to be ready; seen with torch 2.13: a 256 MB broadcast's root waited out its
-        deadline for a receiver SIGKILLed mid-transfer). One ``/proc`` read per local
-        peer and beat; a peer that closed or aborted on its own is not a failure."""
-        gone = [r for r, p in self.peers().items() if p.local and p.state() == "gone"]
-        dead = tuple(r for r in gone if not self._left(r))
-        if not dead:
-            return
-        with self._lock:
-            self._dead.update(dead)
-        ranks = self._census_once() or dead
-        self._declare(
-            PeerFailure(f"the process of rank(s) {list(dead)} is gone (an op was pending)", ranks)
         )
 
     def _declare(self, failure: BaseException) -> None:
