@@ -377,7 +377,7 @@ async def connect(
         shrink=shrink,
         diagnostics=diagnostics,
         group=group,
-        forget=functools.partial(forget, rdv, prefix, more=splitter.agreement_keys),
+        forget=functools.partial(forget, rdv, prefix, more=splitter.leftover_keys),
         splitter=splitter,
     )
 

@@ -389,7 +389,7 @@ def forget(
     dead: Iterable[int] = (),
     keys: Iterable[str] = (),
     ops: Iterable[int] = (),
-    more: Callable[[], Iterable[str]] = tuple,
+    more: Callable[[Any], Iterable[str]] = lambda store: (),
 ) -> None:
     """This rank is done with a communicator's keys (blocking): at ``close()``, or at
     ``shrink()`` once the survivors' new communicator is up (``Resources.retire``).
@@ -432,7 +432,7 @@ def forget(
         unlist_ranks(store, sorted(gone - {rdv.rank}))  # (before drop_keys: it reads proc/<r>)
         _drop_given_up(rdv, prefix)  # (before drop_namespace: it reads GIVEN_UP)
         drop_namespace(rdv.store, prefix, n)
-        for key in (*keys, *more()):  # (more: its splits' agreement keys, ``Splitter``)
+        for key in (*keys, *more(store)):  # (more: its splits' leftover keys, ``Splitter``)
             store.delete_key(key)
     except dist.DistNetworkError:
         return

@@ -240,14 +240,16 @@ class Splitter:
         self.make = make
         self.count = 0
 
-    def agreement_keys(self) -> list[str]:
-        """The agreement keys of every split of its communicator so far, under its prefix:
-        the last rank out of a split deletes them, but a member that died after writing its
-        status never counts itself out; the communicator's ``forget`` deletes them then."""
+    def leftover_keys(self, store: Any) -> list[str]:
+        """The agreement keys under ``store`` (its communicator's prefix) that no rank
+        deleted: the last rank out of a split deletes them, but a member that died after
+        writing its status never counts itself out (its ``read`` count stays). One request
+        per split; the communicator's ``forget`` deletes what this names."""
         n = self.rdv.world_size
         return [
             key
             for k in range(self.count)
+            if store.check([f"split/{k}/read"])
             for key in (
                 *(f"split/{k}/{r}" for r in range(n)),
                 f"split/{k}/read",
