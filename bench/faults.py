@@ -202,9 +202,9 @@ def _instrument() -> tuple[dict[str, float], Any]:
         marks["settled"] = time.time()
         return out
 
-    async def timed_gloo(*args: Any) -> Any:
+    def timed_gloo(*args: Any) -> Any:
         start = time.perf_counter()
-        out = await gloo(*args)
+        out = gloo(*args)
         marks["gloo"] = time.perf_counter() - start
         return out
 

@@ -145,13 +145,11 @@ def _members(ranks: list[int], n: int, port: int, prefix: str, interval: float, 
 
         return record
 
-    members = [
-        Liveness(store, r, n, interval=interval, detect=True, on_failure=on_failure(r))
-        for r in ranks
-    ]
+    members = [Liveness(store, r, n, interval=interval, detect=True) for r in ranks]
     by_rank.update(zip(ranks, members))
-    for m in members:
-        m.start()
+    for r, m in zip(ranks, members):
+        m.publish()
+        m.start(on_failure(r))
     conn.send(("started", os.getpid()))
     while True:
         cmd = conn.recv()

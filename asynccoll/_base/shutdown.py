@@ -51,6 +51,12 @@ def register_native_thread(thread: threading.Thread | None) -> None:
             _native.add(thread)
 
 
+def unregister_native_thread(thread: threading.Thread) -> None:
+    """``thread`` is out of native code for good (or until it registers again)."""
+    with _lock:
+        _native.discard(thread)
+
+
 def on_exit(stop: Callable[[], None]) -> None:
     """Call ``stop`` when the interpreter begins to exit (it ends the caller's threads)."""
     with _lock:

@@ -157,9 +157,9 @@ async def assemble(
         size,
         interval=interval,
         detect=True,
-        on_failure=news.append,
     )
-    await off_loop(watch.start, timeout, "grow")
+    await off_loop(watch.publish, timeout, "grow")
+    watch.start(news.append)
     view = _Assembly(room, g, rank, size, joiners, watch)
     built: list[Communicator] = []
     errors: list[BaseException] = []

@@ -2,7 +2,10 @@
 ``build_shrunk`` closure that ``shrink()`` uses.
 
 Nothing here blocks the event loop: building each backend (Gloo's full-mesh
-connect, NCCL's polled init) runs on executor threads, bounded by ``timeout``.
+connect, NCCL's polled init) runs on executor threads, bounded by ``timeout``. What
+blocks after NCCL's init (the Gloo group, the diagnostics, the liveness member's keys,
+the end barrier) runs as one job on one thread: every hop from the loop to a thread
+and back is time the peers wait for this rank.
 
 Backends are made by :class:`Factories`, passed explicitly from ``init`` down to every
 communicator that ``shrink()`` builds (the simulated GPU's test kit passes one that builds NCCL on its simulator).
@@ -29,7 +32,6 @@ from .._base.aio import run_in_thread
 from .._base.errors import AsyncCollError, BackendUnavailable, CollectiveMismatch, InvalidArgument
 from .._core.backend import Backend
 from .._core.communicator import Communicator
-from .._core.interfaces import Membership
 from .._diag import trace
 from .._diag.diagnostics import Diagnostics
 from .._faults.liveness import Liveness
@@ -58,28 +60,22 @@ _REFUSED = (BackendUnavailable, CollectiveMismatch, InvalidArgument)
 _FORGET_S = 5.0
 
 
-async def build_gloo(rdv: Rendezvous, prefix: str, timeout: float) -> TorchGroupBackend:
-    store = rdv.prefixed(prefix + "gloo/")
-
-    def build() -> Any:
-        # Gloo's own connect timeout outlasts ours: when we give up (CollectiveTimeout,
-        # Ctrl-C) and the process exits, its wait is still quietly under way instead of
-        # printing C++ warnings on the way out. Its ops then get our timeout again
-        # (ProcessGroupGloo._set_default_timeout, torch >= 2.1).
-        pg = dist.ProcessGroupGloo(
-            store, rdv.rank, rdv.world_size, timedelta(seconds=timeout + _GLOO_MARGIN)
-        )
-        set_default = getattr(pg, "_set_default_timeout", None)
-        if set_default is not None:
-            set_default(timedelta(seconds=timeout))
-        return pg
-
-    pg = await off_loop(build, timeout, "gloo init")
+def build_gloo(store: Any, rank: int, world_size: int, timeout: float) -> TorchGroupBackend:
+    """The Gloo backend of rank ``rank`` of ``world_size`` on ``store`` (blocking: Gloo's
+    full-mesh connect)."""
+    # Gloo's own connect timeout outlasts ours: when we give up (CollectiveTimeout,
+    # Ctrl-C) and the process exits, its wait is still quietly under way instead of
+    # printing C++ warnings on the way out. Its ops then get our timeout again
+    # (ProcessGroupGloo._set_default_timeout, torch >= 2.1).
+    pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout + _GLOO_MARGIN))
+    set_default = getattr(pg, "_set_default_timeout", None)
+    if set_default is not None:
+        set_default(timedelta(seconds=timeout))
     return TorchGroupBackend(
         pg,
         name="gloo",
         device_type="cpu",
-        world_size=rdv.world_size,
+        world_size=world_size,
         timeout=timeout,
         caps=gloo.CAPS,
     )
@@ -114,8 +110,9 @@ def nccl_missing() -> str | None:
 class Factories:
     """How the bootstrap makes each backend; the defaults are the real ones."""
 
-    #: ``await gloo(rdv, prefix, timeout)``: the Gloo backend of a met rendezvous.
-    gloo: Callable[[Rendezvous, str, float], Awaitable[Backend]] = build_gloo
+    #: ``gloo(store, rank, world_size, timeout)``: the Gloo backend of a met rendezvous, on
+    #: its namespace's ``gloo/`` (blocking: it runs on the creation's thread).
+    gloo: Callable[[Any, int, int, float], Backend] = build_gloo
     #: ``await nccl(rdv, prefix, device, timeout)``: the NCCL backend.
     nccl: Callable[[Rendezvous, str, Any, float], Awaitable[Backend]] = build_nccl
     #: ``await nccl_join(store, rank, new_size, device, timeout)``: a new rank's NCCL backend
@@ -235,7 +232,38 @@ async def connect(
     """
     ns = await comm_prefix(rdv, timeout, getattr(group, "name", None), sole)
     prefix = ns.prefix
+    store = rdv.prefixed(prefix)
+    # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
+    # for; otherwise a slower census-only beat that names ranks Gloo lost.
+    detect = heartbeat is not None or use_nccl
+    interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
     backends: dict[str | None, Backend] = {}
+
+    def finish() -> tuple[dict[str | None, Backend], Diagnostics, Liveness | None]:
+        """The blocking rest of the creation, as one job on one thread (each hop from
+        the loop to a thread and back is time the peers wait for this rank): the
+        liveness member's keys, the Gloo group, the diagnostics and the end barrier."""
+        built = dict(backends)
+        member = None
+        try:
+            # (what needs no peer first: done while they arrive)
+            if interval and rdv.world_size > 1:
+                member = Liveness(store, rdv.rank, rdv.world_size, interval=interval, detect=detect)
+                member.publish()
+            if backend in ("gloo", "auto"):
+                gloo_store = rdv.prefixed(prefix + "gloo/")
+                built["cpu"] = factories.gloo(gloo_store, rdv.rank, rdv.world_size, timeout)
+            name = getattr(group, "name", None)
+            diag = diagnostics(rdv, prefix, built, backend, check, trace_dir, timeout, name)
+            all_created(rdv, ns, timeout)
+        except BaseException:
+            if member is not None:
+                member.stop()
+            if "cpu" in built:
+                built["cpu"].release()
+            raise
+        return built, diag, member
+
     try:
         if not agreed:
             await agree_options(
@@ -251,14 +279,9 @@ async def connect(
                 },
                 timeout,
             )
-        if backend in ("gloo", "auto"):
-            backends["cpu"] = await factories.gloo(rdv, prefix, timeout)
         if use_nccl:
             backends["cuda"] = nccl_backend or await factories.nccl(rdv, prefix, device, timeout)
-        diagnostics = await build_diagnostics(
-            rdv, prefix, backends, backend, check, trace_dir, timeout, getattr(group, "name", None)
-        )
-        await all_created(rdv, ns, timeout)
+        backends, diags, liveness = await off_loop(finish, timeout, "creation")
     except BaseException as exc:
         # A backend that failed ("auto": NCCL refused two ranks on one GPU) must not
         # leave the one built before it running (Gloo's threads and sockets).
@@ -284,16 +307,6 @@ async def connect(
         raise
     cuda = backends.get("cuda")
     dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
-    # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
-    # for; otherwise a slower census-only beat that names ranks Gloo lost.
-    detect = heartbeat is not None or use_nccl
-    interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
-    store = rdv.prefixed(prefix)
-
-    def liveness(on_failure: Callable[[BaseException], None]) -> Membership:
-        return Liveness(
-            store, rdv.rank, rdv.world_size, interval=interval, detect=detect, on_failure=on_failure
-        )
 
     def rebuild(new_rank: int, new_size: int, store: Any, **kwargs: Any) -> Awaitable[Communicator]:
         """A communicator of this one's options (not its name) on ``store``: a shrunk
@@ -372,17 +385,17 @@ async def connect(
         device=dev,
         store=store,
         timeout=timeout,
-        liveness=liveness if interval and rdv.world_size > 1 else None,
+        liveness=liveness,
         build_shrunk=build_shrunk,
         shrink=shrink,
-        diagnostics=diagnostics,
+        diagnostics=diags,
         group=group,
         forget=functools.partial(forget, rdv, prefix, more=splitter.leftover_keys),
         splitter=splitter,
     )
 
 
-async def build_diagnostics(
+def diagnostics(
     rdv: Rendezvous,
     prefix: str,
     backends: dict[str | None, Backend],
@@ -392,7 +405,7 @@ async def build_diagnostics(
     timeout: float,
     group: str | None = None,
 ) -> Diagnostics:
-    """The communicator's diagnostics; with ``check``, wraps ``backends`` in place.
+    """The communicator's diagnostics (blocking); with ``check``, wraps ``backends`` in place.
 
     With ``trace_dir``, the ranks agree on the communicator's name in it (the first
     proposal stored wins: one request per rank), so that their files go together and
@@ -402,9 +415,7 @@ async def build_diagnostics(
         mine = json.dumps({"id": trace.new_comm_id(), "at": time.time()})
         if rdv.world_size > 1:
             store = rdv.prefixed(prefix)
-            mine = await off_loop(
-                lambda: bytes(store.compare_set(TRACE_KEY, "", mine)).decode(), timeout, "store"
-            )
+            mine = bytes(store.compare_set(TRACE_KEY, "", mine)).decode()
         agreed = json.loads(mine)
         comm_name = trace.CommName(agreed["id"], agreed["at"], group)
     checker = None
@@ -414,11 +425,7 @@ async def build_diagnostics(
 
         store = rdv.prefixed(prefix)
         host = store_host(rdv.store)
-        checker = await off_loop(
-            lambda: FingerprintChecker.connect(store, rdv.rank, rdv.world_size, timeout, host),
-            timeout,
-            "fingerprint channel",
-        )
+        checker = FingerprintChecker.connect(store, rdv.rank, rdv.world_size, timeout, host)
         for key, be in list(backends.items()):
             # Not NCCL yet: its submit records the caller's current stream, so it cannot
             # be deferred to the checker's thread (see fingerprint.py, "Scope").

@@ -179,6 +179,8 @@ def _abandoned(store: Any, prefix: str) -> CollectiveMismatch:
 
 #: How long a wait for the peers polls before it also looks for a peer that gave up.
 _ABANDON_AFTER = 0.01
+#: How long a wait for the peers polls every ms before it slows to every 5 ms.
+_CLOSE_BEHIND = 0.05
 
 
 def _until(store: Any, keys: list[str], deadline: float, prefix: str) -> None:
@@ -186,7 +188,8 @@ def _until(store: Any, keys: list[str], deadline: float, prefix: str) -> None:
     ``_ABANDON_AFTER``: the peers of a creation that goes well arrive within a few
     polls, each one request)."""
     delay = 0.00005
-    abandon_after = time.monotonic() + _ABANDON_AFTER
+    start = time.monotonic()
+    abandon_after = start + _ABANDON_AFTER
     while not store.check(keys):
         now = time.monotonic()
         if now >= abandon_after and store.check(["abandoned"]):
@@ -194,7 +197,8 @@ def _until(store: Any, keys: list[str], deadline: float, prefix: str) -> None:
         if now >= deadline:
             raise TimeoutError
         time.sleep(delay)
-        delay = min(delay * 2, 0.005)
+        # Every ms while the peers are close behind; every 5 ms once they are not.
+        delay = min(delay * 2, 0.001 if now - start < _CLOSE_BEHIND else 0.005)
 
 
 async def agree_options(
@@ -281,9 +285,10 @@ async def agree_options(
     )
 
 
-async def all_created(rdv: Rendezvous, ns: Namespace, timeout: float) -> None:
-    """Wait until every rank has built its backends (the end of creation); the last
-    to arrive moves the group to its next generation (every member has read this one).
+def all_created(rdv: Rendezvous, ns: Namespace, timeout: float) -> None:
+    """Wait until every rank has built its backends (the end of creation; blocking);
+    the last to arrive moves the group to its next generation (every member has read
+    this one).
 
     Without it a rank whose Gloo mesh is up returns first and may close its
     communicator at once, while a peer is still inside Gloo's connectFullMesh,
@@ -291,22 +296,17 @@ async def all_created(rdv: Rendezvous, ns: Namespace, timeout: float) -> None:
     torch's ``init_process_group`` ends the same way (``_store_based_barrier``).
     The last rank to arrive says so: each rank sends one request and waits for one key.
     """
-    prefix = ns.prefix
-    store = rdv.prefixed(prefix)
-
-    def arrive() -> None:
-        deadline = time.monotonic() + timeout
-        if rdv.world_size == 1 or int(store.add("created", 1)) >= rdv.world_size:
-            advance(rdv.store, ns)  # before anyone leaves: a next creation reads the next one
-            if rdv.world_size > 1:
-                store.set("created/all", "1")
-            return
-        _until(store, ["created/all"], deadline, prefix)
-
-    await off_loop(arrive, timeout, "creation")
+    deadline = time.monotonic() + timeout
+    store = rdv.prefixed(ns.prefix)
+    if rdv.world_size == 1 or int(store.add("created", 1)) >= rdv.world_size:
+        advance(rdv.store, ns)  # before anyone leaves: a next creation reads the next one
+        if rdv.world_size > 1:
+            store.set("created/all", "1")
+        return
+    _until(store, ["created/all"], deadline, ns.prefix)
 
 
-#: The communicator's name in ``trace_dir`` (``build.build_diagnostics``).
+#: The communicator's name in ``trace_dir`` (``build.diagnostics``).
 TRACE_KEY = "trace"
 #: The creations under a communicator's prefix that a rank gave up (``give_up``).
 GIVEN_UP = "given-up"

@@ -159,10 +159,10 @@ def agree(
     The last rank to leave (with the verdict, or ended by ``watch``) deletes the
     split's keys."""
     deadline = time.monotonic() + timeout
-    store = parent.clone()
     others = [r for r in range(world_size) if r != rank]
     base = f"split/{k}/"
-    store.set(f"{base}{rank}", json.dumps(status))
+    parent.set(f"{base}{rank}", json.dumps(status))  # (no answer waited for)
+    store = parent.clone()  # (while the peers arrive)
     keys = [f"{base}{r}" for r in range(world_size)]
     verdict_key = f"{base}verdict"
     try:

@@ -20,7 +20,6 @@ from .interfaces import (
     DiagnosticHooks,
     Elastic,
     Membership,
-    MembershipFactory,
     ShrinkRequest,
     Splitting,
 )
@@ -52,7 +51,7 @@ class Communicator:
         device: torch.device,
         store: Any = None,
         timeout: float = 60.0,
-        liveness: MembershipFactory | None = None,
+        liveness: Membership | None = None,
         build_shrunk: Callable[..., Awaitable[Communicator]] | None = None,
         shrink: ShrinkFn | None = None,
         diagnostics: DiagnosticHooks | None = None,

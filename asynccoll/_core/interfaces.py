@@ -8,8 +8,8 @@ and ``_bootstrap`` hands the implementations to the :class:`Communicator`:
   diagnostics does (``wrap()``): it records, gates nothing and writes nothing;
   ``_diag.diagnostics.Diagnostics`` adds the fingerprint checker and the trace files.
 * :class:`Membership`: a communicator's liveness (``_faults.liveness.Liveness``):
-  heartbeats, the census that names failed peers, abort news. The communicator makes
-  it with a :data:`MembershipFactory`, giving it where failures go.
+  heartbeats, the census that names failed peers, abort news. The creation publishes
+  it (its store keys); the communicator starts it, giving it where failures go.
 * :class:`ShrinkRequest`: what ``shrink`` (``_faults.shrink``) needs of a communicator.
 * :class:`Elastic`: a named group's membership changes (``_bootstrap.elastic.Group``):
   ``waiting()`` and ``grow()``.
@@ -63,7 +63,9 @@ class Membership(Protocol):
     def dead(self) -> tuple[int, ...]:
         """Ranks known to have failed."""
 
-    def start(self) -> None: ...
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Begin beating (never blocks: the creation published the keys); failures go
+        to ``on_failure``."""
 
     def stop(self) -> None:
         """Leave (never blocks): the goodbye is written by the service."""
@@ -99,10 +101,6 @@ class Membership(Protocol):
 
     def release(self) -> None:
         """Undo one :meth:`hold`."""
-
-
-#: Makes a communicator's :class:`Membership`; its argument receives a ``PeerFailure``.
-MembershipFactory = Callable[[Callable[[BaseException], None]], Membership]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from .._base.aio import run_in_thread, running_loop
 from .._base.errors import CommAborted
 from .backend import Backend
-from .interfaces import DiagnosticHooks, Membership, MembershipFactory
+from .interfaces import DiagnosticHooks, Membership
 from .ledger import Ledger
 from .objects import ObjectChannel
 
@@ -68,17 +68,18 @@ class Resources:
             backend.bind(ledger)
 
     def start_liveness(
-        self, factory: MembershipFactory, on_failure: Callable[[BaseException], None]
+        self, liveness: Membership, on_failure: Callable[[BaseException], None]
     ) -> Membership:
-        """Join the liveness service; the backends name lost peers with its census from now on."""
-        liveness = self.liveness = factory(on_failure)
+        """Start ``liveness`` (published by the creation); the backends name lost peers
+        with its census from now on."""
+        self.liveness = liveness
         for backend in self.backends.values():
             backend.census = liveness.census
         if (
             self.objects is not None
         ):  # a peer that dies meanwhile fails an object collective at once
             self.objects.watch = liveness.failure_among
-        liveness.start()
+        liveness.start(on_failure)
         return liveness
 
     def aborted(self, error: BaseException) -> None:

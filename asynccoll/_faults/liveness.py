@@ -52,7 +52,6 @@ class Liveness:
         *,
         interval: float,
         detect: bool,
-        on_failure: Callable[[BaseException], None],
         misses: int = 3,
     ) -> None:
         self._store = store
@@ -62,7 +61,9 @@ class Liveness:
         self.interval = interval
         self.detect = detect
         self._misses = misses
-        self._on_failure = on_failure
+        #: Where failures go (``start``); until then the first is kept in ``_early``.
+        self._on_failure: Callable[[BaseException], None] | None = None
+        self._early: BaseException | None = None
         self.id = next(_COUNT)
         #: The communicator's token, agreed through its namespace at start (``news``).
         self.namespace = ""
@@ -103,8 +104,11 @@ class Liveness:
         return [r for r in range(self._world_size) if r != self._rank]
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Join the process's service, create this rank's keys and publish its process."""
+    def publish(self) -> None:
+        """Join the process's service, create this rank's keys and publish its process
+        (blocking: store requests; on the creation's thread, before its end barrier, so
+        that every rank's keys exist once any rank's creation returns). Not beaten, and
+        no failure delivered, before :meth:`start`."""
         self.due = (
             time.monotonic() + 3600.0
         )  # not beaten before its keys exist (a read would wait for them)
@@ -131,9 +135,19 @@ class Liveness:
             )  # this process hosts the store: peers name it if it dies
         token = store.compare_set(news.NAMESPACE_KEY, "", secrets.token_hex(8))
         self.namespace = bytes(token).decode(errors="replace")
+
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Begin beating (never blocks, after :meth:`publish`); failures go to
+        ``on_failure`` from now on (one that came before, as news, goes at once)."""
+        with self._lock:
+            self._on_failure = on_failure
+            early, self._early = self._early, None
         self._last_tick = time.monotonic()
         self.due = self._last_tick + self.interval
-        svc.wake()
+        assert self._service is not None, "publish() first"
+        self._service.wake()
+        if early is not None:
+            on_failure(early)
 
     def stop(self) -> None:
         """Stop beating: the service says goodbye for this rank, then drops it. Never blocks.
@@ -323,7 +337,11 @@ class Liveness:
             self._aborted = True
             if isinstance(failure, PeerFailure):
                 self._dead.update(failure.ranks)
-        self._on_failure(failure)
+            on_failure = self._on_failure
+            if on_failure is None:  # published, not started: ``start`` delivers it
+                self._early = failure
+                return
+        on_failure(failure)
 
     def deliver(self, raw: str) -> None:
         """A peer's abort news (service thread)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
+import time
 from typing import Any, Awaitable, Callable
 
 import anyio
@@ -414,10 +415,10 @@ async def close_at_once(ctx: RankContext) -> dict[str, Any]:
     from asynccoll._bootstrap.build import Factories, build_gloo
     from asynccoll._bootstrap.init import init_with
 
-    async def slow_gloo(rdv: Any, prefix: str, timeout: float) -> Any:
-        backend = await build_gloo(rdv, prefix, timeout)
-        if rdv.rank == 1:
-            await asyncio.sleep(1.0)
+    def slow_gloo(store: Any, rank: int, world_size: int, timeout: float) -> Any:
+        backend = build_gloo(store, rank, world_size, timeout)
+        if rank == 1:
+            time.sleep(1.0)
         return backend
 
     t0 = asyncio.get_running_loop().time()

@@ -86,10 +86,9 @@ def test_work_stream_hook_is_set_through_a_method() -> None:
 
 def test_liveness_hold_keeps_the_service_until_release() -> None:
     def service_ends(hold: bool) -> bool:
-        live = Liveness(
-            dist.HashStore(), 0, 2, interval=0.05, detect=False, on_failure=lambda exc: None
-        )
-        live.start()
+        live = Liveness(dist.HashStore(), 0, 2, interval=0.05, detect=False)
+        live.publish()
+        live.start(lambda exc: None)
         beater = live._service._beater
         if hold:
             live.hold()
@@ -109,9 +108,9 @@ def test_liveness_hold_keeps_the_service_until_release() -> None:
 def test_init_with_uses_the_factories_for_every_build_shrink_included() -> None:
     built: list[int] = []
 
-    async def counting_gloo(rdv: Any, prefix: str, timeout: float) -> Backend:
-        built.append(rdv.world_size)
-        return await build_gloo(rdv, prefix, timeout)
+    def counting_gloo(store: Any, rank: int, world_size: int, timeout: float) -> Backend:
+        built.append(world_size)
+        return build_gloo(store, rank, world_size, timeout)
 
     async def main() -> float:
         store = dist.HashStore()

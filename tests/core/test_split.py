@@ -250,13 +250,14 @@ def test_split_of_a_wrapped_group_is_invalid_argument() -> None:
 
 def _factories(rank: int, subgroup: Any) -> Any:
     """Backends as ``init`` makes them, except a subgroup's Gloo on world rank ``rank``:
-    ``subgroup(build)`` runs in its place (the world and shrunk groups have 3 ranks)."""
+    ``subgroup(build)`` runs in its place, on the creation's thread (the world and
+    shrunk groups have 3 ranks)."""
     from asynccoll._bootstrap.build import Factories, build_gloo
 
-    async def gloo(rdv: Any, prefix: str, timeout: float) -> Any:
-        if rdv.world_size == 2:
-            return await subgroup(lambda: build_gloo(rdv, prefix, timeout))
-        return await build_gloo(rdv, prefix, timeout)
+    def gloo(store: Any, new_rank: int, world_size: int, timeout: float) -> Any:
+        if world_size == 2:
+            return subgroup(lambda: build_gloo(store, new_rank, world_size, timeout))
+        return build_gloo(store, new_rank, world_size, timeout)
 
     return Factories(gloo=gloo)
 
@@ -264,10 +265,10 @@ def _factories(rank: int, subgroup: Any) -> Any:
 async def member_dies_in_connect(ctx: Any) -> Any:
     from asynccoll._bootstrap.init import init_with
 
-    async def dies(build: Any) -> Any:
+    def dies(build: Any) -> Any:
         if ctx.rank == 2:
             crash()  # inside the subgroup's creation, before its Gloo connect
-        return await build()
+        return build()
 
     comm = await init_with(
         _factories(ctx.rank, dies), "gloo", rank=ctx.rank, world_size=3, store=ctx.store, timeout=20
@@ -330,10 +331,10 @@ def test_an_abort_of_the_parent_ends_a_split_in_its_agreement() -> None:
 async def parent_aborted_in_connect(ctx: Any) -> Any:
     from asynccoll._bootstrap.init import init_with
 
-    async def slow(build: Any) -> Any:
+    def slow(build: Any) -> Any:
         if ctx.rank == 1:  # rank 0 waits in its Gloo connect meanwhile
-            await anyio.sleep(30)
-        return await build()
+            time.sleep(30)  # (the thread outlives the split: the process exits under it)
+        return build()
 
     comm = await init_with(
         _factories(ctx.rank, slow), "gloo", rank=ctx.rank, world_size=3, store=ctx.store, timeout=20

@@ -93,12 +93,13 @@ def test_abort_news_is_not_lost_when_close_races_the_abort() -> None:
             2,
             interval=0.05,
             detect=False,
-            on_failure=(lambda e: heard.set()) if r == 1 else (lambda e: None),
         )
         for r in range(2)
     ]
     for m in members:
-        m.start()
+        m.publish()
+    members[0].start(lambda e: None)
+    members[1].start(lambda e: heard.set())
     try:
         members[0].stop()  # close() ran first...
         end = time.monotonic() + 10
@@ -133,12 +134,13 @@ def test_abort_news_recorded_without_a_wake_goes_out_on_wake_or_at_the_next_beat
             2,
             interval=interval,
             detect=False,
-            on_failure=(lambda e: heard.set()) if r == 1 else (lambda e: None),
         )
         for r in range(2)
     ]
     for m in members:
-        m.start()
+        m.publish()
+    members[0].start(lambda e: None)
+    members[1].start(lambda e: heard.set())
     try:
         svc = members[0]._service
         assert svc is not None and svc is members[1]._service  # one service per process and store
@@ -188,14 +190,14 @@ class RecordingStore(CountingStore):
 
 
 def test_a_census_only_member_starts_with_one_store_request_that_waits_for_an_answer() -> None:
-    """Starting a member is part of every communicator's creation (a subgroup's too):
+    """Publishing a member is part of every communicator's creation (a subgroup's too):
     its keys are made by requests that need no answer (``set``, ``append``) and one
-    that does, the namespace token, last, so every key exists once ``start`` returns."""
+    that does, the namespace token, last, so every key exists once ``publish`` returns;
+    ``start`` makes no request."""
     store = RecordingStore(dist.HashStore())
-    member = Liveness(
-        dist.PrefixStore("c", store), 0, 2, interval=60.0, detect=False, on_failure=lambda e: None
-    )
-    member.start()
+    member = Liveness(dist.PrefixStore("c", store), 0, 2, interval=60.0, detect=False)
+    member.publish()
+    member.start(lambda e: None)
     try:
         calls = [(m, k) for m, k in store.calls if k.startswith("c/")]
     finally:
@@ -214,11 +216,11 @@ def test_a_beat_costs_a_few_store_requests_whatever_the_world_size(world_size: i
     store = CountingStore(dist.HashStore())
     prefix = dist.PrefixStore("c", store)
     members = [
-        Liveness(prefix, r, world_size, interval=0.05, detect=True, on_failure=lambda e: None)
-        for r in range(world_size)
+        Liveness(prefix, r, world_size, interval=0.05, detect=True) for r in range(world_size)
     ]
     for m in members:
-        m.start()
+        m.publish()
+        m.start(lambda e: None)
     try:
         time.sleep(0.5)  # past the start-up requests
         beats0 = sum(int(prefix.add(f"hb/{r}", 0)) for r in range(world_size))
@@ -334,8 +336,9 @@ def test_a_member_whose_keys_were_deleted_under_it_aborts_without_waiting(detect
     )
     store = dist.PrefixStore("c", server)
     failures: list[BaseException] = []
-    member = Liveness(store, 0, 2, interval=0.05, detect=detect, on_failure=failures.append)
-    member.start()
+    member = Liveness(store, 0, 2, interval=0.05, detect=detect)
+    member.publish()
+    member.start(failures.append)
     try:
         member.stop()  # (no beat of the service's own meanwhile; the test beats by hand)
         for key in ("aborted", "host", "hb/0", "hb/1"):

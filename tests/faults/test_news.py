@@ -36,9 +36,9 @@ def _member(store: Any, rank: int, heard: threading.Event | None = None) -> Live
         2,
         interval=0.05,
         detect=False,
-        on_failure=(lambda e: heard.set()) if heard is not None else (lambda e: None),
     )
-    member.start()
+    member.publish()
+    member.start((lambda e: heard.set()) if heard is not None else (lambda e: None))
     return member
 
 
