@@ -39,6 +39,7 @@ from .._faults.shrink import shrink
 from .args import check_args
 from .rendezvous import (
     TRACE_KEY,
+    Namespace,
     Rendezvous,
     abandon,
     agree_options,
@@ -48,6 +49,7 @@ from .rendezvous import (
     gave_up,
     off_loop,
     rendezvous,
+    sole_prefix,
 )
 from .split import Splitter
 from .stores import STORES, exclusive
@@ -180,21 +182,10 @@ async def build_communicator(
     try:
         lock = await exclusive(rdv.store, rdv.rank, timeout)
         try:
-            comm = await connect(
-                rdv,
-                backend,
-                use_nccl,
-                device,
-                timeout,
-                check,
-                trace_dir,
-                heartbeat,
-                nccl_backend,
-                factories,
-                group,
-                sole,
-                agreed,
+            recipe = Recipe(
+                backend, use_nccl, device, timeout, check, trace_dir, heartbeat, factories
             )
+            comm = await connect(rdv, recipe, nccl_backend, group, sole, agreed)
         finally:
             lock.release()
     except BaseException:
@@ -209,79 +200,135 @@ async def build_communicator(
     return comm
 
 
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How a communicator is made (``init``'s options, checked); its shrunk, grown and
+    split communicators are made the same way."""
+
+    backend: str
+    use_nccl: bool
+    device: Any
+    timeout: float
+    check: str | None
+    trace_dir: Any
+    heartbeat: float | None
+    factories: Factories
+
+    @property
+    def detect(self) -> bool:
+        """Heartbeat detection: on where a dead peer would hang (NCCL) or when asked for;
+        otherwise a slower census-only beat that names ranks Gloo lost."""
+        return self.heartbeat is not None or self.use_nccl
+
+    @property
+    def interval(self) -> float:
+        """Seconds between liveness beats (0: none)."""
+        if self.heartbeat is not None:
+            return self.heartbeat
+        return 1.0 if self.use_nccl else 0.25
+
+
+@dataclasses.dataclass
+class Parts:
+    """What the blocking part of a creation made (:func:`assemble`)."""
+
+    backends: dict[str | None, Backend]
+    diagnostics: Diagnostics
+    liveness: Liveness | None
+
+    def release(self) -> None:
+        """Undo the creation (its waiter gave up before it ended): the member leaves, the
+        backends go."""
+        if self.liveness is not None:
+            self.liveness.stop()
+        for backend in set(self.backends.values()):
+            backend.release()
+
+
+def assemble(
+    rdv: Rendezvous,
+    ns: Namespace,
+    backends: dict[str | None, Backend],
+    recipe: Recipe,
+    group: str | None,
+) -> Parts:
+    """The blocking rest of a creation, after NCCL's init (``backends``): the liveness
+    member's keys, the Gloo group, the diagnostics and the end barrier. One job on one
+    thread: each hop from the loop to a thread and back is time the peers wait for
+    this rank. What it made is released if it fails (``backends`` are the caller's)."""
+    built = dict(backends)
+    member = None
+    try:
+        # (what needs no peer first: done while they arrive)
+        if recipe.interval and rdv.world_size > 1:
+            member = Liveness(
+                rdv.prefixed(ns.prefix),
+                rdv.rank,
+                rdv.world_size,
+                interval=recipe.interval,
+                detect=recipe.detect,
+            )
+            member.publish()
+        if recipe.backend in ("gloo", "auto"):
+            store = rdv.prefixed(ns.prefix + "gloo/")
+            built["cpu"] = recipe.factories.gloo(store, rdv.rank, rdv.world_size, recipe.timeout)
+        diag = diagnostics(rdv, ns.prefix, built, recipe, group)
+        all_created(rdv, ns, recipe.timeout)
+    except BaseException:
+        if member is not None:
+            member.stop()
+        if "cpu" in built:
+            built["cpu"].release()
+        raise
+    return Parts(built, diag, member)
+
+
+def why(exc: BaseException) -> str:
+    """What a rank that gives a creation up tells its peers (``abandon``)."""
+    return f"{type(exc).__name__}: {exc}".replace("|", "/")
+
+
 async def connect(
     rdv: Rendezvous,
-    backend: str,
-    use_nccl: bool,
-    device: Any,
-    timeout: float,
-    check: str | None,
-    trace_dir: Any,
-    heartbeat: float | None,
+    recipe: Recipe,
     nccl_backend: Backend | None = None,
-    factories: Factories = REAL,
     group: Any = None,
     sole: bool = False,
     agreed: bool = False,
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous.
 
-    ``sole``: the store is a namespace of this communicator alone (a shrink's, a
-    grow's, a split's): no generations there. ``agreed``: the ranks already agreed on
-    the options (a split's subgroups have their parent's): no second round.
+    ``nccl_backend``: a ready NCCL backend (shrink's ``ncclCommShrink``) used instead of
+    a new init. ``group``: the named group (``elastic.Group``) this communicator belongs
+    to, or None. ``sole``: the store is a namespace of this communicator alone (a
+    shrink's, a grow's): no generations there. ``agreed``: the ranks already agreed on
+    the options: no second round.
     """
-    ns = await comm_prefix(rdv, timeout, getattr(group, "name", None), sole)
-    prefix = ns.prefix
-    store = rdv.prefixed(prefix)
-    # Heartbeats: detection on where a dead peer would hang (NCCL) or when asked
-    # for; otherwise a slower census-only beat that names ranks Gloo lost.
-    detect = heartbeat is not None or use_nccl
-    interval = heartbeat if heartbeat is not None else (1.0 if use_nccl else 0.25)
+    timeout = recipe.timeout
+    name = getattr(group, "name", None)
+    ns = await comm_prefix(rdv, timeout, name, sole)
     backends: dict[str | None, Backend] = {}
-
-    def finish() -> tuple[dict[str | None, Backend], Diagnostics, Liveness | None]:
-        """The blocking rest of the creation, as one job on one thread (each hop from
-        the loop to a thread and back is time the peers wait for this rank): the
-        liveness member's keys, the Gloo group, the diagnostics and the end barrier."""
-        built = dict(backends)
-        member = None
-        try:
-            # (what needs no peer first: done while they arrive)
-            if interval and rdv.world_size > 1:
-                member = Liveness(store, rdv.rank, rdv.world_size, interval=interval, detect=detect)
-                member.publish()
-            if backend in ("gloo", "auto"):
-                gloo_store = rdv.prefixed(prefix + "gloo/")
-                built["cpu"] = factories.gloo(gloo_store, rdv.rank, rdv.world_size, timeout)
-            name = getattr(group, "name", None)
-            diag = diagnostics(rdv, prefix, built, backend, check, trace_dir, timeout, name)
-            all_created(rdv, ns, timeout)
-        except BaseException:
-            if member is not None:
-                member.stop()
-            if "cpu" in built:
-                built["cpu"].release()
-            raise
-        return built, diag, member
-
     try:
         if not agreed:
             await agree_options(
                 rdv,
-                prefix,
+                ns.prefix,
                 {
-                    "backend": backend,
-                    "nccl": use_nccl,
-                    "check": check,
-                    "heartbeat": heartbeat,
+                    "backend": recipe.backend,
+                    "nccl": recipe.use_nccl,
+                    "check": recipe.check,
+                    "heartbeat": recipe.heartbeat,
                     "world_size": rdv.world_size,
-                    "name": getattr(group, "name", None),
+                    "name": name,
                 },
                 timeout,
             )
-        if use_nccl:
-            backends["cuda"] = nccl_backend or await factories.nccl(rdv, prefix, device, timeout)
-        backends, diags, liveness = await off_loop(finish, timeout, "creation")
+        if recipe.use_nccl:
+            backends["cuda"] = nccl_backend or await recipe.factories.nccl(
+                rdv, ns.prefix, recipe.device, timeout
+            )
+        job = functools.partial(assemble, rdv, ns, backends, recipe, name)
+        parts = await off_loop(job, timeout, "creation", on_late=Parts.release)
     except BaseException as exc:
         # A backend that failed ("auto": NCCL refused two ranks on one GPU) must not
         # leave the one built before it running (Gloo's threads and sockets).
@@ -289,41 +336,50 @@ async def connect(
             be.release()
         # Peers still waiting here stop at once, and a retry meets in a new namespace
         # on every rank (shielded: a cancelled creation must say so too).
-        why = f"{type(exc).__name__}: {exc}".replace("|", "/")
         with anyio.CancelScope(shield=True):
             try:
                 await off_loop(
-                    functools.partial(abandon, rdv, ns, why), min(timeout, _FORGET_S), "store"
+                    functools.partial(abandon, rdv, ns, why(exc)), min(timeout, _FORGET_S), "store"
                 )
             except AsyncCollError:
                 pass  # the store failed: the creation error is the one to report
         if isinstance(exc, _REFUSED):  # the store is fine: the last rank out deletes the keys
             try:
                 await off_loop(
-                    functools.partial(forget, rdv, prefix), min(timeout, _FORGET_S), "store"
+                    functools.partial(forget, rdv, ns.prefix), min(timeout, _FORGET_S), "store"
                 )
             except AsyncCollError:
                 pass  # keys left behind: the creation error is the one to report
         raise
+    return adopt(rdv, ns.prefix, parts, recipe, group)
+
+
+def adopt(
+    rdv: Rendezvous, prefix: str, parts: Parts, recipe: Recipe, group: Any = None
+) -> Communicator:
+    """The Communicator of a creation's parts (never blocks): its liveness starts, and
+    it knows how to shrink and split with ``recipe``."""
+    backends = parts.backends
     cuda = backends.get("cuda")
     dev = cuda.device if cuda is not None and cuda.device is not None else torch.device("cpu")
+    timeout = recipe.timeout
 
     def rebuild(new_rank: int, new_size: int, store: Any, **kwargs: Any) -> Awaitable[Communicator]:
         """A communicator of this one's options (not its name) on ``store``: a shrunk
-        one or a subgroup, rank ``new_rank`` of ``new_size``."""
+        one, rank ``new_rank`` of ``new_size``."""
         return build_communicator(
-            backend,
+            recipe.backend,
             rank=new_rank,
             world_size=new_size,
             master_addr=None,
             master_port=None,
             store=store,
-            device=device,
+            device=recipe.device,
             timeout=timeout,
-            check=check,
-            trace_dir=trace_dir,
-            heartbeat=heartbeat,
-            factories=factories,
+            check=recipe.check,
+            trace_dir=recipe.trace_dir,
+            heartbeat=recipe.heartbeat,
+            factories=recipe.factories,
             **kwargs,
         )
 
@@ -364,45 +420,74 @@ async def connect(
             STORES.hold(rdv.key, new)  # it uses the shared store too
         return new
 
-    async def build_split(
-        new_rank: int, new_size: int, store: Any, nccl_backend: Backend | None
-    ) -> Communicator:
-        # A subgroup (``split.py``): this communicator's options (not its name), on a
-        # namespace of its own.
-        new = await rebuild(
-            new_rank, new_size, store, nccl_backend=nccl_backend, sole=True, agreed=True
-        )
-        if rdv.key is not None:
-            STORES.hold(rdv.key, new)  # it uses the shared store too
-        return new
-
-    splitter = Splitter(rdv, prefix, cuda, build_split)
+    splitter = Splitter(rdv, prefix, cuda, Subgroups(rdv, recipe))
     return Communicator(
         rank=rdv.rank,
         world_size=rdv.world_size,
         backends=backends,
-        backend_name=backend,
+        backend_name=recipe.backend,
         device=dev,
-        store=store,
+        store=rdv.prefixed(prefix),
         timeout=timeout,
-        liveness=liveness,
+        liveness=parts.liveness,
         build_shrunk=build_shrunk,
         shrink=shrink,
-        diagnostics=diags,
+        diagnostics=parts.diagnostics,
         group=group,
         forget=functools.partial(forget, rdv, prefix, more=splitter.leftover_keys),
         splitter=splitter,
     )
 
 
+class Subgroups:
+    """How a communicator's subgroups are made (``split.py``, ``interfaces.Subgroups``):
+    with its recipe, each in a namespace of its own on the split's connection."""
+
+    def __init__(self, parent: Rendezvous, recipe: Recipe) -> None:
+        self._parent = parent
+        self._recipe = recipe
+
+    def assemble(self, rank: int, size: int, store: Any, child: Backend | None) -> Any:
+        """Rank ``rank`` of a subgroup of ``size`` on ``store`` (over the split's NCCL
+        ``child``, if any), up to the end of its creation (blocking: on the split's
+        thread). If it fails, ``child`` is released; the split gives it up (``abandon``)."""
+        rdv = Rendezvous(store, rank, size)
+        ns = Namespace(sole_prefix(size, None), None, 0)
+        backends: dict[str | None, Backend] = {"cuda": child} if child is not None else {}
+        try:
+            return rdv, ns, assemble(rdv, ns, backends, self._recipe, None)
+        except BaseException:
+            if child is not None:
+                child.release()  # bounded ncclCommAbort of the unused child
+            raise
+
+    def abandon(self, store: Any, size: int, exc: BaseException) -> None:
+        """Give up the subgroup of ``size`` on ``store`` (blocking): members waiting in its
+        creation stop at once."""
+        ns = Namespace(sole_prefix(size, None), None, 0)
+        try:
+            abandon(Rendezvous(store, 0, size), ns, why(exc))
+        except (RuntimeError, ValueError):  # the store failed: the split's error is the one
+            pass
+
+    def release(self, made: Any) -> None:
+        """Undo a subgroup's creation whose split gave up before it ended."""
+        made[2].release()
+
+    def adopt(self, made: Any) -> Communicator:
+        """The subgroup's Communicator (never blocks)."""
+        rdv, ns, parts = made
+        comm = adopt(rdv, ns.prefix, parts, self._recipe)
+        if self._parent.key is not None:
+            STORES.hold(self._parent.key, comm)  # it uses the shared store too
+        return comm
+
+
 def diagnostics(
     rdv: Rendezvous,
     prefix: str,
     backends: dict[str | None, Backend],
-    name: str,
-    check: str | None,
-    trace_dir: Any,
-    timeout: float,
+    recipe: Recipe,
     group: str | None = None,
 ) -> Diagnostics:
     """The communicator's diagnostics (blocking); with ``check``, wraps ``backends`` in place.
@@ -410,6 +495,7 @@ def diagnostics(
     With ``trace_dir``, the ranks agree on the communicator's name in it (the first
     proposal stored wins: one request per rank), so that their files go together and
     apart from every other communicator's (``trace``)."""
+    trace_dir, check = recipe.trace_dir, recipe.check
     comm_name = None
     if trace_dir is not None:
         mine = json.dumps({"id": trace.new_comm_id(), "at": time.time()})
@@ -425,7 +511,7 @@ def diagnostics(
 
         store = rdv.prefixed(prefix)
         host = store_host(rdv.store)
-        checker = FingerprintChecker.connect(store, rdv.rank, rdv.world_size, timeout, host)
+        checker = FingerprintChecker.connect(store, rdv.rank, rdv.world_size, recipe.timeout, host)
         for key, be in list(backends.items()):
             # Not NCCL yet: its submit records the caller's current stream, so it cannot
             # be deferred to the checker's thread (see fingerprint.py, "Scope").
@@ -434,7 +520,7 @@ def diagnostics(
     return Diagnostics(
         rank=rdv.rank,
         world_size=rdv.world_size,
-        backend=name,
+        backend=recipe.backend,
         trace_dir=os.fspath(trace_dir) if trace_dir is not None else None,
         checker=checker,
         name=comm_name,

@@ -21,7 +21,7 @@ from .._base.errors import (
     InvalidArgument,
 )
 from .._base.foreign import creation_error, kind_of
-from .._base.storekeys import peek
+from .._base.storekeys import next_poll, peek
 from .._core.objects import drop_ops
 from .._faults.census import decode_ranks
 from .._faults.service import unlist_ranks
@@ -48,10 +48,16 @@ class Rendezvous:
         return dist.PrefixStore(prefix, self.store)
 
 
-async def off_loop(fn: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Run blocking ``fn`` on an executor thread; ``CollectiveTimeout`` after ``timeout``."""
+async def off_loop(
+    fn: Callable[[], Any],
+    timeout: float,
+    what: str,
+    on_late: Callable[[Any], None] | None = None,
+) -> Any:
+    """Run blocking ``fn`` on an executor thread; ``CollectiveTimeout`` after ``timeout``.
+    ``on_late``: see ``aio.run_in_thread`` (what ``fn`` made after the wait ended)."""
     try:
-        return await run_in_thread(fn, timeout)
+        return await run_in_thread(fn, timeout, on_late=on_late)
     except AsyncCollError:
         raise
     except TimeoutError:
@@ -179,15 +185,13 @@ def _abandoned(store: Any, prefix: str) -> CollectiveMismatch:
 
 #: How long a wait for the peers polls before it also looks for a peer that gave up.
 _ABANDON_AFTER = 0.01
-#: How long a wait for the peers polls every ms before it slows to every 5 ms.
-_CLOSE_BEHIND = 0.05
 
 
-def _until(store: Any, keys: list[str], deadline: float, prefix: str) -> None:
+def _until(store: Any, keys: list[str], deadline: float, prefix: str, waiters: int) -> None:
     """Wait for ``keys``; a peer that gave the creation up ends the wait at once (after
     ``_ABANDON_AFTER``: the peers of a creation that goes well arrive within a few
-    polls, each one request)."""
-    delay = 0.00005
+    polls, each one request). ``waiters``: how many ranks poll alike (``next_poll``)."""
+    delay = 0.000025
     start = time.monotonic()
     abandon_after = start + _ABANDON_AFTER
     while not store.check(keys):
@@ -196,9 +200,8 @@ def _until(store: Any, keys: list[str], deadline: float, prefix: str) -> None:
             raise _abandoned(store, prefix)
         if now >= deadline:
             raise TimeoutError
+        delay = next_poll(delay, now - start, waiters)
         time.sleep(delay)
-        # Every ms while the peers are close behind; every 5 ms once they are not.
-        delay = min(delay * 2, 0.001 if now - start < _CLOSE_BEHIND else 0.005)
 
 
 async def agree_options(
@@ -235,10 +238,10 @@ async def agree_options(
                 fields=("rank",),
             )
         if rdv.rank != 0:
-            _until(store, ["opts/verdict"], deadline, prefix)
+            _until(store, ["opts/verdict"], deadline, prefix, rdv.world_size)
             return bytes(store.get("opts/verdict")).decode()
         keys = [f"opts/{r}" for r in range(rdv.world_size)]
-        _until(store, keys, deadline, prefix)
+        _until(store, keys, deadline, prefix, 1)
         values = [
             json.dumps(json.loads(bytes(v))["options"], sort_keys=True)
             for i in range(0, len(keys), 512)
@@ -303,7 +306,7 @@ def all_created(rdv: Rendezvous, ns: Namespace, timeout: float) -> None:
         if rdv.world_size > 1:
             store.set("created/all", "1")
         return
-    _until(store, ["created/all"], deadline, ns.prefix)
+    _until(store, ["created/all"], deadline, ns.prefix, rdv.world_size)
 
 
 #: The communicator's name in ``trace_dir`` (``build.diagnostics``).

@@ -24,6 +24,11 @@ Every rank of the parent calls it with the same lists. The steps:
 In steps 2 and 4 the parent aborted (``abort()`` on this rank, or a peer's news)
 ends the split at once with ``CommAborted`` (``watching``).
 
+Steps 2 to 4, up to the end of the subgroup's creation, run as one job on one thread
+(the loop then makes the Communicator of its parts): each hop from the loop to a
+thread and back is time the peers wait for this rank (issue 33 measured a split at
+5.9x torch's bare group with four hops).
+
 A subgroup shares nothing with its parent but the store: no abort flag (the NCCL
 child does not share the parent's resources: with ``splitShare`` NCCL would give
 it the parent's abort flag, init.cc ``ncclCommInitChildComm``), no liveness member,
@@ -34,22 +39,39 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import time
-from typing import Any, Awaitable, Callable, Sequence, cast
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import anyio
 import torch.distributed as dist
 
 from .._base import aio
 from .._base.errors import AsyncCollError, CommAborted, CommClosed, InvalidArgument, PeerFailure
+from .._base.storekeys import next_poll
 from .._core import validate
 from .._core.backend import Backend
 from .._core.communicator import Communicator
 from .rendezvous import Rendezvous, gave_up, off_loop
 
-#: ``make(new_rank, new_size, store, nccl_backend)``: a subgroup's communicator with the
-#: parent's options, on ``store`` (its own namespace), over ``nccl_backend`` if not None.
-Make = Callable[[int, int, Any, Backend | None], Awaitable[Communicator]]
+
+class Maker(Protocol):
+    """How a communicator's subgroups are made (``build.Subgroups``): with the parent's
+    options, each in a namespace of its own."""
+
+    def assemble(self, rank: int, size: int, store: Any, child: Backend | None) -> Any:
+        """Rank ``rank`` of a subgroup of ``size`` on ``store``, over the NCCL ``child`` if
+        not None, up to the end of its creation (blocking); given up if it fails."""
+
+    def abandon(self, store: Any, size: int, exc: BaseException) -> None:
+        """Give the subgroup of ``size`` on ``store`` up (blocking)."""
+
+    def release(self, made: Any) -> None:
+        """Undo what ``assemble`` made."""
+
+    def adopt(self, made: Any) -> Communicator:
+        """The Communicator of what ``assemble`` made (never blocks)."""
+        ...
 
 
 def normalize(groups: Any, world_size: int) -> tuple[list[list[int]] | None, str | None]:
@@ -108,6 +130,8 @@ _DIRECT = 16
 
 #: How often a wait for the peers asks the parent's liveness whether one of them died.
 _WATCH_EVERY = 0.2
+#: At most this long to give a subgroup's creation up (its members then stop at once).
+_GIVE_UP_S = 5.0
 
 #: ``watch(ranks)``: the error for a wait on ``ranks`` once one is proven dead, else None
 #: (the parent's ``Membership.failure_among``).
@@ -119,8 +143,9 @@ def _wait(
 ) -> None:
     # ``store`` is a connection of this split alone: short polls delay nobody (a blocking
     # wait that times out makes torch print a warning per slice).
-    delay = 0.00005
-    look = time.monotonic() + _WATCH_EVERY
+    delay = 0.000025
+    start = time.monotonic()
+    look = start + _WATCH_EVERY
     while not store.check(keys):
         now = time.monotonic()
         if now >= deadline:
@@ -130,8 +155,8 @@ def _wait(
             if error is not None:
                 raise error
             look = now + _WATCH_EVERY
+        delay = next_poll(delay, now - start, len(ranks))
         time.sleep(delay)
-        delay = min(delay * 2, 0.001)
 
 
 def _read(store: Any, keys: list[str]) -> list[dict[str, Any]]:
@@ -211,21 +236,36 @@ def watching(comm: Communicator, watch: Watch | None) -> Watch:
     return look
 
 
-async def _watched(build: Awaitable[Communicator], watch: Watch, ranks: list[int]) -> Communicator:
-    """``build``, unless ``watch`` (asked about the other members, ``ranks``) ends it
-    first: then its error, and the build is cancelled (its creation given up: the
-    members still waiting for this rank there stop at once). A Gloo connect waits for
-    every member until its timeout; a member dead or a parent aborted must not."""
+class _Progress:
+    """Where a split's thread is, for its watch on the loop (under ``lock``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: ``(namespace, store, size, members)`` of the subgroup being made, once its
+        #: creation began (``members``: the other ranks of it, numbered in the parent).
+        self.making: tuple[str, Any, int, list[int]] | None = None
+        #: The loop gave the split up: the thread makes nothing more.
+        self.over = False
+
+
+async def _watched(job: Awaitable[Any], watch: Watch, progress: _Progress) -> Any:
+    """``job`` (the split's thread), unless ``watch`` ends it first, once the subgroup's
+    creation began (asked about its other members): then its error. (The agreement
+    asks the watch itself.) A Gloo connect waits for every member until its timeout;
+    a member dead or a parent aborted must not."""
 
     async def look() -> None:
         while True:
             await anyio.sleep(_WATCH_EVERY)
-            job = functools.partial(watch, ranks)
+            making = progress.making
+            if making is None:
+                continue
+            job = functools.partial(watch, making[3])
             error = await aio.run_in_thread(job, None, name="asynccoll-split")
             if error is not None:
                 raise error
 
-    return cast(Communicator, await aio.race(lambda: build, look))
+    return await aio.race(lambda: job, look)
 
 
 class Splitter:
@@ -233,11 +273,11 @@ class Splitter:
     its rendezvous and namespace, its NCCL backend (or None) and ``make``. Owns the
     count of its communicator's splits (the same on every rank: split is a collective)."""
 
-    def __init__(self, rdv: Rendezvous, prefix: str, cuda: Backend | None, make: Make) -> None:
+    def __init__(self, rdv: Rendezvous, prefix: str, cuda: Backend | None, maker: Maker) -> None:
         self.rdv = rdv
         self.prefix = prefix
         self.cuda = cuda
-        self.make = make
+        self.maker = maker
         self.count = 0
 
     def leftover_keys(self, store: Any) -> list[str]:
@@ -274,31 +314,59 @@ class Splitter:
         guard = watching(comm, watch)
         # (an aborted one says so in its status: every rank raises the agreed verdict)
         first = guard if comm.state == "ok" else watch
-        job = functools.partial(agree, parent, comm.rank, comm.world_size, k, status, limit, first)
-        verdict, own = await off_loop(job, limit, "split")
+        agreement = functools.partial(
+            agree, parent, comm.rank, comm.world_size, k, status, limit, first
+        )
+        progress = _Progress()
+
+        def run() -> tuple[dict[str, Any], Any]:
+            """Steps 2 to 4 up to the end of the subgroup's creation, on one thread."""
+            verdict, own = agreement()
+            if "groups" not in verdict:
+                return verdict, None
+            agreed: list[list[int]] = verdict["groups"]
+            index = next((i for i, g in enumerate(agreed) if comm.rank in g), None)
+            size = len(agreed[index]) if index is not None else 0
+            rank = agreed[index].index(comm.rank) if index is not None else 0
+            child = None
+            if self.cuda is not None:  # step 3: every rank, in a list or not
+                child = self.cuda.split(index, rank, size, limit)
+            if index is None:
+                return verdict, None
+            sub = f"split-{k}/{index}/"
+            store = dist.PrefixStore(sub, own)  # on the agreement's connection
+            with progress.lock:
+                if progress.over:  # the watch ended the split meanwhile
+                    if child is not None:
+                        child.release()
+                    return verdict, None
+                members = [r for r in agreed[index] if r != comm.rank]
+                progress.making = (sub, store, size, members)
+            return verdict, self.maker.assemble(rank, size, store, child)
+
+        def late(result: tuple[dict[str, Any], Any]) -> None:
+            if result[1] is not None:
+                self.maker.release(result[1])
+
+        try:
+            verdict, made = await _watched(off_loop(run, limit, "split", late), guard, progress)
+        except BaseException as exc:
+            with progress.lock:
+                progress.over = True
+                making = progress.making
+            if making is not None:  # step 4 began: give it up; its keys go with the parent's
+                sub, store, size, _ = making
+                with anyio.CancelScope(shield=True):
+                    try:
+                        # (the thread may still wait in its Gloo connect: the members must hear now)
+                        give = functools.partial(self.maker.abandon, store, size, exc)
+                        await off_loop(give, min(limit, _GIVE_UP_S), "store")
+                    except AsyncCollError:
+                        pass  # the store failed: the split's error is the one to report
+                await gave_up(self.rdv.store, self.prefix, sub, size, None, min(limit, _GIVE_UP_S))
+            raise
         if "invalid" in verdict:
             raise InvalidArgument(verdict["invalid"])
         if "aborted" in verdict:
             raise CommAborted(verdict["aborted"])
-        agreed: list[list[int]] = verdict["groups"]
-        index = next((i for i, g in enumerate(agreed) if comm.rank in g), None)
-        rank = agreed[index].index(comm.rank) if index is not None else 0
-        child = None
-        if self.cuda is not None:  # step 3: every rank, in a list or not
-            size = len(agreed[index]) if index is not None else 0
-            native = functools.partial(self.cuda.split, index, rank, size, limit)
-            child = await off_loop(native, limit, "nccl split")
-        if index is None:
-            return None
-        try:  # step 4, on the agreement's connection
-            store = dist.PrefixStore(f"split-{k}/{index}/", own)
-            build = self.make(rank, len(agreed[index]), store, child)
-            members = [r for r in agreed[index] if r != comm.rank]
-            return await _watched(build, guard, members)
-        except BaseException:
-            if child is not None:
-                child.release()  # bounded ncclCommAbort of the unused child
-            # Its keys (the give-up mark, Gloo's addresses) go with the parent's.
-            size = len(agreed[index])
-            await gave_up(self.rdv.store, self.prefix, f"split-{k}/{index}/", size, None, limit)
-            raise
+        return self.maker.adopt(made) if made is not None else None
