@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import asynccoll as ac
+from asynccoll._faults import news
 from asynccoll._faults.liveness import Liveness
 from asynccoll.testing import RankContext, run_ranks
 from tests.support.spies import Sets
@@ -352,3 +353,19 @@ def test_a_member_whose_keys_were_deleted_under_it_aborts_without_waiting(detect
     assert took < 4, f"the beat waited {took:.1f} s for deleted keys"
     assert len(failures) == 1 and isinstance(failures[0], ac.CommAborted), failures
     assert not server.check(["c/hb/0"])  # no key made again
+
+
+def test_news_that_comes_between_publish_and_start_is_delivered_at_start() -> None:
+    """The creation publishes a member on its thread (its pulse address is then known to
+    the peers) and the communicator starts it later, on the loop: a peer's abort news
+    that comes in between is kept and delivered at start, not lost."""
+    member = Liveness(dist.PrefixStore("c", dist.HashStore()), 0, 2, interval=60.0, detect=False)
+    member.publish()
+    heard: list[BaseException] = []
+    try:
+        member.deliver(news.encode(1, ac.PeerFailure("rank 2 died", [2])))
+        member.start(heard.append)
+        assert [type(e) for e in heard] == [ac.PeerFailure], heard
+        assert member.dead == (2,)
+    finally:
+        member.stop()
