@@ -145,6 +145,12 @@ def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
     return result
 
 
+def spawn(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
+    """Run blocking ``fn`` on a set-up thread (as ``run_in_thread`` does), for a thread
+    that goes on meanwhile: its outcome is the future's."""
+    return _start(fn, name)
+
+
 async def _result(future: concurrent.futures.Future[Any]) -> Any:
     """The result of ``future`` (set by another thread), woken by that thread.
 
