@@ -441,7 +441,7 @@ def adopt(
 
 class Subgroups:
     """How a communicator's subgroups are made (``split.py``, ``interfaces.Subgroups``):
-    with its recipe, each in a namespace of its own on the split's connection."""
+    with its recipe, each in a namespace of its own on a store connection of its own."""
 
     def __init__(self, parent: Rendezvous, recipe: Recipe) -> None:
         self._parent = parent
