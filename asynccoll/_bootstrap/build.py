@@ -145,12 +145,10 @@ async def build_communicator(
     factories: Factories = REAL,
     group: Any = None,
     sole: bool = False,
-    agreed: bool = False,
 ) -> Communicator:
     # nccl_backend: a ready NCCL backend (shrink's ncclCommShrink) used instead of a new init.
     # group: the named group (elastic.Group) this communicator belongs to, or None.
-    # sole: ``store`` is a namespace of this communicator alone (a shrink's, a grow's, a split's).
-    # agreed: the ranks agreed on its options already (a split's: the parent's).
+    # sole: ``store`` is a namespace of this communicator alone (a shrink's, a grow's).
     timeout = check_args(backend, store, master_addr, device, timeout, heartbeat)
     if check not in (None, "fingerprint"):
         raise InvalidArgument(f"check must be None or 'fingerprint', got {check!r}")
@@ -185,7 +183,7 @@ async def build_communicator(
             recipe = Recipe(
                 backend, use_nccl, device, timeout, check, trace_dir, heartbeat, factories
             )
-            comm = await connect(rdv, recipe, nccl_backend, group, sole, agreed)
+            comm = await connect(rdv, recipe, nccl_backend, group, sole)
         finally:
             lock.release()
     except BaseException:
@@ -294,35 +292,32 @@ async def connect(
     nccl_backend: Backend | None = None,
     group: Any = None,
     sole: bool = False,
-    agreed: bool = False,
 ) -> Communicator:
     """Build the backends and the Communicator on a met rendezvous.
 
     ``nccl_backend``: a ready NCCL backend (shrink's ``ncclCommShrink``) used instead of
     a new init. ``group``: the named group (``elastic.Group``) this communicator belongs
     to, or None. ``sole``: the store is a namespace of this communicator alone (a
-    shrink's, a grow's): no generations there. ``agreed``: the ranks already agreed on
-    the options: no second round.
+    shrink's, a grow's): no generations there.
     """
     timeout = recipe.timeout
     name = getattr(group, "name", None)
     ns = await comm_prefix(rdv, timeout, name, sole)
     backends: dict[str | None, Backend] = {}
     try:
-        if not agreed:
-            await agree_options(
-                rdv,
-                ns.prefix,
-                {
-                    "backend": recipe.backend,
-                    "nccl": recipe.use_nccl,
-                    "check": recipe.check,
-                    "heartbeat": recipe.heartbeat,
-                    "world_size": rdv.world_size,
-                    "name": name,
-                },
-                timeout,
-            )
+        await agree_options(
+            rdv,
+            ns.prefix,
+            {
+                "backend": recipe.backend,
+                "nccl": recipe.use_nccl,
+                "check": recipe.check,
+                "heartbeat": recipe.heartbeat,
+                "world_size": rdv.world_size,
+                "name": name,
+            },
+            timeout,
+        )
         if recipe.use_nccl:
             backends["cuda"] = nccl_backend or await recipe.factories.nccl(
                 rdv, ns.prefix, recipe.device, timeout
@@ -440,8 +435,8 @@ def adopt(
 
 
 class Subgroups:
-    """How a communicator's subgroups are made (``split.py``, ``interfaces.Subgroups``):
-    with its recipe, each in a namespace of its own on a store connection of its own."""
+    """How a communicator's subgroups are made (``split.Maker``): with its recipe, each
+    in a namespace of its own on a store connection of its own."""
 
     def __init__(self, parent: Rendezvous, recipe: Recipe) -> None:
         self._parent = parent
@@ -464,11 +459,7 @@ class Subgroups:
     def abandon(self, store: Any, size: int, exc: BaseException) -> None:
         """Give up the subgroup of ``size`` on ``store`` (blocking): members waiting in its
         creation stop at once."""
-        ns = Namespace(sole_prefix(size, None), None, 0)
-        try:
-            abandon(Rendezvous(store, 0, size), ns, why(exc))
-        except (RuntimeError, ValueError):  # the store failed: the split's error is the one
-            pass
+        abandon(Rendezvous(store, 0, size), Namespace(sole_prefix(size, None), None, 0), why(exc))
 
     def release(self, made: Any) -> None:
         """Undo a subgroup's creation whose split gave up before it ended."""
