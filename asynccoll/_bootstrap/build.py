@@ -249,11 +249,14 @@ def assemble(
     backends: dict[str | None, Backend],
     recipe: Recipe,
     group: str | None,
+    token: str | None = None,
 ) -> Parts:
     """The blocking rest of a creation, after NCCL's init (``backends``): the liveness
     member's keys, the Gloo group, the diagnostics and the end barrier. One job on one
     thread: each hop from the loop to a thread and back is time the peers wait for
-    this rank. What it made is released if it fails (``backends`` are the caller's)."""
+    this rank. What it made is released if it fails (``backends`` are the caller's).
+    ``token``: the liveness member's namespace token, where the ranks derive it alike
+    (``Liveness.publish``)."""
     built = dict(backends)
     member = None
     try:
@@ -266,7 +269,7 @@ def assemble(
                 interval=recipe.interval,
                 detect=recipe.detect,
             )
-            member.publish()
+            member.publish(token)
         if recipe.backend in ("gloo", "auto"):
             store = rdv.prefixed(ns.prefix + "gloo/")
             built["cpu"] = recipe.factories.gloo(store, rdv.rank, rdv.world_size, recipe.timeout)
@@ -415,7 +418,8 @@ def adopt(
             STORES.hold(rdv.key, new)  # it uses the shared store too
         return new
 
-    splitter = Splitter(rdv, prefix, cuda, Subgroups(rdv, recipe))
+    token = parts.liveness.namespace if parts.liveness is not None else None
+    splitter = Splitter(rdv, prefix, cuda, Subgroups(rdv, recipe, token))
     return Communicator(
         rank=rdv.rank,
         world_size=rdv.world_size,
@@ -438,19 +442,22 @@ class Subgroups:
     """How a communicator's subgroups are made (``split.Maker``): with its recipe, each
     in a namespace of its own on a store connection of its own."""
 
-    def __init__(self, parent: Rendezvous, recipe: Recipe) -> None:
+    def __init__(self, parent: Rendezvous, recipe: Recipe, token: str | None) -> None:
         self._parent = parent
         self._recipe = recipe
+        self._token = token  # the parent's liveness namespace token, if it has one
 
-    def assemble(self, rank: int, size: int, store: Any, child: Backend | None) -> Any:
-        """Rank ``rank`` of a subgroup of ``size`` on ``store`` (over the split's NCCL
-        ``child``, if any), up to the end of its creation (blocking: on the split's
-        thread). If it fails, ``child`` is released; the split gives it up (``abandon``)."""
+    def assemble(self, rank: int, size: int, store: Any, child: Backend | None, name: str) -> Any:
+        """Rank ``rank`` of the subgroup ``name`` of ``size`` on ``store`` (over the split's
+        NCCL ``child``, if any), up to the end of its creation (blocking: on the split's
+        thread). If it fails, ``child`` is released; the split gives it up (``abandon``).
+        Its liveness token is its parent's and its ``name``: no agreement on one."""
         rdv = Rendezvous(store, rank, size)
         ns = Namespace(sole_prefix(size, None), None, 0)
         backends: dict[str | None, Backend] = {"cuda": child} if child is not None else {}
+        token = f"{self._token}/{name}" if self._token is not None else None
         try:
-            return rdv, ns, assemble(rdv, ns, backends, self._recipe, None)
+            return rdv, ns, assemble(rdv, ns, backends, self._recipe, None, token)
         except BaseException:
             if child is not None:
                 child.release()  # bounded ncclCommAbort of the unused child

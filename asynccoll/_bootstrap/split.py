@@ -59,9 +59,10 @@ class Maker(Protocol):
     """How a communicator's subgroups are made (``build.Subgroups``): with the parent's
     options, each in a namespace of its own."""
 
-    def assemble(self, rank: int, size: int, store: Any, child: Backend | None) -> Any:
-        """Rank ``rank`` of a subgroup of ``size`` on ``store``, over the NCCL ``child`` if
-        not None, up to the end of its creation (blocking); given up if it fails."""
+    def assemble(self, rank: int, size: int, store: Any, child: Backend | None, name: str) -> Any:
+        """Rank ``rank`` of the subgroup ``name`` (unique under the parent) of ``size`` on
+        ``store``, over the NCCL ``child`` if not None, up to the end of its creation
+        (blocking)."""
 
     def abandon(self, store: Any, size: int, exc: BaseException) -> None:
         """Give the subgroup of ``size`` on ``store`` up (blocking)."""
@@ -204,15 +205,22 @@ def agree(
     except AsyncCollError:  # ended by ``watch``: this rank is done with the keys too
         _leave(store, base, keys, verdict_key, world_size)
         raise
-    _leave(store, base, keys, verdict_key, world_size)
+    # (on another thread: the count is no step of the split's, its answer no one's wait)
+    aio.spawn(
+        functools.partial(_leave, store, base, keys, verdict_key, world_size), "asynccoll-split"
+    )
     return verdict
 
 
 def _leave(store: Any, base: str, keys: list[str], verdict_key: str, world_size: int) -> None:
-    """This rank is done with split's agreement keys; the last of the ranks deletes them."""
-    if int(store.add(f"{base}read", 1)) == world_size:
-        for key in (*keys, verdict_key, f"{base}read"):
-            store.delete_key(key)
+    """This rank is done with split's agreement keys; the last of the ranks deletes them.
+    (A failed store leaves them: the parent's ``forget`` deletes what is left.)"""
+    try:
+        if int(store.add(f"{base}read", 1)) == world_size:
+            for key in (*keys, verdict_key, f"{base}read"):
+                store.delete_key(key)
+    except (RuntimeError, ValueError):  # torch's store errors (DistError subclasses)
+        pass
 
 
 def watching(comm: Communicator, watch: Watch | None) -> Watch:
@@ -283,13 +291,14 @@ class Splitter:
     def leftover_keys(self, store: Any) -> list[str]:
         """The agreement keys under ``store`` (its communicator's prefix) that no rank
         deleted: the last rank out of a split deletes them, but a member that died after
-        writing its status never counts itself out (its ``read`` count stays). One request
-        per split; the communicator's ``forget`` deletes what this names."""
-        n = self.rdv.world_size
+        writing its status never counts itself out, nor does one whose count (on a thread
+        of its own) had not run when its process ended: this rank's status is still there.
+        One request per split; the communicator's ``forget`` deletes what this names."""
+        n, me = self.rdv.world_size, self.rdv.rank
         return [
             key
             for k in range(self.count)
-            if store.check([f"split/{k}/read"])
+            if store.check([f"split/{k}/{me}"])
             for key in (
                 *(f"split/{k}/{r}" for r in range(n)),
                 f"split/{k}/read",
@@ -346,7 +355,7 @@ class Splitter:
                     return verdict, None
                 members = [r for r in agreed[index] if r != comm.rank]
                 progress.making = (sub, store, size, members)
-            return verdict, self.maker.assemble(rank, size, store, child)
+            return verdict, self.maker.assemble(rank, size, store, child, sub)
 
         def late(result: tuple[dict[str, Any], Any]) -> None:
             if result[1] is not None:

@@ -104,11 +104,17 @@ class Liveness:
         return [r for r in range(self._world_size) if r != self._rank]
 
     # ------------------------------------------------------------ lifecycle
-    def publish(self) -> None:
+    def publish(self, namespace: str | None = None) -> None:
         """Join the process's service, create this rank's keys and publish its process
         (blocking: store requests; on the creation's thread, before its end barrier, so
         that every rank's keys exist once any rank's creation returns). Not beaten, and
-        no failure delivered, before :meth:`start`."""
+        no failure delivered, before :meth:`start`.
+
+        ``namespace``: the communicator's token in pulse messages, where every rank
+        derives the same one (a subgroup's, from its parent's): no request waits for an
+        answer then, and the keys exist once the next answered request on this store
+        connection returns (the creation's end barrier). Otherwise the ranks agree on a
+        random one through the store (the first proposal stored wins)."""
         self.due = (
             time.monotonic() + 3600.0
         )  # not beaten before its keys exist (a read would wait for them)
@@ -133,8 +139,10 @@ class Liveness:
             store.set(
                 "host", str(self._rank)
             )  # this process hosts the store: peers name it if it dies
-        token = store.compare_set(news.NAMESPACE_KEY, "", secrets.token_hex(8))
-        self.namespace = bytes(token).decode(errors="replace")
+        if namespace is None:
+            token = store.compare_set(news.NAMESPACE_KEY, "", secrets.token_hex(8))
+            namespace = bytes(token).decode(errors="replace")
+        self.namespace = namespace
 
     def start(self, on_failure: Callable[[BaseException], None]) -> None:
         """Begin beating (never blocks, after :meth:`publish`); failures go to

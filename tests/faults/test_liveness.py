@@ -210,6 +210,23 @@ def test_a_census_only_member_starts_with_one_store_request_that_waits_for_an_an
     assert bytes(store.inner.get("c/aborted")) == b""  # no news
 
 
+def test_a_member_given_its_namespace_publishes_without_waiting_for_an_answer() -> None:
+    """A subgroup's ranks derive their token from their parent's (``Subgroups``): its
+    member's keys are made by requests that need no answer, and the creation's end
+    barrier, next on the connection, is the one that waits."""
+    store = RecordingStore(dist.HashStore())
+    member = Liveness(dist.PrefixStore("c", store), 0, 2, interval=60.0, detect=False)
+    member.publish("parent-token/split-0/1/")
+    member.start(lambda e: None)
+    try:
+        calls = [(m, k) for m, k in store.calls if k.startswith("c/")]
+    finally:
+        member.stop()
+    assert [(m, k) for m, k in calls if m not in ("set", "append")] == [], calls
+    assert member.namespace == "parent-token/split-0/1/"
+    assert store.inner.check(["c/aborted", "c/host", "c/proc/0"])
+
+
 @pytest.mark.parametrize("world_size", [8, 32])
 def test_a_beat_costs_a_few_store_requests_whatever_the_world_size(world_size: int) -> None:
     """Heartbeat detection watches a few neighbours: the store requests per rank and
