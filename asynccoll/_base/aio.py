@@ -197,19 +197,35 @@ async def run_in_thread(
     interrupted) and ``on_late(result)`` receives its result if it still succeeds,
     so whatever it acquired can be given back.
     """
-    future = _start(fn, name)
+    return await wait_for(_start(fn, name), timeout, on_late=on_late)
+
+
+async def wait_for(
+    future: concurrent.futures.Future[Any],
+    timeout: float | None,
+    *,
+    on_late: Callable[[Any], None] | None = None,
+) -> Any:
+    """The outcome of a set-up thread's job (:func:`spawn`), as :func:`run_in_thread`
+    waits for it: ``TimeoutError`` after ``timeout``; a wait that ends before the job
+    (timed out, cancelled) hands its result, if it succeeds, to ``on_late``."""
     try:
         with anyio.fail_after(timeout):
             return await _result(future)
     except BaseException:
         if on_late is not None:
-
-            def late(f: concurrent.futures.Future[Any]) -> None:
-                if f.exception() is None:
-                    on_late(f.result())
-
-            future.add_done_callback(late)
+            late_for(future, on_late)
         raise
+
+
+def late_for(future: concurrent.futures.Future[Any], on_late: Callable[[Any], None]) -> None:
+    """``on_late(result)`` once ``future`` succeeds (nothing if it fails)."""
+
+    def late(f: concurrent.futures.Future[Any]) -> None:
+        if f.exception() is None:
+            on_late(f.result())
+
+    future.add_done_callback(late)
 
 
 async def settle_within(waitables: list[Any], timeout: float) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -13,7 +14,7 @@ from typing import Any, Callable, Iterable
 import anyio
 import torch.distributed as dist
 
-from .._base.aio import run_in_thread
+from .._base import aio
 from .._base.errors import (
     AsyncCollError,
     CollectiveMismatch,
@@ -56,8 +57,19 @@ async def off_loop(
 ) -> Any:
     """Run blocking ``fn`` on an executor thread; ``CollectiveTimeout`` after ``timeout``.
     ``on_late``: see ``aio.run_in_thread`` (what ``fn`` made after the wait ended)."""
+    return await settled(aio.spawn(fn, "asynccoll-setup"), timeout, what, on_late)
+
+
+async def settled(
+    future: concurrent.futures.Future[Any],
+    timeout: float,
+    what: str,
+    on_late: Callable[[Any], None] | None = None,
+) -> Any:
+    """The outcome of a set-up job already started (``aio.spawn``), as :func:`off_loop`
+    waits for it and reports its errors."""
     try:
-        return await run_in_thread(fn, timeout, on_late=on_late)
+        return await aio.wait_for(future, timeout, on_late=on_late)
     except AsyncCollError:
         raise
     except TimeoutError:
