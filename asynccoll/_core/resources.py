@@ -72,6 +72,8 @@ class Resources:
     ) -> Membership:
         """Join the liveness service; the backends name lost peers with its census from now on."""
         liveness = self.liveness = factory(on_failure)
+        pending = self.ledger.pending
+        liveness.busy = lambda: bool(pending)
         for backend in self.backends.values():
             backend.census = liveness.census
         if (

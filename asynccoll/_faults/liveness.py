@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .._base import shutdown
 from .._base.errors import CommAborted, PeerFailure
+from .._base.storekeys import peek
 from . import news, procs
 from .census import Roster, decode_ranks, encode_ranks, watched
 from .service import Service, StoreHost, root_of
@@ -39,6 +40,10 @@ _HOST_KNOWN_AFTER = 5.0
 _QUIESCE_WITHIN = 5.0
 #: Store errors: torch raises DistError subclasses (or RuntimeError) for a broken store.
 _STORE_ERRORS = (RuntimeError, ValueError)
+
+
+def _idle() -> bool:
+    return False
 
 
 class Liveness:
@@ -88,6 +93,10 @@ class Liveness:
         self._knocked = 0.0
         self._started = time.monotonic()
         self._next_read = 0.0
+        #: Whether the communicator has an op pending (its ``Resources`` sets it): while
+        #: one is, a member without heartbeat detection looks at every beat for peers on
+        #: this machine whose process is gone (``_fail_the_gone``).
+        self.busy: Callable[[], bool] = _idle
 
     @property
     def bound(self) -> float:
@@ -252,6 +261,8 @@ class Liveness:
             now = time.monotonic()
             starved = now - self._last_tick > 2 * self.interval + 0.5
             self._last_tick = now
+            if not self.detect and not self._aborted and self.busy():
+                self._fail_the_gone()
             if not self.detect and self._host_rank is not None and now < self._next_read:
                 return True  # abort news comes to the pulse; the store is read now and then only
             self._next_read = now + _FALLBACK_EVERY
@@ -314,6 +325,41 @@ class Liveness:
                 f"no heartbeat from rank(s) {list(dead)} for {self._misses} x {self.interval:g} s",
                 ranks,
             )
+        )
+
+    def _fail_the_gone(self) -> None:
+        """Without heartbeats (service thread, while an op is pending): a peer on this
+        machine whose process is gone fails the communicator now, on proof of death.
+
+        Gloo reports most lost peers itself, within a fraction of a second, but not one
+        it is already sending data to: that send waits for the op's timeout (gloo's
+        ``tcp/pair.cc``, ``Pair::signalException``, wakes the sends still waiting for the
+        peer to be ready; seen with torch 2.13: a 256 MB broadcast's root waited out its
+        deadline for a receiver SIGKILLed mid-transfer). One ``/proc`` read per local
+        peer and beat, and a store request or two only once one is gone.
+
+        A process that is gone is a failure only while the store can say it did not
+        leave on its own: a peer that said goodbye is not one; abort news already
+        written is this communicator's verdict (a peer may have left because of it);
+        and once the store is lost its host's death is the verdict (``store_lost``),
+        as the survivors leave without a goodbye they can no longer write."""
+        gone = [r for r, p in self.peers().items() if p.local and p.state() == "gone"]
+        if not gone or not self._store_usable():
+            return
+        raw = peek(self._store, "aborted")
+        if raw is None:
+            return  # the keys are gone: this rank was counted out (the next read says so)
+        if raw:  # an abort came first: deliver its news, name nobody else
+            self.deliver(raw)
+            return
+        dead = tuple(r for r in gone if not self._left(r))
+        if not dead or not self._store_usable():
+            return
+        with self._lock:
+            self._dead.update(dead)
+        ranks = self._census_once() or dead
+        self._declare(
+            PeerFailure(f"the process of rank(s) {list(dead)} is gone (an op was pending)", ranks)
         )
 
     def _declare(self, failure: BaseException) -> None:
@@ -481,10 +527,12 @@ class Liveness:
             # read would wait for them and block the process's store client.
             return known
         if not self._store_usable():
+            # The store's loss owns the verdict: its host, if a rank. A peer whose process
+            # is gone by now is no proof: every survivor aborts and may exit when it learns
+            # the host died, with no store left to say goodbye on.
             svc = self._service
             host = self._host_of(svc.host) if svc is not None and not svc.host_left else None
-            gone = procs.gone_among(self._roster.cache.items())
-            return tuple(sorted(set(known) | set(gone) | ({host} if host is not None else set())))
+            return tuple(sorted(set(known) | ({host} if host is not None else set())))
         try:
             recorded = self.record()
             if recorded is not None:
