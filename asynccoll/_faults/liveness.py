@@ -263,6 +263,8 @@ class Liveness:
             self._last_tick = now
             if not self.detect and not self._aborted and self.busy():
                 self._fail_the_gone()
+                if self.store_gone is not None:
+                    return True  # its host died meanwhile: no request may meet a dead server
             if not self.detect and self._host_rank is not None and now < self._next_read:
                 return True  # abort news comes to the pulse; the store is read now and then only
             self._next_read = now + _FALLBACK_EVERY
@@ -355,9 +357,10 @@ class Liveness:
         dead = tuple(r for r in gone if not self._left(r))
         if not dead or not self._store_usable():
             return
-        with self._lock:
-            self._dead.update(dead)
-        ranks = self._census_once() or dead
+        # The census record names the failure (first writer wins), not this beat's view:
+        # a survivor whose ``dead`` differed from the record would shrink apart from the
+        # others (a second peer dying a moment later: the record's shrink gives up its build).
+        ranks = self._census_once(dead) or dead
         self._declare(
             PeerFailure(f"the process of rank(s) {list(dead)} is gone (an op was pending)", ranks)
         )
@@ -511,16 +514,18 @@ class Liveness:
 
         return census
 
-    def _census_once(self) -> tuple[int, ...]:
+    def _census_once(self, proven: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The census (taken once; ``proven``: ranks this rank just proved dead, offered
+        to it); only its answer joins ``dead``."""
         with self._census_lock:
             if self._census is None:
-                self._census = self._take_census()
+                self._census = self._take_census(proven)
             with self._lock:
                 self._dead.update(self._census)
             return self._census
 
-    def _take_census(self) -> tuple[int, ...]:
-        known = self.dead
+    def _take_census(self, proven: tuple[int, ...] = ()) -> tuple[int, ...]:
+        known = tuple(sorted({*self.dead, *proven}))
         if self._closed:
             # A transport error after close() (an aborted op that Gloo ended only now):
             # nobody needs the answer, and the keys may be gone (``forget``), so that a

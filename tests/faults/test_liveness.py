@@ -424,3 +424,28 @@ def test_a_census_on_a_lost_store_names_no_peer_whose_process_is_gone() -> None:
         member.stop()
     assert member.dead == (), member.dead
     assert [type(f) for f in failures] == [ac.CommAborted], failures
+
+
+@pytest.mark.skipif(not procs.MACHINE, reason="no process table to read")
+def test_a_gone_peer_check_names_the_census_record_not_its_own_view() -> None:
+    """Rank 2 died and the survivors' census recorded it; rank 1 dies a moment later,
+    before this rank's op failed. The record is the failure every survivor names: a
+    rank that named both shrank apart from the others ("survivors disagree on the
+    excluded ranks"), whose shrink gives up its build with rank 1 and builds again."""
+    server = _server()
+    store = dist.PrefixStore("c", server)
+    store.set("proc/1", _gone_peer(1))
+    store.set("proc/2", _gone_peer(2))
+    store.set("failure", "2")
+    failures: list[BaseException] = []
+    member = Liveness(store, 0, 3, interval=0.05, detect=False, on_failure=failures.append)
+    member.busy = lambda: True
+    member.start()
+    try:
+        end = time.monotonic() + 10
+        while not failures and time.monotonic() < end:
+            time.sleep(0.02)
+    finally:
+        member.stop()
+    assert [type(f) for f in failures] == [ac.PeerFailure], failures
+    assert failures[0].ranks == (2,) and member.dead == (2,), (failures, member.dead)
