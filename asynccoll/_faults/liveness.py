@@ -291,6 +291,12 @@ class Liveness:
                 self.deliver(values[0].decode(errors="replace"))
             elif self.detect and not self._aborted:
                 self._check(values[2:], now, starved)
+            elif len(self._roster.cache) < self._world_size - 1:
+                # The peers' processes, for ``_fail_the_gone``: read here, beside this read,
+                # not at the first beat that finds an op pending (a request at a random
+                # moment: a store host killed then left it without an answer, and torch
+                # printed a C++ trace for it).
+                self.peers()
         except _STORE_ERRORS as exc:  # the store server is gone or broken
             svc = self._service
             if svc is not None and self.store_gone is None:
@@ -338,14 +344,15 @@ class Liveness:
         ``tcp/pair.cc``, ``Pair::signalException``, wakes the sends still waiting for the
         peer to be ready; seen with torch 2.13: a 256 MB broadcast's root waited out its
         deadline for a receiver SIGKILLed mid-transfer). One ``/proc`` read per local
-        peer and beat, and a store request or two only once one is gone.
+        peer and beat (the peers' records are read beside the periodic store read), and a
+        store request or two only once one is gone.
 
         A process that is gone is a failure only while the store can say it did not
         leave on its own: a peer that said goodbye is not one; abort news already
         written is this communicator's verdict (a peer may have left because of it);
         and once the store is lost its host's death is the verdict (``store_lost``),
         as the survivors leave without a goodbye they can no longer write."""
-        gone = [r for r, p in self.peers().items() if p.local and p.state() == "gone"]
+        gone = procs.gone_among(list(self._roster.cache.items()))
         if not gone or not self._store_usable():
             return
         raw = peek(self._store, "aborted")
