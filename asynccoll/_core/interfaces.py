@@ -55,6 +55,10 @@ class DiagnosticHooks:
 class Membership(Protocol):
     """A communicator's liveness (implemented by ``_faults.liveness.Liveness``)."""
 
+    #: Whether the communicator has an op pending (set by its ``Resources``; read by the
+    #: liveness service's thread).
+    busy: Callable[[], bool]
+
     @property
     def census(self) -> Callable[[], tuple[int, ...]]:
         """Names the failed ranks after a transport error that does not say which."""

@@ -73,6 +73,8 @@ class Resources:
         """Start ``liveness`` (published by the creation); the backends name lost peers
         with its census from now on."""
         self.liveness = liveness
+        pending = self.ledger.pending
+        liveness.busy = lambda: bool(pending)
         for backend in self.backends.values():
             backend.census = liveness.census
         if (

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .._base import shutdown
 from .._base.errors import CommAborted, PeerFailure
+from .._base.storekeys import peek
 from . import news, procs
 from .census import Roster, decode_ranks, encode_ranks, watched
 from .service import Service, StoreHost, root_of
@@ -39,6 +40,10 @@ _HOST_KNOWN_AFTER = 5.0
 _QUIESCE_WITHIN = 5.0
 #: Store errors: torch raises DistError subclasses (or RuntimeError) for a broken store.
 _STORE_ERRORS = (RuntimeError, ValueError)
+
+
+def _idle() -> bool:
+    return False
 
 
 class Liveness:
@@ -89,6 +94,10 @@ class Liveness:
         self._knocked = 0.0
         self._started = time.monotonic()
         self._next_read = 0.0
+        #: Whether the communicator has an op pending (its ``Resources`` sets it): while
+        #: one is, a member without heartbeat detection looks at every beat for peers on
+        #: this machine whose process is gone (``_fail_the_gone``).
+        self.busy: Callable[[], bool] = _idle
 
     @property
     def bound(self) -> float:
@@ -274,6 +283,10 @@ class Liveness:
             now = time.monotonic()
             starved = now - self._last_tick > 2 * self.interval + 0.5
             self._last_tick = now
+            if not self.detect and not self._aborted and self.busy():
+                self._fail_the_gone()
+                if self.store_gone is not None:
+                    return True  # its host died meanwhile: no request may meet a dead server
             if not self.detect and self._host_rank is not None and now < self._next_read:
                 return True  # abort news comes to the pulse; the store is read now and then only
             self._next_read = now + _FALLBACK_EVERY
@@ -300,6 +313,12 @@ class Liveness:
                 self.deliver(values[0].decode(errors="replace"))
             elif self.detect and not self._aborted:
                 self._check(values[2:], now, starved)
+            elif len(self._roster.cache) < self._world_size - 1:
+                # The peers' processes, for ``_fail_the_gone``: read here, beside this read,
+                # not at the first beat that finds an op pending (a request at a random
+                # moment: a store host killed then left it without an answer, and torch
+                # printed a C++ trace for it).
+                self.peers()
         except _STORE_ERRORS as exc:  # the store server is gone or broken
             svc = self._service
             if svc is not None and self.store_gone is None:
@@ -336,6 +355,43 @@ class Liveness:
                 f"no heartbeat from rank(s) {list(dead)} for {self._misses} x {self.interval:g} s",
                 ranks,
             )
+        )
+
+    def _fail_the_gone(self) -> None:
+        """Without heartbeats (service thread, while an op is pending): a peer on this
+        machine whose process is gone fails the communicator now, on proof of death.
+
+        Gloo reports most lost peers itself, within a fraction of a second, but not one
+        it is already sending data to: that send waits for the op's timeout (gloo's
+        ``tcp/pair.cc``, ``Pair::signalException``, wakes the sends still waiting for the
+        peer to be ready; seen with torch 2.13: a 256 MB broadcast's root waited out its
+        deadline for a receiver SIGKILLed mid-transfer). One ``/proc`` read per local
+        peer and beat (the peers' records are read beside the periodic store read), and a
+        store request or two only once one is gone.
+
+        A process that is gone is a failure only while the store can say it did not
+        leave on its own: a peer that said goodbye is not one; abort news already
+        written is this communicator's verdict (a peer may have left because of it);
+        and once the store is lost its host's death is the verdict (``store_lost``),
+        as the survivors leave without a goodbye they can no longer write."""
+        gone = procs.gone_among(list(self._roster.cache.items()))
+        if not gone or not self._store_usable():
+            return
+        raw = peek(self._store, "aborted")
+        if raw is None:
+            return  # the keys are gone: this rank was counted out (the next read says so)
+        if raw:  # an abort came first: deliver its news, name nobody else
+            self.deliver(raw)
+            return
+        dead = tuple(r for r in gone if not self._left(r))
+        if not dead or not self._store_usable():
+            return
+        # The census record names the failure (first writer wins), not this beat's view:
+        # a survivor whose ``dead`` differed from the record would shrink apart from the
+        # others (a second peer dying a moment later: the record's shrink gives up its build).
+        ranks = self._census_once(dead) or dead
+        self._declare(
+            PeerFailure(f"the process of rank(s) {list(dead)} is gone (an op was pending)", ranks)
         )
 
     def _declare(self, failure: BaseException) -> None:
@@ -491,26 +547,30 @@ class Liveness:
 
         return census
 
-    def _census_once(self) -> tuple[int, ...]:
+    def _census_once(self, proven: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The census (taken once; ``proven``: ranks this rank just proved dead, offered
+        to it); only its answer joins ``dead``."""
         with self._census_lock:
             if self._census is None:
-                self._census = self._take_census()
+                self._census = self._take_census(proven)
             with self._lock:
                 self._dead.update(self._census)
             return self._census
 
-    def _take_census(self) -> tuple[int, ...]:
-        known = self.dead
+    def _take_census(self, proven: tuple[int, ...] = ()) -> tuple[int, ...]:
+        known = tuple(sorted({*self.dead, *proven}))
         if self._closed:
             # A transport error after close() (an aborted op that Gloo ended only now):
             # nobody needs the answer, and the keys may be gone (``forget``), so that a
             # read would wait for them and block the process's store client.
             return known
         if not self._store_usable():
+            # The store's loss owns the verdict: its host, if a rank. A peer whose process
+            # is gone by now is no proof: every survivor aborts and may exit when it learns
+            # the host died, with no store left to say goodbye on.
             svc = self._service
             host = self._host_of(svc.host) if svc is not None and not svc.host_left else None
-            gone = procs.gone_among(self._roster.cache.items())
-            return tuple(sorted(set(known) | set(gone) | ({host} if host is not None else set())))
+            return tuple(sorted(set(known) | ({host} if host is not None else set())))
         try:
             recorded = self.record()
             if recorded is not None:

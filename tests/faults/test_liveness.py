@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
 import time
 from datetime import timedelta
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import asynccoll as ac
-from asynccoll._faults import news
+from asynccoll._faults import news, procs
 from asynccoll._faults.liveness import Liveness
 from asynccoll.testing import RankContext, run_ranks
 from tests.support.spies import Sets
@@ -386,3 +387,104 @@ def test_news_that_comes_between_publish_and_start_is_delivered_at_start() -> No
         assert member.dead == (2,)
     finally:
         member.stop()
+
+
+# ------------------------------------------------------------------ a gone process, and who says it failed
+def _gone_peer(rank: int) -> str:
+    """A ``proc/<rank>`` record of a process gone from this machine (this pid, another start)."""
+    return procs.Peer(rank, procs.MACHINE, os.getpid(), "0", "", 0).encode()
+
+
+def _live_peer(rank: int) -> str:
+    machine, pid, started = procs.this_process()
+    return procs.Peer(rank, machine, pid, started, "", 0).encode()
+
+
+@pytest.mark.skipif(not procs.MACHINE, reason="no process table to read")
+@pytest.mark.parametrize("why", ["silent", "said bye", "after abort news"])
+def test_a_gone_peer_fails_a_pending_op_only_when_it_did_not_leave(why: str) -> None:
+    """Without heartbeats, while an op is pending, a beat names a local peer whose process
+    is gone (Gloo does not wake a send already writing to it). Not one that said goodbye,
+    and not once abort news is written: that news is the verdict (a peer may have exited
+    because of it), and the communicator fails with it, naming nobody else."""
+    server = _server()
+    store = dist.PrefixStore("c", server)
+    store.set("proc/1", _gone_peer(1))
+    store.set("proc/2", _live_peer(2))
+    if why == "said bye":
+        store.set("bye/1", "1")
+    elif why == "after abort news":
+        store.set("aborted", news.encode(2, ac.CommAborted("rank 2's all_reduce timed out")))
+    failures: list[BaseException] = []
+    member = Liveness(store, 0, 3, interval=0.05, detect=False)
+    member.publish()
+    beats: list[float] = []  # the beats that found an op pending
+    member.busy = lambda: beats.append(time.monotonic()) is None
+    member.start(failures.append)
+    try:
+        end = time.monotonic() + 10
+        while not failures and len(beats) < 20 and time.monotonic() < end:
+            time.sleep(0.02)
+        time.sleep(0.3)  # a few more beats
+    finally:
+        member.stop()
+    if why == "silent":
+        assert [type(f) for f in failures] == [ac.PeerFailure], failures
+        assert failures[0].ranks == (1,) and member.dead == (1,), failures
+        assert bytes(store.get("failure")) == b"1"  # the census record: every survivor agrees
+    elif why == "said bye":
+        assert len(beats) >= 20 and failures == [] and member.dead == (), (beats, failures)
+    else:
+        assert len(failures) == 1 and not isinstance(failures[0], ac.PeerFailure), failures
+        assert "rank 2's all_reduce timed out" in str(failures[0]) and member.dead == ()
+
+
+@pytest.mark.skipif(not procs.MACHINE, reason="no process table to read")
+def test_a_census_on_a_lost_store_names_no_peer_whose_process_is_gone() -> None:
+    """Once the store is lost, its host's death is the verdict: a survivor that learned it
+    aborts and may exit at once, with no store left to say goodbye on, so a process gone
+    by now is no proof of a failure. (Killing the store's host beside two CPU hogs, a
+    survivor named a second rank, one that had left, 2 in 16 runs.)"""
+    server = _server()
+    store = dist.PrefixStore("c", server)
+    store.set("proc/1", _gone_peer(1))
+    failures: list[BaseException] = []
+    member = Liveness(store, 0, 2, interval=0.05, detect=False)
+    member.publish()
+    member.start(failures.append)
+    try:
+        assert sorted(member.peers()) == [1]  # read, as a beat with an op pending reads them
+        service = member._service
+        assert service is not None
+        service.lose_store("the rendezvous store failed: gone", died=True)
+        assert member.census() == ()
+    finally:
+        member.stop()
+    assert member.dead == (), member.dead
+    assert [type(f) for f in failures] == [ac.CommAborted], failures
+
+
+@pytest.mark.skipif(not procs.MACHINE, reason="no process table to read")
+def test_a_gone_peer_check_names_the_census_record_not_its_own_view() -> None:
+    """Rank 2 died and the survivors' census recorded it; rank 1 dies a moment later,
+    before this rank's op failed. The record is the failure every survivor names: a
+    rank that named both shrank apart from the others ("survivors disagree on the
+    excluded ranks"), whose shrink gives up its build with rank 1 and builds again."""
+    server = _server()
+    store = dist.PrefixStore("c", server)
+    store.set("proc/1", _gone_peer(1))
+    store.set("proc/2", _gone_peer(2))
+    store.set("failure", "2")
+    failures: list[BaseException] = []
+    member = Liveness(store, 0, 3, interval=0.05, detect=False)
+    member.publish()
+    member.busy = lambda: True
+    member.start(failures.append)
+    try:
+        end = time.monotonic() + 10
+        while not failures and time.monotonic() < end:
+            time.sleep(0.02)
+    finally:
+        member.stop()
+    assert [type(f) for f in failures] == [ac.PeerFailure], failures
+    assert failures[0].ranks == (2,) and member.dead == (2,), (failures, member.dead)
