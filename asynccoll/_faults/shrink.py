@@ -122,11 +122,14 @@ async def shrink(comm: ShrinkRequest, exclude: Iterable[int] | None) -> Communic
         agreed = await run_in_thread(lambda: _settle(comm, excluded), None, name="asynccoll-shrink")
         new, dead, records = await _build(comm, build_shrunk, agreed, failed)
         # Every survivor built ``new`` (its creation ends when all have): none reads the
-        # old communicator's agreement or retry keys any more. The excluded ranks that
-        # failed (a grow's watch or a peer's news named them) and whose processes are
-        # gone never count themselves out of the old keys: they are gone for ``forget``.
-        # (A stopped one may resume and read them: it counts itself out then.)
-        failed_out = sorted((set(comm.failed_ranks) & agreed) - set(dead))
+        # old communicator's agreement or retry keys any more. The excluded ranks whose
+        # processes are gone never count themselves out of the old keys: they are gone
+        # for ``forget``. All of them are probed, not only those this communicator knew
+        # had failed: a caller excludes by name a rank it saw die elsewhere (a subgroup's
+        # failure), and a survivor that counted it as alive waited for its count for
+        # good (the chaos soak: a whole communicator's keys). A live or stopped one may
+        # still read them: it counts itself out when it closes.
+        failed_out = sorted(agreed - set(dead))
         if failed_out and liveness is not None:
             proven = await run_in_thread(
                 lambda: _probe(liveness, failed_out), None, name="asynccoll-shrink"

@@ -318,3 +318,36 @@ def test_joiners_that_come_and_go_leave_a_bounded_number_of_room_keys() -> None:
     results = run_ranks(joiners_come_and_go, world_size=3, backend=None, timeout=120)
     for res in results:
         assert len(res["admit"]) <= 10 and len(res["ticket"]) <= 10, res
+
+
+async def excluded_by_name(ctx: RankContext) -> dict[str, Any]:
+    """3 ranks; rank 2 is SIGKILLed while nothing is pending, and the others shrink it
+    out by name (``shrink([2])``, as a caller that learned of the death elsewhere does: a
+    subgroup's failure) before their world communicator noticed anything."""
+    store = ctx.store
+    root = root_of(store)
+    before, comm = await _counted_then_init(ctx)
+    await comm.all_reduce(torch.ones(4))
+    await _barrier(store, "b/reduced", 3)
+    if comm.rank == 2:
+        crash("sigkill")
+    await asyncio.sleep(0.5)  # its process is gone
+    assert comm.failed_ranks == ()  # nothing told this communicator
+    new = await comm.shrink([2])
+    await new.all_reduce(torch.ones(4))
+    await comm.close()
+    await new.close()
+    await _services_ended()
+    await _barrier(store, "b/end", 2)
+    left = set(root.list_keys()) - set(before)
+    return {"left": sorted(k for k in left if not k.endswith("b/reduced"))}  # (the test's own)
+
+
+def test_a_rank_excluded_by_name_after_its_death_leaves_no_keys() -> None:
+    """Only the excluded ranks the communicator knew had failed were probed for
+    ``forget``: a dead rank excluded by name never counted itself out, and the whole
+    communicator's keys stayed for good (one such communicator in the 10-minute chaos
+    soak J: 28 keys)."""
+    results = run_ranks(excluded_by_name, world_size=3, backend=None, timeout=120, lost=(2,))
+    for res in results[:2]:
+        assert res["left"] == [], "\n".join(res["left"])
