@@ -132,7 +132,9 @@ class _Workers:
 _WORKERS = _Workers()
 
 
-def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
+def spawn(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
+    """Run blocking ``fn`` on a set-up thread; its outcome is the future's (for a caller
+    that goes on meanwhile; :func:`run_in_thread` waits for it)."""
     result: concurrent.futures.Future[Any] = concurrent.futures.Future()
     # Running from the start: a waiter that gives up (asyncio.wrap_future cancels the
     # future it wraps) cannot cancel it, so fn's outcome still reaches ``on_late``.
@@ -148,12 +150,6 @@ def _start(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
 
     _WORKERS.start(job, name)
     return result
-
-
-def spawn(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
-    """Run blocking ``fn`` on a set-up thread (as ``run_in_thread`` does), for a thread
-    that goes on meanwhile: its outcome is the future's."""
-    return _start(fn, name)
 
 
 async def _result(future: concurrent.futures.Future[Any]) -> Any:
@@ -197,7 +193,7 @@ async def run_in_thread(
     interrupted) and ``on_late(result)`` receives its result if it still succeeds,
     so whatever it acquired can be given back.
     """
-    return await wait_for(_start(fn, name), timeout, on_late=on_late)
+    return await wait_for(spawn(fn, name), timeout, on_late=on_late)
 
 
 async def wait_for(

@@ -171,7 +171,7 @@ def _read(store: Any, keys: list[str]) -> list[dict[str, Any]]:
 
 
 def agree(
-    parent: Any,
+    store: Any,
     rank: int,
     world_size: int,
     k: int,
@@ -180,7 +180,7 @@ def agree(
     watch: Watch | None = None,
 ) -> dict[str, Any]:
     """Step 2 (blocking): every rank's verdict on split ``k``, the same on every rank,
-    through ``parent`` (the parent's store). A peer proven dead meanwhile, or the
+    through ``store`` (the parent's). A peer proven dead meanwhile, or the
     parent aborted (``watch``), ends the wait with its error.
 
     The last rank to leave (with the verdict, or ended by ``watch``) deletes the
@@ -188,7 +188,6 @@ def agree(
     deadline = time.monotonic() + timeout
     others = [r for r in range(world_size) if r != rank]
     base = f"split/{k}/"
-    store = parent
     store.set(f"{base}{rank}", json.dumps(status))
     keys = [f"{base}{r}" for r in range(world_size)]
     verdict_key = f"{base}verdict"
@@ -297,7 +296,7 @@ async def _watched(
 
 class Splitter:
     """What a communicator made by ``init`` needs to split (``interfaces.Splitting``):
-    its rendezvous and namespace, its NCCL backend (or None) and ``make``. Owns the
+    its rendezvous and namespace, its NCCL backend (or None) and its ``maker``. Owns the
     count of its communicator's splits (the same on every rank: split is a collective)."""
 
     def __init__(self, rdv: Rendezvous, prefix: str, cuda: Backend | None, maker: Maker) -> None:

@@ -129,10 +129,10 @@ async def shrink(comm: ShrinkRequest, exclude: Iterable[int] | None) -> Communic
         # failure), and a survivor that counted it as alive waited for its count for
         # good (the chaos soak: a whole communicator's keys). A live or stopped one may
         # still read them: it counts itself out when it closes.
-        failed_out = sorted(agreed - set(dead))
-        if failed_out and liveness is not None:
+        unproven = sorted(agreed - set(dead))
+        if unproven and liveness is not None:
             proven = await run_in_thread(
-                lambda: _probe(liveness, failed_out), None, name="asynccoll-shrink"
+                lambda: _probe(liveness, unproven), None, name="asynccoll-shrink"
             )
             dead = tuple(sorted(set(dead) | set(proven)))
         try:  # the new communicator holds whatever happens to the cleanup
