@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from typing import Any, Awaitable, Callable
 
@@ -47,6 +48,9 @@ def current_task() -> object | None:
     return None
 
 
+#: A set-up job: runs the blocking work, returns how to hand its outcome over.
+_Job = Callable[[], Callable[[], None]]
+
 #: How long a set-up thread waits idle for its next job before it ends.
 _IDLE_S = 1.0
 
@@ -54,22 +58,21 @@ _IDLE_S = 1.0
 class _Worker:
     """A daemon thread that runs set-up jobs one after the other (see :class:`_Workers`)."""
 
-    def __init__(self, workers: _Workers, job: Callable[[], None], name: str) -> None:
+    def __init__(self, workers: _Workers, job: _Job, name: str) -> None:
         self._workers = workers
         #: The next job and its thread name; ``None``: end (set under the workers' lock).
-        self.next: tuple[Callable[[], None], str] | None = (job, name)
+        self.next: tuple[_Job, str] | None = (job, name)
         self.given = threading.Event()
-        self.given.set()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _run(self) -> None:
         me = threading.current_thread()
-        while self._workers.wait(self):
+        while True:
             assert self.next is not None
             (job, me.name), self.next = self.next, None
             shutdown.register_native_thread(me)  # a torch constructor may run in it at exit
             try:
-                job()
+                deliver = job()
             finally:
                 # Nothing of the job outlives it here: a store or a group it made, kept by
                 # an idle thread, was destroyed in it at exit, under finalization (C++
@@ -78,6 +81,13 @@ class _Worker:
                 del job
                 shutdown.unregister_native_thread(me)
                 me.name = "asynccoll-setup-idle"
+            # Idle before the outcome is out: the waiter's next hop, at once, finds this
+            # thread (listed after it, it raced the waiter and lost on a busy machine).
+            listed = self._workers.idle(self)
+            deliver()
+            del deliver
+            if not (listed and self._workers.wait(self)):
+                return
 
 
 class _Workers:
@@ -93,7 +103,7 @@ class _Workers:
         self._idle: list[_Worker] = []
         shutdown.on_exit(self._end)
 
-    def start(self, job: Callable[[], None], name: str) -> None:
+    def start(self, job: _Job, name: str) -> None:
         with self._lock:
             if self._idle:
                 worker = self._idle.pop()  # the last to go idle: its stack is warm
@@ -103,15 +113,17 @@ class _Workers:
         worker = _Worker(self, job, name)
         worker.thread.start()
 
-    def wait(self, worker: _Worker) -> bool:
-        """``worker``'s next job is in ``worker.next`` (True), or it ends (False)."""
-        if worker.given.is_set():  # its first job
-            worker.given.clear()
-            return True
+    def idle(self, worker: _Worker) -> bool:
+        """List ``worker`` as idle (False: the process exits; it ends instead)."""
         with self._lock:
             if shutdown.exiting():
                 return False
             self._idle.append(worker)
+            return True
+
+    def wait(self, worker: _Worker) -> bool:
+        """Wait for the idle ``worker``'s next job: in ``worker.next`` (True), or it ends
+        (False)."""
         if not worker.given.wait(_IDLE_S):
             with self._lock:
                 if worker in self._idle:  # no job was given meanwhile: end
@@ -140,13 +152,13 @@ def spawn(fn: Callable[[], Any], name: str) -> concurrent.futures.Future[Any]:
     # future it wraps) cannot cancel it, so fn's outcome still reaches ``on_late``.
     result.set_running_or_notify_cancel()
 
-    def job() -> None:
+    def job() -> Callable[[], None]:
+        """Run ``fn``; return how to hand its outcome over (after the thread is idle)."""
         try:
             value = fn()
         except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting task
-            result.set_exception(exc)
-        else:
-            result.set_result(value)
+            return functools.partial(result.set_exception, exc)
+        return functools.partial(result.set_result, value)
 
     _WORKERS.start(job, name)
     return result

@@ -16,9 +16,19 @@ def _thread() -> threading.Thread:
     return threading.current_thread()
 
 
-def test_a_hop_wakes_the_idle_thread_of_the_last_one() -> None:
+def test_a_hop_wakes_the_idle_thread_of_the_last_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hop off the loop wakes a waiting thread instead of starting one: on a busy
-    machine a new thread starts behind every running one."""
+    machine a new thread starts behind every running one. The thread is idle before
+    its outcome reaches the waiter (CI, beside other tests: it went idle after the next
+    hop, which then started a second thread)."""
+    monkeypatch.setattr(aio, "_IDLE_S", 30.0)  # no stall of the test machine ends it
+    unregister = aio.shutdown.unregister_native_thread
+
+    def slow_unregister(thread: threading.Thread) -> None:
+        time.sleep(0.05)  # a thread descheduled as its job ends (a busy machine)
+        unregister(thread)
+
+    monkeypatch.setattr(aio.shutdown, "unregister_native_thread", slow_unregister)
 
     async def main() -> list[threading.Thread]:
         return [await aio.run_in_thread(_thread, 10) for _ in range(5)]
@@ -79,7 +89,11 @@ def test_a_job_runs_under_its_name_and_idles_under_another() -> None:
         time.sleep(0.01)
 
 
-def test_an_error_reaches_the_caller_and_the_thread_is_reused() -> None:
+def test_an_error_reaches_the_caller_and_the_thread_is_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(aio, "_IDLE_S", 30.0)
+
     def fails() -> None:
         raise ValueError("boom")
 
