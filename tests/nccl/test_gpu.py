@@ -12,6 +12,7 @@ gpu-test``) runs them on a GPU machine; the last test here checks it without one
 * two processes on one GPU at world size 2: a typed error naming the cause, nothing left;
 * every collective, dtype and reduce op, torch and CuPy; coalesced groups; NCCL's group
   error rule;
+* ``comm.split`` on real NCCL: a working child, None for no group, outliving its parent;
 * the host cost of an op against torch's ProcessGroupNCCL, same process, same run.
 """
 
@@ -160,6 +161,24 @@ def test_init_close_cycles_leak_nothing() -> None:
 @pytest.mark.timeout(90)
 def test_init_picks_the_local_rank_device() -> None:
     assert on_gpu(gr.local_rank_device, backend=None) == ["cuda:0 nccl"]
+
+
+# ========================================================================== split
+@needs_nccl
+@pytest.mark.timeout(180)
+def test_split_on_real_nccl_works_outlives_its_parent_and_leaves_nothing(
+    record_property: Any,
+) -> None:
+    (res,) = on_gpu(gr.split_on_gpu, backend=None, timeout=150)
+    print(json.dumps(res, indent=1))
+    assert res["sub"] == [0, 1, "nccl", "cuda:0"] and res["own_nccl"], res
+    assert res["ops_exact"], res
+    assert res["none"] and res["parent_after"] == [2.0] * 4, res
+    assert res["calls"] == [(0, 0), (None, 0)] or res["calls"] == [[0, 0], [None, 0]], res
+    assert res["child_after_abort"] == [3.0] * 4, res
+    assert res["split_of_aborted"] == "CommAborted", res
+    assert res["threads_left"] == [], res
+    record_property("split_ms_median", round(sorted(res["split_ms"])[len(res["split_ms"]) // 2], 2))
 
 
 # ======================================================================= host cost

@@ -543,6 +543,115 @@ async def local_rank_device(ctx: RankContext) -> str:
         del os.environ["LOCAL_RANK"]
 
 
+# ======================================================================== split
+async def split_on_gpu(ctx: RankContext, rounds: int = 7) -> dict[str, Any]:
+    """``comm.split`` on real NCCL at world size 1: a child made by one ``ncclCommSplit``
+    that runs ops and coalesced groups; a rank in no group gets None (NCCL_SPLIT_NOCOLOR)
+    and its parent goes on; a child outlives its parent aborted; nothing is left. And what
+    a split and its first op cost, beside torch's ``split_group`` (ncclCommSplit too) and
+    ``new_group`` (a fresh init) in the same process."""
+    kw: dict[str, Any] = dict(rank=0, world_size=1, store=ctx.store, device=DEV, timeout=60)
+    warm = await ac.init("nccl", **kw)  # process-wide services exist from here on
+    await warm.all_reduce(torch.ones(4, device=DEV))
+    await warm.close()
+    before = our_threads(ctx.rank)
+    comm: Any = await ac.init("nccl", **kw)
+    lib = comm.backends["cuda"].handle.lib
+    calls: list[tuple[Any, int]] = []
+    real_split = lib.split
+
+    def counted(parent: Any, color: int | None, key: int) -> Any:
+        calls.append((color, key))
+        return real_split(parent, color, key)
+
+    lib.split = counted  # (this process's NcclLib: the rank process's only communicators)
+    res: dict[str, Any] = {}
+    try:
+        sub: Any = await asyncio.wait_for(comm.split([[0]]), 60)
+        parent_nc = comm.backends["cuda"].handle.communicator
+        child_nc = sub.backends["cuda"].handle.communicator
+        res["sub"] = [sub.rank, sub.world_size, sub.backend, str(sub.device)]
+        res["own_nccl"] = child_nc is not None and int(child_nc.ptr) != int(parent_nc.ptr)
+        x = torch.arange(1 << 16, device=DEV, dtype=torch.float32)
+        avg = await asyncio.wait_for(sub.all_reduce(x.clone(), ac.ReduceOp.AVG), 30)
+        gathered = torch.zeros_like(x)
+        await asyncio.wait_for(sub.all_gather(gathered, x), 30)
+        a, b = x.clone(), torch.full((8,), 5.0, device=DEV)
+        async with sub.coalescing():
+            w1 = sub.all_reduce(a, ac.ReduceOp.MAX)
+            w2 = sub.broadcast(b, 0)
+        await asyncio.wait_for(asyncio.gather(w1, w2), 30)
+        res["ops_exact"] = bool(
+            torch.equal(avg, x) and torch.equal(gathered, x) and torch.equal(a, x)
+        ) and bool((b == 5).all())
+        none = await asyncio.wait_for(comm.split([]), 60)  # this rank in no group
+        res["none"] = none is None
+        p = await asyncio.wait_for(comm.all_reduce(torch.full((4,), 2.0, device=DEV)), 30)
+        res["parent_after"] = p.tolist()
+        res["calls"] = list(calls)
+
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            s: Any = await comm.split([[0]])
+            await s.all_reduce(torch.ones(4, device=DEV))
+            times.append((time.perf_counter() - t0) * 1e3)
+            await s.close()
+        res["split_ms"] = times
+
+        other: Any = await asyncio.wait_for(comm.split([[0]]), 60)
+        comm.abort("the test aborts the parent")
+        y = await asyncio.wait_for(other.all_reduce(torch.full((4,), 3.0, device=DEV)), 30)
+        res["child_after_abort"] = y.tolist()
+        try:
+            await asyncio.wait_for(comm.split([[0]]), 30)
+            res["split_of_aborted"] = "returned"
+        except ac.CommAborted:
+            res["split_of_aborted"] = "CommAborted"
+        await other.close()
+        await sub.close()
+        await comm.close()
+    finally:
+        lib.split = real_split
+    res["threads_left"] = await threads_gone(before, ctx.rank)
+    res["torch"] = _torch_split_cost(rounds)
+    return res
+
+
+def _torch_split_cost(rounds: int) -> dict[str, Any]:
+    """torch's ``split_group`` and ``new_group`` at world size 1, each with its first op."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=DEV)
+        try:
+            dist.all_reduce(torch.ones(4, device=DEV))
+            torch.cuda.synchronize()
+            for name, make in (
+                ("split_group_ms", lambda: dist.split_group(split_ranks=[[0]])),
+                ("new_group_ms", lambda: dist.new_group([0])),
+            ):
+                times = []
+                try:
+                    for _ in range(rounds):
+                        t0 = time.perf_counter()
+                        g = make()
+                        dist.all_reduce(torch.ones(4, device=DEV), group=g)
+                        torch.cuda.synchronize()
+                        times.append((time.perf_counter() - t0) * 1e3)
+                        dist.destroy_process_group(g)
+                    out[name] = times
+                except Exception as exc:  # noqa: BLE001 - reported beside ours
+                    out[name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
 # =================================================================== host cost
 async def host_cost(ctx: RankContext, iters: int) -> list[dict[str, Any]]:
     """bench.gpu's measures of asynccoll (asyncio) and torch's ProcessGroupNCCL, here, now: the
