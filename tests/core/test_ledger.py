@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from asynccoll._base.deadlines import DeadlineService
 from asynccoll._core.ledger import Ledger, clone_error
 from asynccoll.testing import RankContext, run_ranks, skip_collective
 from tests.support.backends import LOOPS
+from tests.support.paths import child_env
 from tests.support.spies import Sets
 
 
@@ -701,7 +701,7 @@ def test_ctrl_c_during_a_long_op_exits_promptly(tmp_path: Any) -> None:
     port = unused_port()
     script = tmp_path / "rank.py"
     script.write_text(_SIGINT_RANK)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = child_env()
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(r), str(port)],

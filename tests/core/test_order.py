@@ -25,7 +25,7 @@ from asynccoll._base.ops import OpKind, OpSpec
 from asynccoll._core.work import Bundle
 from asynccoll.testing import run_ranks
 from tests.support.backends import LOOPS, gather
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, child_env
 from tests.support.ports import unused_port
 
 ROUNDS = 1000
@@ -148,9 +148,7 @@ def test_readme_first_example_gives_both_ranks_the_same_right_values(tmp_path: P
         "torchrun"
     )
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = child_env()
     for run in range(3):
         logs = tmp_path / f"logs{run}"  # one stdout file per rank: the two never interleave
         proc = subprocess.run(

@@ -10,7 +10,6 @@ when the host simply finishes first nobody prints anything.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import child_env
 from tests.support.ports import unused_port
 
 pytestmark = pytest.mark.timeout(150)
@@ -81,7 +81,7 @@ if __name__ == "__main__":
 
 
 def _start(script: Path, *args: object) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), PYTHONUNBUFFERED="1")
+    env = child_env(PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         [sys.executable, str(script), *map(str, args)],
         stdout=subprocess.PIPE,
@@ -97,6 +97,14 @@ def _as_from_a_terminal() -> None:
     non-interactive shell (``make flake-hunt &``) ignores SIGINT, and a child
     inherits that, so the Ctrl-C tests saw no Ctrl-C at all."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _starts_or_says_why(proc: subprocess.Popen[str]) -> None:
+    """The script's first line is "starting"; else it ended: say how."""
+    assert proc.stdout is not None and proc.stderr is not None
+    if proc.stdout.readline().strip() != "starting":
+        proc.kill()
+        raise AssertionError(f"the script never started: {proc.stderr.read()[-3000:]}")
 
 
 def _threads(pid: int) -> list[str]:
@@ -141,8 +149,8 @@ def test_init_that_waits_for_a_peer_exits_promptly_and_quietly(
     script = tmp_path / "init.py"
     script.write_text(_INIT)
     proc = _start(script, rank, unused_port(), 60 if how == "sigint" else 3, loop)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "starting"
+    with proc:  # its pipes closed whatever happens (left open, the next test saw them)
+        _starts_or_says_why(proc)
         time.sleep(1.0)
         t0 = time.monotonic()
         if how == "sigint":
@@ -150,15 +158,12 @@ def test_init_that_waits_for_a_peer_exits_promptly_and_quietly(
         try:
             _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired as exc:  # say where it hangs (seen once, at load 12-18)
+            threads = _threads(proc.pid)
+            proc.kill()
             raise AssertionError(
-                f"still alive 60 s later; its threads: {_threads(proc.pid)}; "
-                f"stderr so far: {exc.stderr!r}"
+                f"still alive 60 s later; its threads: {threads}; stderr so far: {exc.stderr!r}"
             ) from None
         elapsed = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     expected = "KeyboardInterrupt" if how == "sigint" else "CollectiveTimeout"
     assert expected in err, err
     # sigint: from the signal; timeout: from 1 s into a 3 s timeout.

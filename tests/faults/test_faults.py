@@ -95,7 +95,9 @@ async def receiver_killed_mid_transfer(ctx: RankContext) -> dict:
     if comm.rank == 1:
         ctx.store.set("receiver", str(os.getpid()))
         work = comm.broadcast(t, 0)
-        await asyncio.sleep(0.2)  # the root is sending by now
+        # Stopped long before 256 MB have come: the root's send then fills the socket
+        # buffers and blocks. (After 0.2 s, on a 16-core GPU host, all had come.)
+        await asyncio.sleep(0.02)
         os.kill(os.getpid(), signal.SIGSTOP)
         await work
         return {}

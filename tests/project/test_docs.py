@@ -24,7 +24,6 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import os
 import re
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import tomllib
 import asynccoll
 import asynccoll.testing
 import streams
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, child_env
 
 DOCS = ROOT / "docs"
 GUARD = 'if __name__ == "__main__":'
@@ -208,9 +207,7 @@ def test_script_runs(page: str, index: int, block: str, tmp_path: Path) -> None:
         pytest.skip(f"{page} block {index} needs a CUDA GPU and nccl4py: {why}")
     script = tmp_path / f"docs_snippet_{index}.py"
     script.write_text(block)
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
@@ -248,7 +245,7 @@ def test_diagnose_options_are_documented() -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr
     options = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", proc.stdout)) - {"--help"}

@@ -11,7 +11,6 @@ re-import the script).
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, child_env
 
 GUARD = 'if __name__ == "__main__":'
 BLOCKS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
@@ -42,9 +41,7 @@ def test_run_ranks_snippets_are_guarded_scripts() -> None:
 def test_readme_script_runs(index: int, tmp_path: Path) -> None:
     script = tmp_path / f"readme_snippet_{index}.py"
     script.write_text(SCRIPTS[index])
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    )
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,

@@ -63,3 +63,19 @@ async def in_task(fn: Callable[[], Awaitable[Any]], timeout: float = 20) -> Any:
     """Run ``fn()`` in a new task (asyncio task or trio task) and return its value."""
     (value,) = await gather(fn, timeout=timeout)
     return value
+
+
+def auto_on_one_host(world_size: int) -> pytest.MarkDecorator:
+    """Skip a test whose ``world_size`` ranks use ``backend="auto"`` (the ``"asynccoll"``
+    name of torch.distributed) on this host where it has CUDA and NCCL but fewer GPUs than
+    ranks: "auto" then builds NCCL, which refuses two ranks on one GPU (NCCL < 2.30,
+    "Duplicate GPU detected"; asynccoll's own test of that is in tests/nccl/test_gpu.py).
+    On a host without CUDA these run on Gloo alone."""
+    import torch
+
+    gpus = torch.cuda.device_count() if _NCCL_MISSING is None else 0
+    return pytest.mark.skipif(
+        0 < gpus < world_size,
+        reason=f'backend "auto" at world size {world_size} needs a GPU per rank here '
+        f"(this host has {gpus}; NCCL refuses two ranks on one GPU)",
+    )

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from asynccoll.testing import run_ranks
+from tests.support.backends import auto_on_one_host
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,6 +45,7 @@ async def subgroup_ranks(ctx: Any) -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
+@auto_on_one_host(3)
 def test_new_group_maps_global_and_group_ranks() -> None:
     res = run_ranks(subgroup_ranks, world_size=3, backend=None, timeout=90)
     assert res[0] is None
@@ -90,6 +92,7 @@ async def functional(ctx: Any) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+@auto_on_one_host(2)
 def test_functional_collectives_run_through_the_group() -> None:
     res = run_ranks(functional, world_size=2, backend=None, timeout=90)
     for r, got in enumerate(res):
@@ -127,6 +130,7 @@ async def unequal_splits(ctx: Any) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+@auto_on_one_host(3)
 def test_all_to_all_single_with_unequal_splits() -> None:
     res = run_ranks(unequal_splits, world_size=3, backend=None, timeout=90)
     for r, got in enumerate(res):

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import asynccoll as ac
 from asynccoll.testing import crash_later, run_ranks
 from tests.support import paths
+from tests.support.backends import auto_on_one_host
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,7 +52,7 @@ async def collectives(comm: ac.Communicator) -> dict[str, Any]:
     out["all_gather"] = [c.tolist() for c in chunks]
 
     flat = torch.empty(2 * n)
-    dist.all_gather_single(flat, torch.full((2,), float(r)), group=pg)
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(r)), group=pg)
     out["all_gather_into_tensor"] = flat.tolist()
 
     got = torch.empty(2)
@@ -59,7 +60,7 @@ async def collectives(comm: ac.Communicator) -> dict[str, Any]:
     out["reduce_scatter"] = got.tolist()
 
     got = torch.empty(2)
-    dist.reduce_scatter_single(got, torch.arange(2.0 * n) + r, group=pg)
+    dist.reduce_scatter_tensor(got, torch.arange(2.0 * n) + r, group=pg)
     out["reduce_scatter_tensor"] = got.tolist()
 
     t = torch.full((2,), float(r))
@@ -240,6 +241,7 @@ async def backend_name(ctx: Any) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+@auto_on_one_host(2)
 def test_init_process_group_with_the_backend_name() -> None:
     res = run_ranks(backend_name, world_size=2, backend=None, timeout=90)
     for got in res:
@@ -446,6 +448,7 @@ async def fsdp_equal(ctx: Any) -> list[bool]:
         dist.destroy_process_group()
 
 
+@auto_on_one_host(2)
 def test_fsdp2_on_the_group_equals_fsdp2_on_gloo() -> None:
     res = run_ranks(fsdp_equal, world_size=2, backend=None, timeout=90)
     assert res[0] == res[1] == [True] * 9  # 3 losses, 6 parameters

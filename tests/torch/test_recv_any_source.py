@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import asynccoll as ac
 from asynccoll.testing import run_ranks
+from tests.support.backends import auto_on_one_host
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,6 +43,7 @@ async def any_source_through_dist(ctx: Any) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+@auto_on_one_host(3)
 def test_recv_without_a_source_reports_the_sender() -> None:
     res = run_ranks(any_source_through_dist, world_size=3, backend=None, timeout=90)
     got = res[0]
