@@ -410,7 +410,12 @@ class Ledger:
         issue order, up to its first failure. Not for ``fail``: what a queue finished
         after an op that failed is not trusted (the transport is suspect)."""
         with self.lock:
-            queues = set(map(_completion_of, self.pending.values()))
+            # A copy first, in one C call: a completion thread pops settled Works
+            # without the lock, and a thread switch inside the set's making (its
+            # hashes, a garbage collection) let one change the dict under the
+            # iteration ("dictionary changed size", seen on the 16-core GPU host).
+            works = list(self.pending.values())
+        queues = set(map(_completion_of, works))
         for queue in queues:
             if queue is not None:
                 queue.settle_finished()

@@ -753,3 +753,25 @@ def test_a_call_after_a_peer_failure_raises_peer_failure_naming_the_ranks() -> N
     timeout_ledger.abort(ac.CommAborted("shutting down"))
     plain = timeout_ledger.unusable()
     assert type(plain) is ac.CommAborted  # an abort that is not a peer's death stays a CommAborted
+
+
+def test_an_abort_gathering_queues_survives_a_completion_popping_meanwhile() -> None:
+    """An abort asks each pending Work for its completion queue while a completion
+    thread pops settled Works without the lock (here: inside the queue's hash, where a
+    thread switch can happen). Seen on the 16-core GPU host: "dictionary changed size
+    during iteration" out of ``comm.abort()``, the Works never failed."""
+    ledger, aborted = _ledger()
+    with ledger.lock:
+        first, second = ledger.reserve("all_reduce"), ledger.reserve("all_reduce")
+
+    class Queue:
+        def __hash__(self) -> int:
+            ledger.pending.pop(second.seq, None)  # the completion thread, meanwhile
+            return 0
+
+        def settle_finished(self) -> None:
+            pass
+
+    first._completion = second._completion = Queue()  # type: ignore[assignment]
+    assert ledger.abort(ac.CommAborted("stop"))
+    assert isinstance(first.exception(), ac.CommAborted) and len(aborted) == 1
