@@ -1,11 +1,11 @@
-"""Liveness of one communicator's ranks: heartbeats, naming failed ranks, abort news.
+"""Liveness of one communicator's ranks: heartbeats, abort news, the store's loss.
 
 Owns a communicator's :class:`Liveness` member of its process's shared
-:class:`~.service.Service` (one per store server). Invariants:
+:class:`~.service.Service` (one per store server), and through it the communicator's
+:class:`~.census.Census` (who failed, as every survivor names them). Invariants:
 
 * a rank is named failed only on proof of death (``procs``), never for being slow;
-* the first census result is recorded under ``failure`` (first writer wins), so every
-  survivor names the same ranks and ``shrink()`` needs no second agreement;
+* a failure names the census's ranks (first writer wins: ``census.py``);
 * once ``goodbye()`` returns, this member makes no store request.
 
 How the census, heartbeat detection and abort news work: ``docs/design.md``.
@@ -24,12 +24,10 @@ from .._base import shutdown
 from .._base.errors import CommAborted, PeerFailure
 from .._base.storekeys import peek
 from . import news, procs
-from .census import Roster, decode_ranks, encode_ranks, watched
+from .census import Census, Roster, watched
 from .service import Service, StoreHost, root_of
 
 _COUNT = itertools.count(1)
-#: How often a blocked object collective knocks on silent peers elsewhere.
-_KNOCK_EVERY = 0.25
 #: Without heartbeat detection, how often the store is read for abort news (the
 #: pulse brings it at once; this only backs it up). Few requests in flight means
 #: few that a store host dying at that instant would fail (each prints a C++ trace).
@@ -80,10 +78,8 @@ class Liveness:
         self._abort_reason: str | None = None
         self._left_service = False
         self._said_bye = False
-        self._dead: set[int] = set()
-        self._census_lock = threading.Lock()
-        self._census: tuple[int, ...] | None = None
-        self._roster = Roster(store, rank, world_size, self._store_usable)
+        self._roster = Roster(store, rank, world_size, self.store_usable)
+        self._census = Census(store, self._roster, self)
         self._service: Service | None = None
         self._watch = watched(rank, world_size) if detect else []
         self._seen: dict[int, tuple[bytes, float, int]] = {}
@@ -91,7 +87,6 @@ class Liveness:
         #: Why the store can no longer be used, or None.
         self.store_gone: str | None = None
         self._host_rank: int | None = None
-        self._knocked = 0.0
         self._started = time.monotonic()
         self._next_read = 0.0
         #: Whether the communicator has an op pending (its ``Resources`` sets it): while
@@ -106,11 +101,11 @@ class Liveness:
 
     @property
     def dead(self) -> tuple[int, ...]:
-        with self._lock:
-            return tuple(sorted(self._dead))
+        return self._census.dead
 
-    def _others(self) -> list[int]:
-        return [r for r in range(self._world_size) if r != self._rank]
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # ------------------------------------------------------------ lifecycle
     def publish(self, namespace: str | None = None) -> None:
@@ -192,7 +187,7 @@ class Liveness:
             reason, self._abort_reason = self._abort_reason, None
             say, self._said_bye = not self._said_bye, True
         if not shutdown.exiting():
-            gone = not self._store_usable()
+            gone = not self.store_usable()
             try:
                 if reason is not None:
                     self._publish(reason, gone)
@@ -347,9 +342,8 @@ class Liveness:
             for r in stale:  # alive (busy, starved of CPU, holding its GIL): count afresh
                 self._seen[r] = (self._seen[r][0], time.monotonic(), 0)
             return
-        with self._lock:
-            self._dead.update(dead)
-        ranks = self._census_once() or dead
+        self._census.mark(dead)
+        ranks = self._census.take() or dead
         self._declare(
             PeerFailure(
                 f"no heartbeat from rank(s) {list(dead)} for {self._misses} x {self.interval:g} s",
@@ -375,7 +369,7 @@ class Liveness:
         and once the store is lost its host's death is the verdict (``store_lost``),
         as the survivors leave without a goodbye they can no longer write."""
         gone = procs.gone_among(list(self._roster.cache.items()))
-        if not gone or not self._store_usable():
+        if not gone or not self.store_usable():
             return
         raw = peek(self._store, "aborted")
         if raw is None:
@@ -384,12 +378,12 @@ class Liveness:
             self.deliver(raw)
             return
         dead = tuple(r for r in gone if not self._left(r))
-        if not dead or not self._store_usable():
+        if not dead or not self.store_usable():
             return
         # The census record names the failure (first writer wins), not this beat's view:
         # a survivor whose ``dead`` differed from the record would shrink apart from the
         # others (a second peer dying a moment later: the record's shrink gives up its build).
-        ranks = self._census_once(dead) or dead
+        ranks = self._census.take(dead) or dead
         self._declare(
             PeerFailure(f"the process of rank(s) {list(dead)} is gone (an op was pending)", ranks)
         )
@@ -400,7 +394,7 @@ class Liveness:
                 return
             self._aborted = True
             if isinstance(failure, PeerFailure):
-                self._dead.update(failure.ranks)
+                self._census.mark(failure.ranks)
             on_failure = self._on_failure
             if on_failure is None:  # published, not started: ``start`` delivers it
                 self._early = failure
@@ -453,7 +447,7 @@ class Liveness:
                 return r
         return None
 
-    def _store_usable(self) -> bool:
+    def store_usable(self) -> bool:
         svc = self._service
         if svc is not None:
             svc.check_host()
@@ -461,7 +455,7 @@ class Liveness:
 
     def failure(self) -> BaseException | None:
         """The error for an operation that needs the store when it is gone, else None."""
-        self._store_usable()
+        self.store_usable()
         why = self.store_gone
         if why is None:
             return None
@@ -509,109 +503,38 @@ class Liveness:
         Only ranks that published their process are probed (one that has not yet
         may still be starting), and proof only: a stopped process may resume.
         """
-        if not self._store_usable():
+        if not self.store_usable():
             return ()
-        published = sorted(self.peers(self._others()))
+        published = sorted(self.peers(self._roster.others()))
         dead = self.probe(published) if published else ()
         return tuple(r for r in dead if not self._store.check([f"bye/{r}"]))
 
     # ---------------------------------------------------------------- census
+    def lost_store_host(self) -> int | None:
+        """The rank that hosted the store, where the store is lost with it (not left)."""
+        svc = self._service
+        return self._host_of(svc.host) if svc is not None and not svc.host_left else None
+
     def record(self) -> tuple[int, ...] | None:
         """The failed set every survivor agreed on (first census result), or None."""
-        if self.store_gone is not None or not self._store.check(["failure"]):
-            return None
-        return decode_ranks(self._store.get("failure"))
-
-    def _agree(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
-        """Record ``ranks`` as the failure unless a census recorded one first; the record."""
-        if self.store_gone is not None:
-            return ranks
-        return decode_ranks(self._store.compare_set("failure", "", encode_ranks(ranks)))
+        return self._census.record()
 
     @property
     def census(self) -> Callable[[], tuple[int, ...]]:
-        """``census()``: the ranks that failed, as every survivor names them.
+        """``census()``: the ranks that failed, as every survivor names them
+        (``Census.take``), after a transport error proved that some peer failed.
 
-        Called after a transport error proved that some peer failed. Only the
-        first call works; later ones (another thread, the same failure) reuse the
-        answer. Store errors make it return what is known so far.
-
-        The callable holds this object weakly: a backend keeps it, and must not keep
-        a dropped communicator's membership (and its heartbeats) alive.
+        The callable holds the census weakly: a backend keeps it, and must not keep a
+        dropped communicator's membership (and its heartbeats) alive.
         """
-        ref = weakref.ref(self)
+        ref = weakref.ref(self._census)
 
         def census() -> tuple[int, ...]:
             me = ref()
-            return me._census_once() if me is not None else ()
+            return me.take() if me is not None else ()
 
         return census
 
-    def _census_once(self, proven: tuple[int, ...] = ()) -> tuple[int, ...]:
-        """The census (taken once; ``proven``: ranks this rank just proved dead, offered
-        to it); only its answer joins ``dead``."""
-        with self._census_lock:
-            if self._census is None:
-                self._census = self._take_census(proven)
-            with self._lock:
-                self._dead.update(self._census)
-            return self._census
-
-    def _take_census(self, proven: tuple[int, ...] = ()) -> tuple[int, ...]:
-        known = tuple(sorted({*self.dead, *proven}))
-        if self._closed:
-            # A transport error after close() (an aborted op that Gloo ended only now):
-            # nobody needs the answer, and the keys may be gone (``forget``), so that a
-            # read would wait for them and block the process's store client.
-            return known
-        if not self._store_usable():
-            # The store's loss owns the verdict: its host, if a rank. A peer whose process
-            # is gone by now is no proof: every survivor aborts and may exit when it learns
-            # the host died, with no store left to say goodbye on.
-            svc = self._service
-            host = self._host_of(svc.host) if svc is not None and not svc.host_left else None
-            return tuple(sorted(set(known) | ({host} if host is not None else set())))
-        try:
-            recorded = self.record()
-            if recorded is not None:
-                return recorded
-            if known:
-                return self._agree(known)
-            owner = self._store.compare_set("census/owner", "", str(self._rank)).decode()
-            if owner != str(self._rank):
-                # Another survivor is counting: wait for its record (it may die too,
-                # then count ourselves).
-                end = time.monotonic() + self.bound + 1.0
-                delay = 0.002
-                while time.monotonic() < end:
-                    recorded = self.record()
-                    if recorded is not None:
-                        return recorded
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.05)
-            return self._agree(self.probe(self._others(), eliminate=True))
-        except _STORE_ERRORS:  # the store is unreachable: say what is known
-            return known
-
     def failure_among(self, ranks: list[int]) -> BaseException | None:
-        """For an operation waiting on ``ranks`` through the store (an object
-        collective): the error to fail it with once one of them is proven dead or
-        the store is gone; None while they may still come. Cheap: reads the process
-        table of peers on this machine, and knocks on the others a few times a second."""
-        error = self.failure()
-        if error is not None:
-            return error
-        peers = self.peers(ranks)
-        dead = procs.gone_among((r, peers[r]) for r in ranks if r in peers)
-        now = time.monotonic()
-        remote = {r: p.address for r, p in peers.items() if not p.local and p.address is not None}
-        if not dead and remote and now - self._knocked >= _KNOCK_EVERY:
-            self._knocked = now
-            answers = procs.knock(remote, min(self.bound, 1.0))
-            dead = [r for r, ok in answers.items() if ok is False]
-        if not dead:
-            return None
-        with self._lock:
-            self._dead.update(dead)
-        named = self._census_once() or tuple(dead)
-        return PeerFailure(f"rank(s) {list(named)} failed", named)
+        """See ``Census.failure_among``."""
+        return self._census.failure_among(ranks)

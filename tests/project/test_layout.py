@@ -71,12 +71,7 @@ MAX_LINES = 600
 #: Import cycles still allowed, as the set of modules of each cycle.
 CYCLES_ALLOWED: list[set[str]] = []
 #: Modules over MAX_LINES still allowed.
-LONG_ALLOWED: dict[str, str] = {
-    # 617 lines since the gone-peer check (mid33) and the publish/start split (fast33)
-    # landed together; the census half (record, agreement, failure_among) moves to
-    # census.py with the rest of the naming of failed ranks.
-    "asynccoll/_faults/liveness.py": "issue 33",
-}
+LONG_ALLOWED: dict[str, str] = {}
 #: Modules whose private reaches are not counted yet.
 REACHES_ALLOWED: dict[str, str] = {}
 #: Underscored vendor names documented as public API by their owners (not counted).
