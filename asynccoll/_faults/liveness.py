@@ -105,6 +105,7 @@ class Liveness:
 
     @property
     def closed(self) -> bool:
+        """``stop()`` or ``goodbye()`` ran: the communicator is closing or closed."""
         return self._closed
 
     # ------------------------------------------------------------ lifecycle
@@ -448,6 +449,7 @@ class Liveness:
         return None
 
     def store_usable(self) -> bool:
+        """Whether the store may still be used (its host is alive; looked at now)."""
         svc = self._service
         if svc is not None:
             svc.check_host()
