@@ -18,6 +18,10 @@ make the same subgroups ``[[0, 1], [2, 3], ...]`` (pairs) four ways:
   pair at a store barrier (the two steps ``split`` adds to torch's bare group: the
   agreement, which makes bad lists ``InvalidArgument`` on every rank, and the end of
   creation, which keeps a fast rank from closing while its peer still connects);
+* **gloo floor**: the same two steps on connections that already exist, the thinnest
+  they can be: the agreement as one all-reduce (MAX of the lists' hash and of its
+  negation) on the default Gloo group, and the end of creation as a barrier on the new
+  group; what a split could cost if it used the store only through Gloo's own connect;
 * **asynccoll**: ``await world.split(pairs)`` (the agreement, the new Gloo group in
   its own namespace, the liveness member, the end-of-creation barrier).
 
@@ -35,6 +39,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import machine, median, quiet, spawn, store_server, write_json  # noqa: E402
 
-MODES = ("torch", "new_group", "floor", "asynccoll")
+MODES = ("torch", "new_group", "floor", "gloo_floor", "asynccoll")
 
 
 def _poll(store: Any, keys: list[str]) -> None:
@@ -70,6 +75,23 @@ def _floor(conn: Any, tag: str, rank: int, world_size: int, pairs: list[list[int
         group.set("created/all", "1")
     else:
         _poll(group, ["created/all"])
+    return pg
+
+
+def _gloo_floor(store: Any, tag: str, rank: int, pairs: list[list[int]]) -> Any:
+    """The thinnest agreed split over Gloo connections (see the module docstring), blocking."""
+    import torch
+    import torch.distributed as dist
+
+    digest = zlib.crc32(json.dumps(pairs).encode())
+    seen = torch.tensor([digest, -digest], dtype=torch.int64)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)  # the default group: made beforehand
+    if seen.tolist() != [digest, -digest]:
+        raise ValueError("the lists differ")
+    mine = next(p for p in pairs if rank in p)
+    group = dist.PrefixStore(f"bench-gloo-floor/{tag}/{pairs.index(mine)}/", store)
+    pg = dist.ProcessGroupGloo(group, mine.index(rank), len(mine), timedelta(seconds=60))
+    pg.barrier().wait()  # the end of creation
     return pg
 
 
@@ -115,6 +137,10 @@ def _rank(rank: int, port: int, world_size: int, rounds: int) -> dict[str, list[
                     took = time.perf_counter() - start
                     pg.barrier().wait()
                     del pg
+                elif mode == "gloo_floor":
+                    pg = _gloo_floor(store, str(i), rank, pairs)
+                    took = time.perf_counter() - start
+                    del pg
                 else:
                     sub = await world.split(pairs)
                     took = time.perf_counter() - start
@@ -156,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": ours_s / torch_s if torch_s else None,
         "ratio_new_group": ours_s / medians["new_group"],
         "floor_ratio": medians["floor"] / torch_s if torch_s else None,
+        "gloo_floor_ratio": medians["gloo_floor"] / torch_s if torch_s else None,
         "machine_before": before,
         "machine_after": after,
         "quiet": quiet(before, after),
@@ -166,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(slowest rank): torch ProcessGroupGloo {torch_s * 1e3:.2f} ms, torch "
         f"new_subgroups_by_enumeration {medians['new_group'] * 1e3:.2f} ms, the floor of an "
         f"agreed split {medians['floor'] * 1e3:.2f} ms ({res['floor_ratio']:.2f}x torch), "
+        f"over Gloo connections {medians['gloo_floor'] * 1e3:.2f} ms "
+        f"({res['gloo_floor_ratio']:.2f}x), "
         f"asynccoll split {ours_s * 1e3:.2f} ms: ratio {res['ratio']:.2f} (goal <= 1.5), "
         f"{res['ratio_new_group']:.2f}x new_group; load "
         f"{before['loadavg'][0]:.2f} -> {after['loadavg'][0]:.2f}"

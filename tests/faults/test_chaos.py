@@ -17,7 +17,6 @@ The long run is ``make chaos`` (10 minutes; figures in docs/performance.md).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import asynccoll as ac
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, child_env
 
 
 @pytest.mark.slow
@@ -43,7 +42,7 @@ def test_chaos_soak_has_no_violation(tmp_path: Path) -> None:
         "--json",
         str(out),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     res = json.loads(out.read_text())
     assert res["violations"] == [], proc.stdout + proc.stderr

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, child_env
 
 HAS_TRIO = importlib.util.find_spec("trio") is not None
 
@@ -56,6 +55,8 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
             str(hot),
         ],
     }
+    split = tmp_path / "split.json"
+    cmds["split"] = [sys.executable, "bench/split.py", "--smoke", "--json", str(split)]
     if HAS_TRIO:
         cmds["trio"] = [
             sys.executable,
@@ -68,7 +69,7 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
             "--json",
             str(trio_json),
         ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     procs = {
         name: subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -85,6 +86,11 @@ def test_benches_run_in_smoke_mode(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+    split_res = json.loads(split.read_text())
+    for mode in ("torch", "new_group", "floor", "gloo_floor", "asynccoll"):
+        assert split_res[f"{mode}_median_s"] > 0, split_res
+    assert split_res["ratio"] > 0 and split_res["gloo_floor_ratio"] > 0
 
     res = json.loads(core.read_text())
     assert res["asynccoll_supported"] is True

@@ -4,7 +4,6 @@ its profile. No timing is asserted; the bench measures."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, child_env
 
 
 @pytest.mark.slow
@@ -21,7 +20,7 @@ from tests.support.paths import ROOT
 )
 @pytest.mark.timeout(240)
 def test_gpu_sim_bench_runs(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out = subprocess.run(
         [sys.executable, "-m", "bench.gpu", "--sim", "--iters", "60", "--out", str(tmp_path)],
         cwd=ROOT,

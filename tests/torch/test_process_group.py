@@ -466,10 +466,7 @@ def test_ddp_shrink_example_runs_under_the_launch_recipe() -> None:
         cwd=root,
         # This checkout first, in every process (torchrun's workers run the script from
         # examples/, where the installed asynccoll would come first).
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-        },
+        env=paths.child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -7,7 +7,6 @@ test runs the training loop in a process of its own.
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import torch
 
 import asynccoll as ac
 from asynccoll.testing import run_ranks
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, child_env
 
 # 6 x Linear(1024): 4 MiB gradients, 24 MiB of buckets; the median of the minor page
 # faults per step (backward, wait, optimizer step, zero_grad) over 9 steps after 3
@@ -63,7 +62,7 @@ def test_a_step_of_a_large_model_does_not_fault_its_gradients_in_again() -> None
     few gradients in again (1,000-4,000 faults of 4 KiB). GradSync frees one block of
     its buckets' size before allocating them, which raises glibc's trim threshold past
     that (``buckets.storages``)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out = subprocess.run(
         [sys.executable, "-c", _STEPS],
         cwd=ROOT,
