@@ -461,9 +461,8 @@ class Liveness:
         why = self.store_gone
         if why is None:
             return None
-        svc = self._service
-        rank = self._host_of(svc.host) if svc is not None else None
-        if rank is not None and svc is not None and not svc.host_left:
+        rank = self.lost_store_host()
+        if rank is not None:
             return PeerFailure(
                 f"rank {rank} hosted the rendezvous store and is gone: {why}", (rank,)
             )
